@@ -1,0 +1,7 @@
+"""ultraattn: context-parallel block-sparse attention planned by hierarchical context tiling.
+
+The package is laid out along the data flow (DESIGN.md):
+masks -> planner -> kernels/runtime -> passes -> report.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,97 @@
+"""Cost model: how long a kernel, a message or a merge takes.
+
+This is a measuring instrument, not a knob: the defaults come from public H100 figures
+(cited per field) and are never tuned to make a plan look good. Override any field with
+``dataclasses.replace(DEFAULT_COST, ...)`` or ``CostModel(**{...})``; the CLI's
+``--cost key=value`` does the same.
+
+Model:
+    kernel time   = launch + flops / (peak * eff),  eff = L / (L + L_half)
+                    L = average non-empty KV tokens per query block row of the kernel:
+                    short inner loops pay the pipeline prologue/epilogue (small tiles
+                    run slower); PARTIAL blocks cost ``1 + partial_block_overhead``
+                    FULL blocks (the mask is evaluated, nothing is skipped inside).
+    message time  = latency + bytes / bandwidth  (intra-node NVLink or inter-node NIC)
+    merge time    = bytes touched / HBM bandwidth
+Backward work is 2.5x the forward FLOPs (5 matmuls against 2, FlashAttention-2 paper).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostModel:
+    """Hardware parameters (defaults: H100 SXM, NVLink4, one 400 Gb/s NDR NIC per GPU)."""
+
+    fwd_tflops: float = 680.0
+    """Forward attention rate on long tiles, TFLOP/s. FlashAttention-3 (Shah et al. 2024, Fig. 5):
+    bf16, head dim 128, H100 SXM reaches ~620-680 TFLOP/s at 4K-16K tokens."""
+    bwd_tflops: float = 560.0
+    """Backward rate, TFLOP/s. FlashAttention-3 (Fig. 6): bf16 backward, head dim 128,
+    ~450-560 TFLOP/s at 4K-16K."""
+    eff_half_tokens: float = 400.0
+    """L_half of eff = L/(L+L_half), in KV tokens per query block. Fitted to the same FA3 curves
+    (~55% of peak at 512 tokens, ~72% at 1K, ~90% at 4K)."""
+    partial_block_overhead: float = 0.10
+    """Extra cost of a PARTIAL block over a FULL one (mask evaluated per element). FlexAttention
+    (PyTorch blog, Aug 2024) runs masked variants at ~90% of FlashAttention-2's rate."""
+    launch_us: float = 5.0
+    """Kernel launch + scheduling overhead per launch, microseconds (CUDA launch latency ~3-5 us)."""
+    intra_bw_GBps: float = 360.0
+    """Intra-node point-to-point bandwidth per GPU and direction, GB/s: 80% of NVLink4's 450 GB/s
+    per direction (H100 SXM datasheet: 900 GB/s bidirectional), the share NCCL reaches."""
+    inter_bw_GBps: float = 45.0
+    """Inter-node bandwidth per GPU and direction, GB/s: one ConnectX-7 NDR 400 Gb/s NIC per GPU
+    (DGX H100) = 50 GB/s line rate, ~90% achieved by RDMA writes."""
+    intra_latency_us: float = 5.0
+    """Per-message latency inside a node (NCCL p2p over NVLink), microseconds."""
+    inter_latency_us: float = 12.0
+    """Per-message latency across nodes (NCCL over InfiniBand), microseconds."""
+    hbm_GBps: float = 3000.0
+    """HBM3 bandwidth for merges, GB/s (H100 SXM datasheet: 3.35 TB/s peak)."""
+    bwd_flops_factor: float = 2.5
+    """Backward FLOPs over forward FLOPs (FlashAttention-2: 5 matmuls vs 2)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not v > 0 and f.name != "partial_block_overhead":
+                raise ValueError(f"cost model field {f.name} must be positive, got {v}")
+        if self.partial_block_overhead < 0:
+            raise ValueError(f"partial_block_overhead must be >= 0, got {self.partial_block_overhead}")
+
+    # ------------------------------------------------------------------ kernels
+    def kernel_seconds(self, *, flops: float, kv_tokens_per_row: float, phase: str) -> float:
+        """Time of one attention launch doing ``flops`` (forward-equivalent FLOPs for fwd)."""
+        if flops <= 0:
+            return 0.0
+        eff = kv_tokens_per_row / (kv_tokens_per_row + self.eff_half_tokens)
+        if phase == "fwd":
+            rate = self.fwd_tflops
+        else:
+            rate = self.bwd_tflops
+            flops = flops * self.bwd_flops_factor
+        return self.launch_us * 1e-6 + flops / (rate * 1e12 * eff)
+
+    # ------------------------------------------------------------------ messages
+    def message_seconds(self, nbytes: int, *, inter_node: bool) -> float:
+        if inter_node:
+            return self.inter_latency_us * 1e-6 + nbytes / (self.inter_bw_GBps * 1e9)
+        return self.intra_latency_us * 1e-6 + nbytes / (self.intra_bw_GBps * 1e9)
+
+    def merge_seconds(self, nbytes: int) -> float:
+        return nbytes / (self.hbm_GBps * 1e9)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+DEFAULT_COST = CostModel()
+
+
+def block_flops(q_block: int, kv_block: int, head_dim: int, heads: int, batch: int) -> float:
+    """Forward FLOPs of one FULL (q_block x kv_block) block: QK^T and PV, 2 FLOPs per MAC."""
+    return 4.0 * q_block * kv_block * head_dim * heads * batch

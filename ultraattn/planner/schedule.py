@@ -1,0 +1,330 @@
+"""Kernel graph, list scheduling and the schedule simulator.
+
+``build_graph(plan, work, cost, phase)`` turns a ``TilePlan`` into tasks with
+dependencies and durations:
+
+* attention kernels run on the rank's ``compute`` stream;
+* a message occupies the sender's ``send_<link>`` and the receiver's ``recv_<link>``
+  stream (``link`` = ``intra`` or ``inter``: NVLink and the NIC are separate engines);
+* merges of partial results (o, dq, dkv) run on the owner's compute stream.
+
+Dependencies: a kernel waits for the messages that bring its remote inputs; an input
+message leaves a relay only after it arrived there; a partial leaves a rank after that
+rank's contributing kernels and all incoming partials of the same unit (a reduction
+chain); a merge waits for every partial of its unit.
+
+``simulate(graph, priority)`` is a non-delay list scheduler: whenever a stream is
+free it starts the ready task of best (lowest) priority whose streams are all free.
+It never deadlocks (the graph is a DAG) and replays any priority order into a
+makespan. The default priority is the critical-path rule (longest path to the end
+first, HLFET), the classic strong list-scheduling heuristic.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from .cost import CostModel, block_flops
+from .plan import COL_TENSORS, PARTIAL_TENSORS, ROW_TENSORS, TENSOR_PHASE, TilePlan
+
+INPUT_TENSORS = {"fwd": ("q", "kv"), "bwd": ("qdo", "do", "kv")}
+FINAL_TENSORS = frozenset({"out", "dq_out", "dkv_out"})
+#: the partial whose reduction a final message completes (Ulysses x ring sends o/dq/dkv sums onward)
+PARTIAL_OF_FINAL = {"out": "o", "dq_out": "dq", "dkv_out": "dkv"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Workload:
+    """Per-cell work of one attention on the planner grid (from ``BlockPattern.chunk_stats``)."""
+
+    full_GPP: torch.Tensor
+    """float64 [G, P, P]: FULL blocks per cell, summed over the head group's heads and batch."""
+    partial_GPP: torch.Tensor
+    """float64 [G, P, P]: PARTIAL blocks per cell."""
+    pairs_GPP: torch.Tensor
+    """float64 [G, P, P]: attending (q, kv) pairs per cell (useful work)."""
+    block: int
+    """Pattern block size in tokens."""
+    head_dim: int
+    rows_per_chunk: float
+    """Query block rows per chunk and head group: (chunk / block) * heads_in_group * batch."""
+
+    def cell_blocks(self, cost: CostModel) -> torch.Tensor:
+        """Cost-weighted block count per cell (FULL = 1, PARTIAL = 1 + overhead)."""
+        return self.full_GPP + self.partial_GPP * (1.0 + cost.partial_block_overhead)
+
+    def nonempty_GPP(self) -> torch.Tensor:
+        return (self.full_GPP + self.partial_GPP) > 0
+
+    def kernel_seconds(self, g: int, cells, cost: CostModel, phase: str) -> float:
+        fb = self.full_GPP[g]
+        pb = self.partial_GPP[g]
+        blocks = 0.0
+        nonempty = 0.0
+        rows = set()
+        for i, j in cells:
+            f, p = float(fb[i, j]), float(pb[i, j])
+            blocks += f + p * (1.0 + cost.partial_block_overhead)
+            nonempty += f + p
+            rows.add(i)
+        if nonempty == 0:
+            return 0.0
+        flops = blocks * block_flops(self.block, self.block, self.head_dim, 1, 1)
+        kv_tokens = nonempty * self.block / (len(rows) * self.rows_per_chunk)
+        return cost.kernel_seconds(flops=flops, kv_tokens_per_row=kv_tokens, phase=phase)
+
+
+@dataclass(slots=True)
+class Task:
+    id: int
+    kind: str
+    """'attn', 'merge', or the tensor name of a message."""
+    rank: int
+    """Compute rank, or the sender of a message."""
+    streams: tuple[tuple[int, str], ...]
+    duration: float
+    deps: list[int] = field(default_factory=list)
+    dst: int = -1
+    nbytes: int = 0
+    label: str = ""
+
+
+@dataclass(slots=True)
+class Graph:
+    tasks: list[Task]
+    phase: str
+    succ: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.succ = [[] for _ in self.tasks]
+        for t in self.tasks:
+            for d in t.deps:
+                self.succ[d].append(t.id)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Schedule:
+    """Start and end time of every task of a graph (seconds)."""
+
+    graph: Graph
+    start: list[float]
+    end: list[float]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.end, default=0.0)
+
+    def stream_busy(self) -> dict[tuple[int, str], float]:
+        busy: dict[tuple[int, str], float] = defaultdict(float)
+        for t in self.graph.tasks:
+            for s in t.streams:
+                busy[s] += t.duration
+        return dict(busy)
+
+    def gantt_tasks(self, ranks=None) -> list[dict]:
+        """Plain dicts for the report's Gantt chart (one entry per task and stream)."""
+        out = []
+        for t in self.graph.tasks:
+            for rank, stream in t.streams:
+                if ranks is None or rank in ranks:
+                    out.append({"rank": rank, "stream": stream, "start": self.start[t.id],
+                                "end": self.end[t.id], "kind": t.kind})
+        return out
+
+    def check(self, tol: float = 1e-12) -> None:
+        """Assert precedence and one task at a time per stream (used by tests)."""
+        for t in self.graph.tasks:
+            for d in t.deps:
+                if self.start[t.id] < self.end[d] - tol:
+                    raise AssertionError(f"task {t.id} ({t.label}) starts before its dependency {d} ends")
+        per: dict = defaultdict(list)
+        for t in self.graph.tasks:
+            if t.duration > 0:
+                for s in t.streams:
+                    per[s].append((self.start[t.id], self.end[t.id], t.id))
+        for s, iv in per.items():
+            iv.sort()
+            for (a0, a1, ia), (b0, b1, ib) in zip(iv, iv[1:]):
+                if b0 < a1 - tol:
+                    raise AssertionError(f"tasks {ia} and {ib} overlap on stream {s}")
+
+
+def _link(plan: TilePlan, a: int, b: int) -> str:
+    return "intra" if plan.mesh.same_node(a, b) else "inter"
+
+
+def build_graph(plan: TilePlan, work: Workload, cost: CostModel, phase: str) -> Graph:
+    """Kernel graph of one phase of a plan (module docstring)."""
+    tasks: list[Task] = []
+    kern_by_row: dict[tuple[int, int, int], list[int]] = defaultdict(list)  # (rank, g, row) -> task ids
+    kern_by_col: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+    for k in plan.kernels:
+        dur = work.kernel_seconds(k.head_group, k.cells, cost, phase)
+        t = Task(id=len(tasks), kind="attn", rank=k.rank, streams=((k.rank, "compute"),), duration=dur,
+                 label=f"attn r{k.rank} g{k.head_group} s{k.stage} n{len(k.cells)}")
+        tasks.append(t)
+        for i in {c[0] for c in k.cells}:
+            kern_by_row[(k.rank, k.head_group, i)].append(t.id)
+        for j in {c[1] for c in k.cells}:
+            kern_by_col[(k.rank, k.head_group, j)].append(t.id)
+    kernel_ids = list(range(len(tasks)))
+
+    msgs = plan.transfers_for(phase)
+    arrive: dict[tuple[str, int, int, int], int] = {}  # (tensor, chunk, g, dst) -> task id
+    incoming: dict[tuple[str, int, int, int], list[int]] = defaultdict(list)
+    msg_ids = []
+    for m in msgs:
+        link = _link(plan, m.src, m.dst)
+        t = Task(id=len(tasks), kind=m.tensor, rank=m.src, dst=m.dst, nbytes=m.nbytes,
+                 streams=((m.src, f"send_{link}"), (m.dst, f"recv_{link}")),
+                 duration=cost.message_seconds(m.nbytes, inter_node=link == "inter"),
+                 label=f"{m.tensor} c{m.chunk} g{m.head_group} {m.src}->{m.dst}")
+        tasks.append(t)
+        msg_ids.append(t.id)
+        key = (m.tensor, m.chunk, m.head_group, m.dst)
+        if m.tensor in PARTIAL_TENSORS:
+            incoming[key].append(t.id)
+        else:
+            if key in arrive:
+                raise ValueError(f"input unit {key} is delivered twice in plan {plan.method}")
+            arrive[key] = t.id
+
+    def contributors(tensor: str, chunk: int, g: int, rank: int) -> list[int]:
+        table = kern_by_row if tensor in ROW_TENSORS else kern_by_col
+        return table.get((rank, g, chunk), [])
+
+    for m, tid in zip(msgs, msg_ids):
+        t = tasks[tid]
+        if m.tensor in PARTIAL_TENSORS or m.tensor in FINAL_TENSORS:
+            t.deps.extend(contributors(m.tensor, m.chunk, m.head_group, m.src))
+            part = PARTIAL_OF_FINAL.get(m.tensor, m.tensor)
+            t.deps.extend(incoming.get((part, m.chunk, m.head_group, m.src), []))
+        else:
+            prev = arrive.get((m.tensor, m.chunk, m.head_group, m.src))
+            if prev is not None:
+                t.deps.append(prev)
+    # kernels wait for their remote inputs
+    for k, tid in zip(plan.kernels, kernel_ids):
+        deps = tasks[tid].deps
+        rows = {c[0] for c in k.cells}
+        cols = {c[1] for c in k.cells}
+        for tensor in INPUT_TENSORS[phase]:
+            idx = rows if tensor in ROW_TENSORS else cols
+            for c in idx:
+                a = arrive.get((tensor, c, k.head_group, k.rank))
+                if a is not None:
+                    deps.append(a)
+    # merges at the final holder of each partial unit; a relay that forwards the unit
+    # accumulates on the way (its add is folded into the message, as in ring attention)
+    forwards = {(PARTIAL_OF_FINAL.get(m.tensor, m.tensor), m.chunk, m.head_group, m.src)
+                for m in msgs if m.tensor in PARTIAL_TENSORS or m.tensor in FINAL_TENSORS}
+    for (tensor, chunk, g, dst), ids in incoming.items():
+        if (tensor, chunk, g, dst) in forwards:
+            continue
+        nbytes = sum(tasks[i].nbytes for i in ids)
+        t = Task(id=len(tasks), kind="merge", rank=dst, streams=((dst, "compute"),),
+                 duration=cost.merge_seconds(2 * nbytes), label=f"merge {tensor} c{chunk} g{g} @{dst}")
+        t.deps.extend(ids)
+        t.deps.extend(contributors(tensor, chunk, g, dst))
+        tasks.append(t)
+    return Graph(tasks=tasks, phase=phase)
+
+
+def bottom_levels(graph: Graph) -> list[float]:
+    """Longest duration path from each task to the end (inclusive)."""
+    n = len(graph.tasks)
+    indeg = [len(graph.succ[i]) for i in range(n)]
+    bl = [0.0] * n
+    stack = [i for i in range(n) if indeg[i] == 0]
+    pred = [t.deps for t in graph.tasks]
+    while stack:
+        v = stack.pop()
+        bl[v] = graph.tasks[v].duration + max((bl[s] for s in graph.succ[v]), default=0.0)
+        for p in pred[v]:
+            indeg[p] -= 1
+            if indeg[p] == 0:
+                stack.append(p)
+    return bl
+
+
+def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
+    """Non-delay list scheduling of ``graph`` (module docstring); lower priority runs first."""
+    tasks = graph.tasks
+    n = len(tasks)
+    if priority is None:
+        bl = bottom_levels(graph)
+        priority = [-b for b in bl]
+    missing = [len(t.deps) for t in tasks]
+    ready_time = [0.0] * n
+    start = [0.0] * n
+    end = [0.0] * n
+    free_at: dict[tuple[int, str], float] = defaultdict(float)
+    busy: set = set()
+    # ready tasks wait in the queue of their first stream
+    queues: dict[tuple[int, str], list] = defaultdict(list)
+    waiting_on: dict[tuple[int, str], set] = defaultdict(set)  # second stream -> first streams waiting
+    events: list = []  # (time, task id) completions
+    done = 0
+    now = 0.0
+    dirty: set = set()
+
+    def make_ready(i: int) -> None:
+        s0 = tasks[i].streams[0]
+        heapq.heappush(queues[s0], (priority[i], i))
+        dirty.add(s0)
+
+    for i in range(n):
+        if missing[i] == 0:
+            make_ready(i)
+    while done < n:
+        # start whatever can start now
+        while dirty:
+            s0 = dirty.pop()
+            if s0 in busy or not queues[s0]:
+                continue
+            q = queues[s0]
+            skipped = []
+            started = None
+            while q:
+                pr, i = heapq.heappop(q)
+                others = tasks[i].streams[1:]
+                if all(o not in busy for o in others):
+                    started = i
+                    break
+                skipped.append((pr, i))
+                for o in others:
+                    waiting_on[o].add(s0)
+            for item in skipped:
+                heapq.heappush(q, item)
+            if started is None:
+                continue
+            t = tasks[started]
+            st = max(now, ready_time[started])
+            start[started] = st
+            end[started] = st + t.duration
+            for s in t.streams:
+                busy.add(s)
+            heapq.heappush(events, (end[started], started))
+        if not events:
+            raise RuntimeError("schedule simulation stalled: the task graph has a cycle")
+        now, i = heapq.heappop(events)
+        batch = [i]
+        while events and events[0][0] <= now:
+            batch.append(heapq.heappop(events)[1])
+        for i in batch:
+            done += 1
+            for s in tasks[i].streams:
+                busy.discard(s)
+                free_at[s] = now
+                dirty.add(s)
+                dirty.update(waiting_on.pop(s, ()))
+            for j in graph.succ[i]:
+                missing[j] -= 1
+                ready_time[j] = max(ready_time[j], now)
+                if missing[j] == 0:
+                    make_ready(j)
+    return Schedule(graph=graph, start=start, end=end)
