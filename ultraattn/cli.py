@@ -1,0 +1,276 @@
+"""``ultraattn`` command line: ``plan`` (and ``masks`` to list mask names and parameters).
+
+    ultraattn plan --mask strided --seqlen 512k --cp 8x8 --heads 32 --head-dim 128 \\
+                   [--kv-heads N] [--batch B] [--backward] [--json FILE] [--png FILE]
+
+Bad input exits with status 2 and ONE line naming the argument and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+
+SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+
+
+class CliError(ValueError):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+def parse_size(text: str, *, arg: str) -> int:
+    m = SIZE_RE.match(text)
+    if not m:
+        raise CliError(f"{arg} must be a token count like 65536, 64k or 2m, got {text!r}")
+    mult = {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+    value = float(m.group(1)) * mult
+    if value < 1 or value != int(value):
+        raise CliError(f"{arg} must be a positive whole number of tokens, got {text!r}")
+    return int(value)
+
+
+def parse_cp(text: str):
+    from .planner.plan import Mesh
+
+    m = re.fullmatch(r"\s*(\d+)\s*(?:[xX*]\s*(\d+))?\s*", text)
+    if not m:
+        raise CliError(f"--cp must be DEVICES or NODESxDEVICES (e.g. 8 or 8x8), got {text!r}")
+    a, b = int(m.group(1)), m.group(2)
+    # "8x8" = nodes x devices (UltraAttn writes intra x inter; both are 8 in its configs)
+    nodes, devices = (a, int(b)) if b is not None else (1, a)
+    if nodes < 1 or devices < 1:
+        raise CliError(f"--cp must have at least one node and one device, got {text!r}")
+    return Mesh(nodes=nodes, devices=devices)
+
+
+def parse_cost(items: list[str]):
+    from .planner.cost import DEFAULT_COST, CostModel
+
+    changes = {}
+    names = CostModel.field_names()
+    for it in items:
+        key, sep, val = it.partition("=")
+        if not sep or key not in names:
+            raise CliError(f"--cost must be KEY=VALUE with KEY one of {', '.join(names)}, got {it!r}")
+        try:
+            changes[key] = float(val)
+        except ValueError:
+            raise CliError(f"--cost {key} must be a number, got {val!r}") from None
+    try:
+        return dataclasses.replace(DEFAULT_COST, **changes)
+    except ValueError as exc:
+        raise CliError(f"--cost: {exc}") from None
+
+
+def default_block(seq_len: int) -> int:
+    """Pattern block: FlexAttention's 128, coarser for very long sequences (a grid of <= 1024^2 cells)."""
+    b = 128
+    while seq_len / b > 1024:
+        b *= 2
+    return b
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from .planner.baselines import BASELINES
+
+    p = argparse.ArgumentParser(prog="ultraattn", description="Context-parallel attention planner (UltraAttn-style).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pl = sub.add_parser("plan", help="plan one attention and compare with the baselines",
+                        description="Plan one attention over a nodes x devices mesh; print a report.")
+    pl.add_argument("--mask", default="strided",
+                    help="mask spec NAME[:key=value,...] (see `ultraattn masks`; default: strided)")
+    pl.add_argument("--seqlen", default="512k", help="sequence length, e.g. 65536, 64k, 2m (default 512k)")
+    pl.add_argument("--cp", default="8x8", help="mesh NODESxDEVICES or DEVICES (default 8x8)")
+    pl.add_argument("--heads", type=int, default=32)
+    pl.add_argument("--head-dim", type=int, default=128)
+    pl.add_argument("--kv-heads", type=int, default=None, help="GQA key/value heads (default: --heads)")
+    pl.add_argument("--batch", type=int, default=1)
+    pl.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    pl.add_argument("--backward", action="store_true", help="plan forward + backward (default: forward only)")
+    pl.add_argument("--block", type=int, default=None, help="pattern block size (default: 128, coarser past 128K)")
+    pl.add_argument("--chunks-per-rank", type=int, default=2)
+    pl.add_argument("--balance-tol", type=float, default=0.05)
+    pl.add_argument("--ilp-time-limit", type=float, default=4.0)
+    pl.add_argument("--time-budget", type=float, default=15.0, help="seconds for all partition work")
+    pl.add_argument("--baselines", default="all",
+                    help=f"comma list of {', '.join(BASELINES)} or 'all' or 'none' (default all)")
+    pl.add_argument("--cost", action="append", default=[], metavar="KEY=VALUE", help="override a cost-model field")
+    pl.add_argument("--json", metavar="FILE", help="write the summary JSON here")
+    pl.add_argument("--png", metavar="FILE", help="draw the tile assignment and schedule (needs matplotlib)")
+    pl.add_argument("--quiet", action="store_true", help="no report, only the JSON (if asked) and one line")
+    sub.add_parser("masks", help="list mask names, parameters and defaults")
+    return p
+
+
+def _validate(args):
+    from .planner.baselines import BASELINES
+    from .planner.plan import AttnShape
+
+    seq = parse_size(args.seqlen, arg="--seqlen")
+    mesh = parse_cp(args.cp)
+    for nm in ("heads", "head_dim", "batch", "chunks_per_rank"):
+        if getattr(args, nm) < 1:
+            raise CliError(f"--{nm.replace('_', '-')} must be positive, got {getattr(args, nm)}")
+    if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
+        raise CliError(f"--kv-heads must divide --heads={args.heads}, got {args.kv_heads}")
+    if not 0 <= args.balance_tol < 1:
+        raise CliError(f"--balance-tol must lie in [0, 1), got {args.balance_tol}")
+    block = args.block or default_block(seq)
+    if block < 16 or block & (block - 1):
+        raise CliError(f"--block must be a power of two >= 16, got {block}")
+    need = mesh.world * args.chunks_per_rank * block
+    if seq < need // 2:
+        raise CliError(
+            f"--cp {args.cp} gives {mesh.world} ranks x {args.chunks_per_rank} chunks of >= {block} tokens: "
+            f"--seqlen must be at least {need // 2} (got {seq}); use a smaller --cp, --chunks-per-rank or --block"
+        )
+    if args.baselines in ("all", ""):
+        baselines = BASELINES
+    elif args.baselines == "none":
+        baselines = ()
+    else:
+        baselines = tuple(b.strip() for b in args.baselines.split(","))
+        bad = [b for b in baselines if b not in BASELINES]
+        if bad:
+            raise CliError(f"--baselines must be a comma list of {', '.join(BASELINES)}, got {bad[0]!r}")
+    shape = AttnShape(seq_len=seq, num_heads=args.heads, head_dim=args.head_dim, num_kv_heads=args.kv_heads,
+                      batch=args.batch, dtype=args.dtype)
+    if "ulysses" in baselines and args.baselines not in ("all", ""):
+        from .planner.baselines import ulysses_degree
+
+        if not ulysses_degree(mesh, shape, within_node=False):
+            raise CliError(f"--baselines ulysses needs the world size {mesh.world} to divide --heads={args.heads} "
+                           f"and --kv-heads={shape.kv_heads}; drop it or use --baselines all")
+    return seq, mesh, shape, block, baselines
+
+
+def _summary_json(args, res, shape, mesh) -> dict:
+    from .planner.api import overall_ilp_status
+
+    status, gap = overall_ilp_status(res)
+    methods = {name: ev.summary() for name, ev in res.evaluations.items()}
+    for name, why in res.not_applicable.items():
+        methods[name] = {"fwd_ms": None, "bwd_ms": None, "max_rank_bytes": None,
+                         "max_rank_inter_node_bytes": None, "compute_imbalance": None, "note": why}
+    best = res.best_baseline(args.backward)
+    ours = res.ours
+    out = {
+        "mask": res.pattern.name, "seqlen": shape.seq_len, "cp": [mesh.nodes, mesh.devices],
+        "heads": shape.num_heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "batch": shape.batch,
+        "backward": bool(args.backward),
+        "planner": {"seconds": res.seconds, "ilp_status": status, "ilp_gap": gap,
+                    "structure": res.plan.meta.get("structure"), "plan_hash": res.plan.content_hash(),
+                    "levels": res.solver["levels"], "schedule": res.solver["schedule"], "notes": res.notes},
+        "methods": methods,
+    }
+    if best:
+        name, ev = best
+        t = (lambda e: e.total_ms()) if args.backward else (lambda e: e.fwd_ms)
+        out["best_baseline"] = name
+        out["speedup_vs_best_baseline"] = t(ev) / t(ours)
+    return out
+
+
+def _report(console, args, res, mesh):
+    from rich.rule import Rule
+
+    from .report import render
+
+    ours = res.ours
+    plan = res.plan
+    pat = res.pattern
+    console.print(Rule(f"ultraattn plan · {pat.name} · S={pat.q_len} · CP {mesh}"))
+    console.print(render.mask_heatmap(pat.kind_BGQK[0, 0].tolist(), title=f"mask {pat.name}"))
+    console.print(render.assignment_heatmap(plan.assign_GPP[0].tolist(), list(plan.owner), nodes=mesh.nodes,
+                                            devices=mesh.devices, title="tile assignment (head group 0)"))
+    rows = ours.rank_rows
+    if len(rows) > 16:
+        keep = {r["rank"] for r in rows if r["node"] == 0}
+        keep.add(max(rows, key=lambda r: r["inter_in_bytes"] + r["inter_out_bytes"])["rank"])
+        rows = [r for r in rows if r["rank"] in keep]
+    console.print(render.rank_table(rows, title=f"per rank ({'fwd+bwd' if args.backward else 'fwd'} bytes)"))
+    node0 = set(range(mesh.devices))
+    console.print(render.gantt(ours.fwd.gantt_tasks(node0), title="forward schedule, node 0"))
+    info = dict(res.solver)
+    info["notes"] = list(res.notes) + [f"plan structure: {plan.meta.get('structure')}",
+                                       f"plan hash: {plan.content_hash()[:16]}"]
+    console.print(render.solver_panel(info))
+    methods = {name: ev.summary() for name, ev in res.evaluations.items()}
+    for name, why in res.not_applicable.items():
+        methods[name] = {"fwd_ms": None, "bwd_ms": None, "max_rank_bytes": None,
+                         "max_rank_inter_node_bytes": None, "compute_imbalance": None, "note": why}
+    console.print(render.comparison_table(methods, title="modeled time against the baselines"))
+
+
+def cmd_plan(args) -> int:
+    from rich.console import Console
+
+    from .masks.convert import pattern_from_mask_mod
+    from .masks.spec import parse_mask_spec
+    from .planner.api import plan
+    from .planner.tiling import PlannerOptions
+
+    seq, mesh, shape, block, baselines = _validate(args)
+    cost = parse_cost(args.cost)
+    try:
+        mask_mod = parse_mask_spec(args.mask, seq)
+    except ValueError as exc:
+        raise CliError(f"--mask: {exc}") from None
+    try:
+        opts = PlannerOptions(balance_tol=args.balance_tol, chunks_per_rank=args.chunks_per_rank,
+                              ilp_time_limit=args.ilp_time_limit, time_budget=args.time_budget)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    console = Console(stderr=False)
+    batch_patterns = getattr(mask_mod, "num_batch", 1)
+    if batch_patterns not in (1, shape.batch):
+        raise CliError(f"--batch must be {batch_patterns} for this document mask (one length list per batch entry), "
+                       f"got {shape.batch}")
+    with console.status("building the block pattern…") as status:
+        pattern = pattern_from_mask_mod(mask_mod, seq, block_size=block, batch=shape.batch,
+                                        num_heads=shape.num_heads, name=getattr(mask_mod, "__name__", args.mask))
+        res = plan(pattern, shape, mesh, cost=cost, options=opts, backward=args.backward, baselines=baselines,
+                   progress=lambda msg: status.update(f"planning: {msg}…"))
+    summary = _summary_json(args, res, shape, mesh)
+    if not args.quiet:
+        _report(console, args, res, mesh)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(summary, fh, indent=2)
+    if args.png:
+        from .report.png import draw_plan_png
+
+        try:
+            draw_plan_png(args.png, assign_grid=res.plan.assign_GPP[0].tolist(), owner=list(res.plan.owner),
+                          nodes=mesh.nodes, devices=mesh.devices,
+                          tasks=res.ours.fwd.gantt_tasks(set(range(mesh.devices))),
+                          title=f"{pattern.name} S={seq} CP {mesh}")
+        except RuntimeError as exc:
+            raise CliError(str(exc)) from None
+    sp = summary.get("speedup_vs_best_baseline")
+    console.print(f"planned in {res.seconds:.1f} s; ultraattn {res.ours.fwd_ms:.2f} ms fwd"
+                  + (f" + {res.ours.bwd_ms:.2f} ms bwd" if args.backward else "")
+                  + (f"; {sp:.2f}x the best baseline ({summary['best_baseline']})" if sp else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "masks":
+            from .masks.spec import describe_masks
+
+            print(describe_masks())
+            return 0
+        return cmd_plan(args)
+    except CliError as exc:
+        print(f"ultraattn {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
