@@ -252,63 +252,73 @@ def bottom_levels(graph: Graph) -> list[float]:
 
 
 def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
-    """Non-delay list scheduling of ``graph`` (module docstring); lower priority runs first."""
+    """Non-delay list scheduling of ``graph`` (module docstring); lower priority runs first.
+
+    Ready tasks wait in heaps keyed by (first stream, second stream): when a stream frees, only
+    the heads of its heaps whose second stream is free are looked at, so a rank with thousands of
+    queued messages to busy receivers costs one look per receiver, not per message.
+    """
     tasks = graph.tasks
     n = len(tasks)
     if priority is None:
-        bl = bottom_levels(graph)
-        priority = [-b for b in bl]
+        priority = [-b for b in bottom_levels(graph)]
     missing = [len(t.deps) for t in tasks]
     ready_time = [0.0] * n
     start = [0.0] * n
     end = [0.0] * n
-    free_at: dict[tuple[int, str], float] = defaultdict(float)
     busy: set = set()
-    # ready tasks wait in the queue of their first stream
-    queues: dict[tuple[int, str], list] = defaultdict(list)
-    waiting_on: dict[tuple[int, str], set] = defaultdict(set)  # second stream -> first streams waiting
-    events: list = []  # (time, task id) completions
+    heaps: dict[tuple, list] = {}  # (first stream, second stream or None) -> heap of (priority, id)
+    pending: dict = defaultdict(set)  # first stream -> second streams with a non-empty heap
+    waiting_on: dict = defaultdict(set)  # second stream -> first streams with tasks for it
+    events: list = []
     done = 0
     now = 0.0
     dirty: set = set()
 
     def make_ready(i: int) -> None:
-        s0 = tasks[i].streams[0]
-        heapq.heappush(queues[s0], (priority[i], i))
+        st = tasks[i].streams
+        s0 = st[0]
+        s1 = st[1] if len(st) > 1 else None
+        h = heaps.get((s0, s1))
+        if h is None:
+            h = heaps[(s0, s1)] = []
+        heapq.heappush(h, (priority[i], i))
+        pending[s0].add(s1)
+        if s1 is not None:
+            waiting_on[s1].add(s0)
         dirty.add(s0)
 
     for i in range(n):
         if missing[i] == 0:
             make_ready(i)
     while done < n:
-        # start whatever can start now
         while dirty:
             s0 = dirty.pop()
-            if s0 in busy or not queues[s0]:
+            if s0 in busy or not pending[s0]:
                 continue
-            q = queues[s0]
-            skipped = []
-            started = None
-            while q:
-                pr, i = heapq.heappop(q)
-                others = tasks[i].streams[1:]
-                if all(o not in busy for o in others):
-                    started = i
-                    break
-                skipped.append((pr, i))
-                for o in others:
-                    waiting_on[o].add(s0)
-            for item in skipped:
-                heapq.heappush(q, item)
-            if started is None:
+            best = None
+            for s1 in pending[s0]:
+                if s1 is not None and s1 in busy:
+                    continue
+                head = heaps[(s0, s1)][0]
+                if best is None or head < best[0]:
+                    best = (head, s1)
+            if best is None:
                 continue
-            t = tasks[started]
-            st = max(now, ready_time[started])
-            start[started] = st
-            end[started] = st + t.duration
+            (_, i), s1 = best
+            h = heaps[(s0, s1)]
+            heapq.heappop(h)
+            if not h:
+                pending[s0].discard(s1)
+                if s1 is not None:
+                    waiting_on[s1].discard(s0)
+            t = tasks[i]
+            st = max(now, ready_time[i])
+            start[i] = st
+            end[i] = st + t.duration
             for s in t.streams:
                 busy.add(s)
-            heapq.heappush(events, (end[started], started))
+            heapq.heappush(events, (end[i], i))
         if not events:
             raise RuntimeError("schedule simulation stalled: the task graph has a cycle")
         now, i = heapq.heappop(events)
@@ -319,9 +329,8 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
             done += 1
             for s in tasks[i].streams:
                 busy.discard(s)
-                free_at[s] = now
                 dirty.add(s)
-                dirty.update(waiting_on.pop(s, ()))
+                dirty.update(waiting_on.get(s, ()))
             for j in graph.succ[i]:
                 missing[j] -= 1
                 ready_time[j] = max(ready_time[j], now)

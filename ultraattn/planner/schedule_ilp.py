@@ -22,7 +22,7 @@ import time
 import pulp
 
 from .ilp import SolveInfo, solve
-from .schedule import Schedule, bottom_levels
+from .schedule import Schedule, bottom_levels, simulate
 
 MAX_TASKS = 36
 
@@ -68,8 +68,12 @@ def _order_critical_rank(sched: Schedule, rank: int, *, time_limit: float) -> tu
     return [t.id for t in sorted(tasks, key=lambda t: (s[t.id].value() or 0.0, t.id))], info
 
 
-def refine_schedule(ev, pattern, *, cost, backward: bool, time_limit: float, evaluate, rounds: int = 3):
-    """Try the ILP on the critical rank(s) of the forward schedule; keep any improvement."""
+def refine_schedule(ev, *, time_limit: float, rounds: int = 3):
+    """Try the ILP on the critical rank(s) of the forward schedule; keep any improvement.
+
+    Only the forward graph is replayed (the backward schedule is untouched); ``ev`` is updated
+    in place and returned with the last ``SolveInfo``.
+    """
     t_end = time.perf_counter() + time_limit
     best = ev
     last_info = SolveInfo(name="schedule", status="Skipped", note="no critical rank to refine")
@@ -98,12 +102,12 @@ def refine_schedule(ev, pattern, *, cost, backward: bool, time_limit: float, eva
         base = min(priority) - len(order) - 1
         for n, tid in enumerate(order):
             trial[tid] = base + n
-        cand = evaluate(best.plan, pattern, cost=cost, backward=backward, fwd_priority=trial)
-        if cand.fwd_ms < best.fwd_ms * (1 - 1e-9):
+        cand = simulate(g, trial)
+        if cand.makespan * 1e3 < best.fwd_ms * (1 - 1e-9):
             info.used = True
             info.note = (info.note + "; " if info.note else "") + (
-                f"replayed makespan {best.fwd_ms:.4f} -> {cand.fwd_ms:.4f} ms")
-            best, priority = cand, trial
+                f"replayed makespan {best.fwd_ms:.4f} -> {cand.makespan * 1e3:.4f} ms")
+            best.fwd, best.fwd_ms, priority = cand, cand.makespan * 1e3, trial
         else:
             info.note = (info.note + "; " if info.note else "") + "list schedule already as good: kept"
     return best, last_info
