@@ -195,6 +195,9 @@ def _report(console, args, res, mesh):
     node0 = set(range(mesh.devices))
     console.print(render.gantt(ours.fwd.gantt_tasks(node0), title="forward schedule, node 0"))
     info = dict(res.solver)
+    info["levels"] = [{**lv, "level": lv["name"], "fallback": lv["note"] if not lv["used"] else None}
+                      for lv in info["levels"]]
+    info["schedule"] = {**info["schedule"], "level": "schedule"}
     info["notes"] = list(res.notes) + [f"plan structure: {plan.meta.get('structure')}",
                                        f"plan hash: {plan.content_hash()[:16]}"]
     console.print(render.solver_panel(info))

@@ -25,6 +25,9 @@ import torch
 from .cost import CostModel
 from .ilp import SolveInfo
 from .partition import Level, Solution, heuristic, solve_ilp
+from .partition import evaluate as evaluate_level
+
+MAX_NODE_ITEMS = 64
 from .plan import AttnShape, Mesh
 
 
@@ -106,30 +109,60 @@ def tile(weight_PP: torch.Tensor, *, mesh: Mesh, shape: AttnShape, chunk: int, c
     total = float(weight_PP.sum())
     units = unit_costs(shape, chunk, backward)
     infos: list[SolveInfo] = []
-    fine_per_coarse = n_dev
     # ---------------------------------------------------------------- node level
+    # [Note] two granularities: coarse items (the node's chunks_per_rank chunks, small enough for
+    # the ILP) cannot see structure finer than a node's share (strided groups interleave blocks);
+    # fine items (up to MAX_NODE_ITEMS) can, but only the heuristic handles their size. Both are
+    # scored on the fine grid and the better is kept.
     if n_nodes > 1:
-        pc = n_nodes * k
-        w_c = weight_PP.reshape(pc, fine_per_coarse, pc, fine_per_coarse).sum(dim=(1, 3))
-        cells = [(i, j) for i in range(pc) for j in range(pc) if w_c[i, j] > 0]
         inv = 1.0 / (cost.inter_bw_GBps * 1e9) / n_dev  # per node: D NICs share the traffic
-        lv = Level(bins=n_nodes, items=pc, counted=[True] * pc, per_bin=k, cells=cells,
-                   weight=[float(w_c[c]) for c in cells], cap=(1 + opts.balance_tol / 2) * total / n_nodes,
-                   **{key: v * fine_per_coarse * inv for key, v in units.items()}, name="node level")
+        cap = (1 + opts.balance_tol / 2) * total / n_nodes
+
+        def node_level(group: int, name: str) -> Level:
+            pc = p // group
+            w_c = weight_PP.reshape(pc, group, pc, group).sum(dim=(1, 3))
+            cells = [(i, j) for i in range(pc) for j in range(pc) if w_c[i, j] > 0]
+            return Level(bins=n_nodes, items=pc, counted=[True] * pc, per_bin=pc // n_nodes, cells=cells,
+                         weight=[float(w_c[c]) for c in cells], cap=cap,
+                         **{key: v * group * inv for key, v in units.items()}, name=name)
+
+        fine_group = next(g for g in range(1, n_dev + 1) if n_dev % g == 0 and p // g <= MAX_NODE_ITEMS)
         if progress:
             progress("node level")
-        sol, info = _solve_level(lv, opts, deadline=deadline, instances_left=1 + n_nodes)
+        coarse = node_level(n_dev, "node level")
+        sol_c, info = _solve_level(coarse, opts, deadline=deadline, instances_left=2 + n_nodes)
         infos.append(info)
-        node_own_coarse = sol.own
-        node_at = {c: b for c, b in zip(cells, sol.at)}
+        candidates = [(n_dev, coarse, sol_c)]
+        if fine_group < n_dev:
+            fine = node_level(fine_group, f"node level (fine, {p // fine_group} items)")
+            share = max(0.0, deadline - time.perf_counter()) / (1 + n_nodes)
+            sol_f = heuristic(fine, seconds=min(opts.heuristic_seconds, share), seed=opts.seed)
+            candidates.append((fine_group, fine, sol_f))
+        # score every candidate on the finest node-level grid
+        g0, ref, _ = candidates[-1]
+        scored = []
+        for g, lv_g, sol in candidates:
+            r = g // g0
+            own = [sol.own[i // r] for i in range(ref.items)]
+            at_map = {c: b for c, b in zip(lv_g.cells, sol.at)}
+            at = [at_map[(i // r, j // r)] for i, j in ref.cells]
+            scored.append((evaluate_level(ref, own, at).key(), g, sol, lv_g))
+        _, group, sol, lv_best = min(scored, key=lambda t: t[0])
+        if group != n_dev:
+            info.note = (info.note + "; " if info.note else "") + (
+                f"the fine-item heuristic ({p // group} items) beat the coarse level: adopted")
+            info.used = False
+        node_own_item = sol.own
+        node_at = {c: b for c, b in zip(lv_best.cells, sol.at)}
     else:
-        node_own_coarse = [0] * k
+        group = n_dev
+        node_own_item = [0] * (p // group)
         node_at = None
-    node_of_fine = [node_own_coarse[i // fine_per_coarse] for i in range(p)]
+    node_of_fine = [node_own_item[i // group] for i in range(p)]
     fine_node_at = torch.full((p, p), -1, dtype=torch.int64)
     nz = nonempty.nonzero().tolist()
     for i, j in nz:
-        fine_node_at[i, j] = node_at[(i // fine_per_coarse, j // fine_per_coarse)] if node_at else 0
+        fine_node_at[i, j] = node_at[(i // group, j // group)] if node_at else 0
     # ---------------------------------------------------------------- device level
     owner = [-1] * p
     assign = torch.full((p, p), -1, dtype=torch.int32)
