@@ -1,0 +1,88 @@
+"""`ultraattn plan`: JSON schema, PNG output, one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ultraattn.cli import default_block, main, parse_size
+
+SMALL = ["--seqlen", "16k", "--cp", "2x2", "--heads", "8", "--head-dim", "64", "--time-budget", "4",
+         "--ilp-time-limit", "1"]
+
+
+def run(capsys, *args):
+    rc = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_plan_json_schema(tmp_path, capsys):
+    js = tmp_path / "plan.json"
+    rc, out, err = run(capsys, "--mask", "causal", *SMALL, "--backward", "--json", str(js))
+    assert rc == 0, err
+    d = json.loads(js.read_text())
+    assert d["seqlen"] == 16384 and d["cp"] == [2, 2] and d["mask"].startswith("causal")
+    assert set(d["planner"]) >= {"seconds", "ilp_status", "ilp_gap"}
+    assert set(d["methods"]) == {"ultraattn", "ring", "zigzag", "allgather", "ulysses", "usp"}
+    for m in d["methods"].values():
+        assert set(m) >= {"fwd_ms", "bwd_ms", "max_rank_bytes", "max_rank_inter_node_bytes", "compute_imbalance"}
+        assert m["fwd_ms"] > 0 and m["bwd_ms"] > 0
+    assert d["methods"]["ultraattn"]["compute_imbalance"] <= 1.05 + 1e-9
+    # the report names every section
+    for title in ("mask", "tile assignment", "per rank", "forward schedule", "solver", "baselines"):
+        assert title in out
+
+
+def test_plan_png_and_quiet(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    rc, out, err = run(capsys, "--mask", "global_local", *SMALL, "--png", str(png), "--quiet")
+    assert rc == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tile assignment" not in out and "planned in" in out
+
+
+def test_ulysses_not_applicable_is_reported_not_fatal(tmp_path, capsys):
+    js = tmp_path / "p.json"
+    rc, _, err = run(capsys, "--mask", "full", "--seqlen", "16k", "--cp", "2x2", "--heads", "6", "--head-dim", "64",
+                     "--time-budget", "2", "--quiet", "--json", str(js))
+    assert rc == 0, err
+    d = json.loads(js.read_text())
+    assert d["methods"]["ulysses"]["fwd_ms"] is None and "divide" in d["methods"]["ulysses"]["note"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--mask", "nosuch"], "--mask"),
+    (["--mask", "strided:bogus=1"], "bogus"),
+    (["--cp", "8by8"], "--cp must be"),
+    (["--seqlen", "12q"], "--seqlen must be"),
+    (["--seqlen", "4k", "--cp", "8x8"], "--seqlen must be at least"),
+    (["--kv-heads", "3", "--heads", "8"], "--kv-heads must divide"),
+    (["--cost", "warp_speed=9"], "--cost must be KEY=VALUE"),
+    (["--cost", "intra_bw_GBps=-1"], "intra_bw_GBps"),
+    (["--baselines", "ring,foo"], "--baselines must be"),
+    (["--baselines", "ulysses", "--heads", "6", "--cp", "2x2", "--seqlen", "16k"], "--baselines ulysses needs"),
+    (["--balance-tol", "2"], "--balance-tol"),
+])
+def test_bad_input_one_line_exit_2(capsys, args, needle):
+    rc, out, err = run(capsys, *args)
+    assert rc == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ultraattn plan: error:"), err
+    assert needle in lines[0]
+
+
+def test_parse_size_and_block():
+    assert parse_size("512k", arg="--seqlen") == 524288
+    assert parse_size("2m", arg="--seqlen") == 2 * 1024 * 1024
+    assert parse_size("1000", arg="--seqlen") == 1000
+    assert default_block(512 * 1024) == 512 and default_block(16384) == 128
+
+
+def test_masks_listing(capsys):
+    assert main(["masks"]) == 0
+    out = capsys.readouterr().out
+    for name in ("full", "causal", "sliding_window", "strided", "global_local", "star", "streaming", "document",
+                 "prefix_lm"):
+        assert name in out
