@@ -8,9 +8,10 @@ across. The landing rank of each (unit, node) is the consumer with the least
 inter-node traffic so far (spreads the load over the node's NICs).
 
 Kernel-level tiling: a rank's cells are grouped into launches by which remote inputs
-they need: cells on local data form stage 0 (they run while the first messages fly),
-then one launch per remote KV column, per remote Q row, and per (row, column) pair
-needing both. Fewer launches cost overlap, more cost launch overhead and efficiency on
+they need: cells on local data form stage 0, one launch per local row (they run while
+the first messages fly, and a remote-dependent launch can slip in between), then one
+launch per remote KV column (over all local rows), per remote Q row, and per (row,
+column) pair needing both. Fewer launches cost overlap, more cost launch overhead and efficiency on
 short tiles; the cost model prices both.
 """
 
@@ -92,11 +93,13 @@ def group_kernels(*, owner: list[int], assign_GPP: torch.Tensor) -> list[Kernel]
                 if r < 0:
                     continue
                 li, lj = owner[i] == r, owner[j] == r
-                key = (r, g, -1 if li else i, -1 if lj else j)
+                # local rows x local columns: one launch per row, so remote-dependent work can
+                # interleave; a remote column: one launch over all local rows (as a ring step)
+                key = (r, g, i if (lj or not li) else -1, -1 if lj else j)
                 groups[key].append((i, j))
     kernels = []
     for (r, g, ki, kj), cells in sorted(groups.items()):
-        stage = (ki >= 0) + (kj >= 0)
+        stage = (ki >= 0 and owner[ki] != r) + (kj >= 0)
         kernels.append(Kernel(rank=r, head_group=g, cells=tuple(cells), stage=stage))
     kernels.sort(key=lambda k: (k.rank, k.head_group, k.stage, k.cells[0]))
     return kernels
