@@ -94,7 +94,7 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--chunks-per-rank", type=int, default=2)
     pl.add_argument("--balance-tol", type=float, default=0.05)
     pl.add_argument("--ilp-time-limit", type=float, default=4.0)
-    pl.add_argument("--time-budget", type=float, default=15.0, help="seconds for all partition work")
+    pl.add_argument("--time-budget", type=float, default=10.0, help="seconds for all partition work")
     pl.add_argument("--baselines", default="all",
                     help=f"comma list of {', '.join(BASELINES)} or 'all' or 'none' (default all)")
     pl.add_argument("--cost", action="append", default=[], metavar="KEY=VALUE", help="override a cost-model field")

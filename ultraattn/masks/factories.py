@@ -133,17 +133,18 @@ def _count_same_block_causal(q0: Tensor, q1: Tensor, k0: Tensor, k1: Tensor, u: 
     return _count_causal(q0, q1, k0, k1) - _count_block_le(q0, q1, k0, k1, -1, u)
 
 
-def _rect(q0, q1, k0, k1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    q0, q1, k0, k1 = (_i64(x) for x in (q0, q1, k0, k1))
-    return torch.broadcast_tensors(q0, q1, k0, k1)
-
-
 def _attach(mask_mod: MaskMod, name: str, counter: Callable[..., Tensor], num_batch: int = 1) -> MaskMod:
     mask_mod.__name__ = name
     mask_mod.__qualname__ = name
 
     def count_pairs(q0, q1, k0, k1, b: int | Tensor = 0) -> Tensor:
-        return counter(*_rect(q0, q1, k0, k1), int(b))
+        """Exact number of attending pairs in ``[q0, q1) x [k0, k1)`` (int64, broadcast shape)."""
+        q0, q1, k0, k1 = (_i64(x) for x in (q0, q1, k0, k1))
+        # [Note] Inputs are NOT broadcast up front: on a [Q, 1] x [1, K] grid the per-axis
+        # terms stay cheap and only the mixed terms are [Q, K].
+        shape = torch.broadcast_shapes(q0.shape, q1.shape, k0.shape, k1.shape)
+        out = counter(q0, q1, k0, k1, int(b))
+        return out if out.shape == shape else out.expand(shape)
 
     count_pairs.__name__ = f"count_pairs[{name}]"
     mask_mod.count_pairs = count_pairs
@@ -224,9 +225,11 @@ def generate_strided(block: int, stride: int = 4, band: int = 2, causal: bool = 
             out = out - _count_block_le(q0, q1, k0, k1, -reach - 1, block)
             return out + _count_same_block_causal(q0, q1, k0, k1, block) if causal else out
         # Only block offsets that can occur in these rectangles matter (keeps huge bands cheap).
-        span = 0
-        if q0.numel():
-            span = int(torch.maximum((q1 - 1) // block - k0 // block, (k1 - 1) // block - q0 // block).max())
+        span = 0  # an upper bound on |bq - bk| over all rectangles
+        if q0.numel() and q1.numel() and k0.numel() and k1.numel():
+            bq_lo, bq_hi = int((q0 // block).min()), int(((q1 - 1) // block).max())
+            bk_lo, bk_hi = int((k0 // block).min()), int(((k1 - 1) // block).max())
+            span = max(bq_hi - bk_lo, bk_hi - bq_lo, 0)
         jmax = min(band, span // stride)
         out = _count_same_block_causal(q0, q1, k0, k1, block) if causal else exact_delta(q0, q1, k0, k1, 0)
         for j in range(1, jmax + 1):
@@ -311,7 +314,9 @@ def generate_streaming(sink: int, window: int, block: int) -> MaskMod:
 
 def _per_batch_lengths(lengths: Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or len(lengths) == 0:
-        raise ValueError(f"`lengths` must be a non-empty list of document lengths (or one per batch entry), got {lengths!r}")
+        raise ValueError(
+            f"`lengths` must be a non-empty list of document lengths (or one per batch entry), got {lengths!r}"
+        )
     nested = [isinstance(x, Sequence) and not isinstance(x, (str, bytes)) for x in lengths]
     if any(nested) and not all(nested):
         raise ValueError(f"`lengths` must be a list of ints or a list of lists of ints, not a mix, got {lengths!r}")
@@ -325,13 +330,17 @@ def _per_batch_lengths(lengths: Sequence[int] | Sequence[Sequence[int]]) -> list
     return per_batch
 
 
-def generate_document(lengths: Sequence[int] | Sequence[Sequence[int]], causal: bool = True) -> MaskMod:
+def generate_document(
+    lengths: Sequence[int] | Sequence[Sequence[int]], causal: bool = True, *, device: torch.device | str | None = None
+) -> MaskMod:
     """Document (packed sequences) mask: True iff q and kv lie in the same document (and
     ``kv <= q`` if causal). Tokens past ``sum(lengths)`` belong to no document: masked out.
 
     Args:
         lengths: per-document lengths of one sequence, or one such list per batch entry.
         causal: also require ``kv <= q``.
+        device: where the mask_mod's ``doc_ids_BT`` table lives (the device ``create_block_mask``
+            and ``flex_attention`` run on; default CPU). The counter always runs on CPU.
 
     The mask_mod reads a precomputed ``doc_ids_BT`` table, FlexAttention style
     (``doc_ids[b, q] == doc_ids[b, kv]``); ``num_batch`` is the number of per-batch lists.
@@ -355,6 +364,8 @@ def generate_document(lengths: Sequence[int] | Sequence[Sequence[int]], causal: 
         weight_D = len_D * (len_D + 1) // 2 if causal else len_D * len_D
         prefix_D = torch.cat([torch.zeros(1, dtype=torch.int64), weight_D.cumsum(0)])
         tables.append((start_D, end_D, prefix_D, int(end_D[-1])))
+    if device is not None:
+        doc_ids_BT = doc_ids_BT.to(device)
 
     def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         dq = doc_ids_BT[b, q_idx.clamp(max=t_max)]
@@ -398,9 +409,10 @@ def generate_document(lengths: Sequence[int] | Sequence[Sequence[int]], causal: 
     return _attach(document, f"document({desc},causal={causal})", count, num_batch=nb)
 
 
-def generate_prefix_lm(prefix: int | Sequence[int]) -> MaskMod:
+def generate_prefix_lm(prefix: int | Sequence[int], *, device: torch.device | str | None = None) -> MaskMod:
     """Prefix-LM: bidirectional over the first ``prefix`` keys, causal after (``kv <= q or
-    kv < prefix``). ``prefix`` may be one int or a list with one prefix per batch entry.
+    kv < prefix``). ``prefix`` may be one int or a list with one prefix per batch entry;
+    ``device`` is where the mask_mod's per-batch prefix table lives (default CPU).
 
     Raises:
         ValueError: a negative prefix or an empty list.
@@ -413,7 +425,7 @@ def generate_prefix_lm(prefix: int | Sequence[int]) -> MaskMod:
     else:
         values = [_check_int("prefix", prefix, minimum=0)]
         per_batch = False
-    prefix_B = torch.tensor(values, dtype=torch.int64)
+    prefix_B = torch.tensor(values, dtype=torch.int64, device=device)
 
     def prefix_lm(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (kv_idx <= q_idx) | (kv_idx < prefix_B[b])

@@ -47,7 +47,7 @@ class PlannerOptions:
     """Larger partition ILPs are skipped (the heuristic stands; the report says so). Measured here:
     CBC spends 18-22 s in the root node of a 4,900-binary device-level instance whatever its
     time limit, so the limit alone cannot bound planning time."""
-    time_budget: float = 15.0
+    time_budget: float = 10.0
     """Wall-clock seconds for all partition work; per-instance limits shrink to fit it."""
     heuristic_seconds: float = 1.0
     """Local-search budget per level instance."""

@@ -105,8 +105,7 @@ def draw_plan_png(
     ax_grid, ax_gantt = fig.subplots(1, 2, width_ratios=[1, 1.5])
 
     # --- left: tile assignment ---------------------------------------------------------
-    cmap = ListedColormap(_rank_colors(world))
-    cmap.set_bad("white")
+    cmap = ListedColormap(_rank_colors(world)).with_extremes(bad="white")
     import numpy as np  # a matplotlib dependency, so present whenever matplotlib is
 
     cells = np.ma.masked_less(np.asarray(grid, dtype=float), 0)

@@ -379,7 +379,7 @@ def assignment_heatmap(
     for n in range(nodes):
         legend.append(f" node {n} ", style=f"bold white on {_node_color(n)}")
         legend.append(f" r{n * devices}-{(n + 1) * devices - 1}  ")
-    legend.append(f"\nchar = device index, blank = empty; top/left strip = chunk owner")
+    legend.append("\nchar = device index, blank = empty; top/left strip = chunk owner")
     legend.append(
         f"\n{len(tiles)} tiles: {_pct(on_rank, len(tiles))} on the query owner's rank, "
         f"{_pct(on_node, len(tiles))} on its node"
