@@ -89,8 +89,6 @@ def check_plan(p: TilePlan, pattern: BlockPattern, backward: bool = True) -> Non
             if phase == "bwd" and kept_q:
                 continue  # head-parallel plans keep Q/K/V from the forward pass
             for t, c in ((row_t, i), ("kv", j)):
-                if t == "kv" and phase == "bwd" and p.method == "allgather":
-                    pass
                 assert p.owner[c] == r or r in has[(t, c, g)], f"{t} chunk {c} never reaches rank {r} ({phase})"
     # byte accounting equals an independent recount
     rb = rank_bytes(p, phases)

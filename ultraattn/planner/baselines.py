@@ -148,14 +148,13 @@ def usp_plan(nonempty_GPP, *, mesh: Mesh, shape: AttnShape, chunk: int, backward
     else:
         u = ulysses_degree(mesh, shape, within_node=True)
     rd = world // u
-    copies = u
     if pure_ulysses:
         owner = [r for r in range(world)]
         super_of = list(range(world))
         pos_of_super = [0] * world
     else:
         owner_pos = zigzag_owner(rd)  # ring position of each super chunk
-        owner = [owner_pos[s] * u + m for s in range(2 * rd) for m in range(copies)]
+        owner = [owner_pos[s] * u + m for s in range(2 * rd) for m in range(u)]
         super_of = [i // u for i in range(len(owner))]
         pos_of_super = owner_pos
     p = len(owner)
@@ -171,7 +170,6 @@ def usp_plan(nonempty_GPP, *, mesh: Mesh, shape: AttnShape, chunk: int, backward
         assign[g] = torch.where(nonempty_GPP[g], rows[:, None].expand(p, p), assign[g])
     out: list[Transfer] = []
     b = {t: shape.unit_bytes(t, chunk, u) for t in ("q", "kv", "out", "do", "dq_out", "dkv_out")}
-    ring = None if pure_ulysses else None
     for g in range(u):
         for c in range(p):
             home = computer(c, g)
@@ -192,8 +190,6 @@ def usp_plan(nonempty_GPP, *, mesh: Mesh, shape: AttnShape, chunk: int, backward
             out.extend(_ring_transfers(owner=owner, assign_PP=assign[g], mesh=mesh, shape=shape, chunk=chunk,
                                        backward=backward, head_group=g, groups=u, ring=ring,
                                        start_of=lambda j, g=g: computer(j, g)))
-    if not backward:
-        pass
     # kernels: one launch per rank and ring step (columns grouped by the super chunk they came from)
     groups: dict[tuple, list] = defaultdict(list)
     a = assign.tolist()
