@@ -5,3 +5,7 @@ masks -> planner -> kernels/runtime -> passes -> report.
 """
 
 __version__ = "0.1.0"
+
+from ultraattn.runtime import AttentionPlan, dispatch, dist_attention, plan_attention, undispatch
+
+__all__ = ["AttentionPlan", "dispatch", "dist_attention", "plan_attention", "undispatch", "__version__"]

@@ -368,6 +368,8 @@ def generate_document(
         doc_ids_BT = doc_ids_BT.to(device)
 
     def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if nb == 1:  # one list shared by every batch entry
+            b = b * 0
         dq = doc_ids_BT[b, q_idx.clamp(max=t_max)]
         dk = doc_ids_BT[b, kv_idx.clamp(max=t_max)]
         ok = (dq == dk) & (dq >= 0)
@@ -428,6 +430,8 @@ def generate_prefix_lm(prefix: int | Sequence[int], *, device: torch.device | st
     prefix_B = torch.tensor(values, dtype=torch.int64, device=device)
 
     def prefix_lm(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if not per_batch:  # one prefix shared by every batch entry
+            b = b * 0
         return (kv_idx <= q_idx) | (kv_idx < prefix_B[b])
 
     def count(q0, q1, k0, k1, b):

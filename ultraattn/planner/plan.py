@@ -19,13 +19,16 @@ them stays exact (DESIGN.md numerics policy).
     q        fwd    query                                     D * elt
     kv       both   key + value (kv heads)                    2 * D * elt  (per kv head)
     o        fwd    partial output + LSE, fp32                (D + 1) * 4
-    out      fwd    final output, model dtype (Ulysses)       D * elt
+    out      fwd    final output (model dtype) + LSE fp32     D * elt + 4   (Ulysses: back to the owner)
     qdo      bwd    query + dO (model dtype), LSE + delta fp32  2 * D * elt + 8
-    do       bwd    dO + LSE + delta (Ulysses: q is kept)     D * elt + 8
+    do       bwd    dO (model dtype) + delta fp32             D * elt + 4   (Ulysses: q and LSE are kept)
     dq       bwd    partial dQ, fp32                          D * 4
     dkv      bwd    partial dK + dV, fp32 (kv heads)          2 * D * 4   (per kv head)
     dq_out   bwd    final dQ, model dtype                     D * elt
     dkv_out  bwd    final dK + dV, model dtype (kv heads)     2 * D * elt (per kv head)
+
+``delta`` is ``rowsum(dO * O) - dLSE``: folding the LSE gradient into delta makes the backward
+exact for losses that use the LSE at no extra bytes (dS = P * (dP - delta)).
 
 Partial tensors (o, dq, dkv) are REDUCED: a rank forwards a partial only after its own
 contributing kernels finished and every partial it receives for the same unit arrived.
@@ -122,9 +125,9 @@ class AttnShape:
             "q": hq * d * e,
             "kv": hk * 2 * d * e,
             "o": hq * (d + 1) * 4,
-            "out": hq * d * e,
+            "out": hq * (d * e + 4),
             "qdo": hq * (2 * d * e + 8),
-            "do": hq * (d * e + 8),
+            "do": hq * (d * e + 4),
             "dq": hq * d * 4,
             "dkv": hk * 2 * d * 4,
             "dq_out": hq * d * e,

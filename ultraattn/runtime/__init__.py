@@ -1,1 +1,25 @@
+"""Runtime: execute a plan across ranks (dispatch, exchange, tile compute, LSE merge, autograd)."""
 
+from ultraattn.runtime.api import (
+    METHODS,
+    AttentionPlan,
+    check_consistent,
+    dispatch,
+    dist_attention,
+    plan_attention,
+    undispatch,
+)
+from ultraattn.runtime.comm import RankTimeoutError
+from ultraattn.runtime.executor import PlanExecutionError
+
+__all__ = [
+    "METHODS",
+    "AttentionPlan",
+    "PlanExecutionError",
+    "RankTimeoutError",
+    "check_consistent",
+    "dispatch",
+    "dist_attention",
+    "plan_attention",
+    "undispatch",
+]

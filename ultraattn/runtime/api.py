@@ -1,0 +1,467 @@
+"""Public runtime API: plan an attention, move shards, run it across ranks.
+
+    plan = ultraattn.plan_attention(mask, seqlen=S, num_heads=H, head_dim=D)   # collective
+    q_local = ultraattn.dispatch(q, plan)                 # global -> this rank's tokens
+    out_local, lse_local = ultraattn.dist_attention(q_local, k_local, v_local, plan)
+    out = ultraattn.undispatch(out_local, plan)           # this rank's tokens -> global
+
+Planning happens on the plan's rank 0 and the plan is broadcast, so every rank runs the
+same plan even though the ILP has wall-clock limits. On first use, every rank's mask,
+shapes, mesh and plan hashes are compared; a difference is an error that names it.
+
+Layout is (batch, heads, seq, dim) like SDPA and flex_attention; ``seq_dim`` says where
+the sequence sits for other tensors (2 for q/k/v/out, 2 for lse [B, H, S]).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from ..masks.convert import pattern_from_block_mask, pattern_from_mask_mod
+from ..masks.factories import generate_causal, generate_full
+from ..masks.pattern import PARTIAL, BlockPattern
+from ..planner.api import baseline_plan
+from ..planner.api import plan as run_planner
+from ..planner.baselines import BASELINES
+from ..planner.cost import DEFAULT_COST, CostModel
+from ..planner.plan import AttnShape, Mesh, TilePlan
+from ..planner.tiling import PlannerOptions
+from .comm import Comm, RankTimeoutError, _all_gather_single, all_gather_bytes
+from .executor import Executor, run
+from .tiles import TileGeometry, group_kind_grid
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+METHODS = ("ultraattn", *BASELINES)
+
+
+@dataclass(eq=False)
+class AttentionPlan:
+    """A plan bound to this rank and its process group (what dispatch/dist_attention/undispatch take)."""
+
+    tile_plan: TilePlan
+    pattern: BlockPattern
+    mask_mod: Callable | None
+    rank: int
+    """This process's rank in the plan (position in the mesh, row-major)."""
+    global_ranks: tuple[int, ...]
+    """Global rank of each plan rank."""
+    group: object
+    """Process group used for communication (None at world size 1)."""
+    dtype: torch.dtype
+    timeout: float
+    planning_seconds: float
+    planner_result: object = None
+    """The planner's ``PlanResult`` (on plan rank 0 only; None elsewhere and for baselines)."""
+    _executor: Executor | None = field(default=None, repr=False)
+    _checked: bool = field(default=False, repr=False)
+
+    @property
+    def world(self) -> int:
+        return self.tile_plan.world
+
+    @property
+    def shape(self) -> AttnShape:
+        return self.tile_plan.shape
+
+    @property
+    def seq_len(self) -> int:
+        return self.tile_plan.shape.seq_len
+
+    @property
+    def padded_len(self) -> int:
+        return self.tile_plan.num_chunks * self.tile_plan.chunk_size
+
+    @property
+    def local_len(self) -> int:
+        return self.tile_plan.chunks_per_rank * self.tile_plan.chunk_size
+
+    @property
+    def executor(self) -> Executor:
+        if self._executor is None:
+            self._executor = _make_executor(self)
+        return self._executor
+
+    @property
+    def comm_log(self) -> dict:
+        """Messages of the last forward ('fwd') and backward ('bwd') on this rank (``CommLog`` per phase)."""
+        return self.executor.log
+
+    def local_token_index(self, rank: int | None = None) -> Tensor:
+        """Global (padded) token positions held by ``rank`` (default: this rank), in local order."""
+        tp = self.tile_plan
+        r = self.rank if rank is None else rank
+        c = tp.chunk_size
+        return torch.cat([torch.arange(i * c, (i + 1) * c) for i in tp.local_chunks(r)])
+
+    def predicted_bytes(self, phase: str) -> dict[str, int]:
+        """Bytes this rank sends and receives in ``phase`` according to the plan."""
+        sent = sum(t.nbytes for t in self.tile_plan.transfers if t.phase == phase and t.src == self.rank)
+        recv = sum(t.nbytes for t in self.tile_plan.transfers if t.phase == phase and t.dst == self.rank)
+        return {"sent": sent, "recv": recv}
+
+    def __repr__(self) -> str:
+        return (f"AttentionPlan(rank={self.rank}/{self.world}, method={self.tile_plan.method!r}, "
+                f"mask={self.pattern.name!r}, seq_len={self.seq_len}, local_len={self.local_len})")
+
+
+# ----------------------------------------------------------------------------- process group / mesh
+def _resolve_group(mesh, group) -> tuple[Mesh, tuple[int, ...], object, int]:
+    """(planner mesh, global ranks in plan order, communication group, this plan rank)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if mesh is not None or group is not None:
+            raise RuntimeError(
+                "plan_attention: `mesh`/`group` given but torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group first (or pass neither for one process)"
+            )
+        if env_world > 1:
+            raise RuntimeError(
+                f"plan_attention: WORLD_SIZE={env_world} but torch.distributed is not initialised; call "
+                f"torch.distributed.init_process_group(backend='gloo' or 'nccl') before planning"
+            )
+        return Mesh(nodes=1, devices=1), (0,), None, 0
+    me = dist.get_rank()
+    if mesh is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"`mesh` must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
+        grid = mesh.mesh
+        if grid.dim() == 1:
+            pm = Mesh(nodes=1, devices=grid.numel())
+        elif grid.dim() == 2:
+            pm = Mesh(nodes=grid.shape[0], devices=grid.shape[1])
+        else:
+            raise ValueError(f"`mesh` must be 1-D or 2-D (nodes x devices), got {grid.dim()}-D {tuple(grid.shape)}")
+        ranks = tuple(int(x) for x in grid.flatten().tolist())
+        comm_group = group if group is not None else (mesh.get_group() if grid.dim() == 1 else dist.group.WORLD)
+        group_ranks = tuple(dist.get_process_group_ranks(comm_group))
+        if sorted(group_ranks) != sorted(ranks):
+            raise ValueError(
+                f"`mesh` covers ranks {sorted(ranks)} but the process group has ranks {sorted(group_ranks)}; pass a "
+                f"mesh over exactly the group's ranks (or the matching `group`)"
+            )
+    else:
+        comm_group = group if group is not None else dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(comm_group))
+        pm = Mesh(nodes=1, devices=len(ranks))
+    if me not in ranks:
+        raise ValueError(f"this process (global rank {me}) is not in the plan's ranks {list(ranks)}")
+    return pm, ranks, comm_group, ranks.index(me)
+
+
+# ----------------------------------------------------------------------------- masks
+def _resolve_mask(mask, *, seqlen: int, batch: int, num_heads: int, block_size: int, mask_mod):
+    if isinstance(mask, BlockMask):
+        q_len, kv_len = mask.seq_lengths
+        if (q_len, kv_len) != (seqlen, seqlen):
+            raise ValueError(f"the BlockMask is for lengths ({q_len}, {kv_len}) but seqlen={seqlen}; build it with "
+                             f"Q_LEN=KV_LEN={seqlen}")
+        return pattern_from_block_mask(mask), mask.mask_mod
+    if isinstance(mask, str):
+        if mask not in ("causal", "full"):
+            raise ValueError(f"`mask` as a string must be 'causal' or 'full', got {mask!r}")
+        mm = generate_causal() if mask == "causal" else generate_full()
+        return pattern_from_mask_mod(mm, seqlen, block_size=block_size), mm
+    if isinstance(mask, BlockPattern):
+        if (mask.q_len, mask.kv_len) != (seqlen, seqlen):
+            raise ValueError(f"the BlockPattern is for lengths ({mask.q_len}, {mask.kv_len}) but seqlen={seqlen}")
+        if mask_mod is None and bool((mask.kind_BGQK == PARTIAL).any()):
+            raise ValueError(
+                "`mask` is a BlockPattern with PARTIAL blocks but no `mask_mod` to evaluate inside them; pass "
+                "mask_mod=... (or the BlockMask itself)"
+            )
+        return mask, mask_mod
+    if callable(mask):
+        return pattern_from_mask_mod(mask, seqlen, block_size=block_size, batch=batch, num_heads=num_heads), mask
+    raise TypeError(f"`mask` must be a BlockMask, a mask_mod, 'causal', 'full' or a BlockPattern, "
+                    f"got {type(mask).__name__}")
+
+
+# ----------------------------------------------------------------------------- planning
+def plan_attention(
+    mask,
+    *,
+    seqlen: int,
+    num_heads: int,
+    head_dim: int,
+    num_kv_heads: int | None = None,
+    batch: int = 1,
+    mesh=None,
+    group=None,
+    dtype: torch.dtype = torch.bfloat16,
+    block_size: int = 128,
+    mask_mod: Callable | None = None,
+    method: str = "ultraattn",
+    options: PlannerOptions | None = None,
+    cost: CostModel = DEFAULT_COST,
+    timeout: float = 300.0,
+) -> AttentionPlan:
+    """Plan one attention for the ranks of ``mesh`` / ``group`` (a collective: every rank calls it).
+
+    Args:
+        mask: a FlexAttention ``BlockMask``, a mask_mod, ``"causal"``/``"full"`` or a ``BlockPattern``.
+        seqlen, num_heads, head_dim, num_kv_heads, batch, dtype: the attention's shapes; GQA when
+            ``num_kv_heads`` divides ``num_heads``.
+        mesh: a 1-D DeviceMesh (one node) or 2-D (nodes x devices); None: the group as one node.
+        group: process group (default: the world); None and no initialised torch.distributed: one process.
+        block_size: pattern block size for a mask_mod or a string mask (a BlockMask keeps its own).
+        mask_mod: element mask for a ``BlockPattern`` with PARTIAL blocks.
+        method: "ultraattn" (planned) or a baseline executed by the same runtime
+            ("ring", "zigzag", "allgather", "ulysses", "usp").
+        options, cost: planner settings and cost model.
+        timeout: seconds any rank waits for a peer before failing with the peer's name.
+    """
+    for nm, val in (("seqlen", seqlen), ("num_heads", num_heads), ("head_dim", head_dim), ("batch", batch),
+                    ("block_size", block_size)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"`{nm}` must be a positive int, got {val!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"`dtype` must be one of torch.bfloat16, torch.float16, torch.float32, got {dtype}")
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {', '.join(METHODS)}, got {method!r}")
+    if not timeout > 0:
+        raise ValueError(f"`timeout` must be positive seconds, got {timeout!r}")
+    shape = AttnShape(seq_len=seqlen, num_heads=num_heads, head_dim=head_dim, num_kv_heads=num_kv_heads,
+                      batch=batch, dtype=_DTYPES[dtype])
+    pmesh, ranks, comm_group, me = _resolve_group(mesh, group)
+    pattern, mm = _resolve_mask(mask, seqlen=seqlen, batch=batch, num_heads=num_heads, block_size=block_size,
+                                mask_mod=mask_mod)
+    if pattern.num_batch_patterns not in (1, batch):
+        raise ValueError(f"the mask has {pattern.num_batch_patterns} batch entries but batch={batch}")
+    t0 = time.perf_counter()
+    result = None
+    tile_plan = None
+    error = None
+    if me == 0:
+        try:
+            if method == "ultraattn":
+                result = run_planner(pattern, shape, pmesh, cost=cost, options=options or PlannerOptions(),
+                                     baselines=BASELINES)
+                tile_plan = result.plan
+            else:
+                tile_plan = baseline_plan(method, pattern, shape, pmesh)
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below, so none waits forever
+            error = exc
+    if comm_group is not None and pmesh.world > 1:
+        # plan on rank 0, broadcast: ranks agree even though the ILPs have wall-clock limits
+        box = [(tile_plan, None if error is None else (type(error).__name__, str(error)))]
+        dist.broadcast_object_list(box, src=ranks[0], group=comm_group)
+        tile_plan, err = box[0]
+        if err is not None and error is None:
+            error = RuntimeError(f"planning failed on rank 0: {err[0]}: {err[1]}")
+    if error is not None:
+        raise error
+    ap = AttentionPlan(tile_plan=tile_plan, pattern=pattern, mask_mod=mm, rank=me, global_ranks=ranks,
+                       group=comm_group if pmesh.world > 1 else None, dtype=dtype, timeout=timeout,
+                       planning_seconds=time.perf_counter() - t0, planner_result=result)
+    _check_chunking(ap)
+    return ap
+
+
+def _check_chunking(ap: AttentionPlan) -> None:
+    tp, pat = ap.tile_plan, ap.pattern
+    if tp.chunk_size % pat.q_block or tp.chunk_size % pat.kv_block:
+        raise ValueError(
+            f"chunk size {tp.chunk_size} must be a multiple of the mask's blocks ({pat.q_block}, {pat.kv_block}); "
+            f"use equal Q and KV block sizes"
+        )
+
+
+def _make_executor(ap: AttentionPlan) -> Executor:
+    tp = ap.tile_plan
+    s = tp.shape
+    pb_q = ap.padded_len // ap.pattern.q_block
+    pb_k = ap.padded_len // ap.pattern.kv_block
+    g_count = tp.num_head_groups
+    hq = s.num_heads // g_count
+    kinds = [group_kind_grid(ap.pattern, range(g * hq, (g + 1) * hq), pb_q, pb_k) for g in range(g_count)]
+    geo = TileGeometry(seq_len=s.seq_len, chunk=tp.chunk_size, q_block=ap.pattern.q_block,
+                       kv_block=ap.pattern.kv_block, batch=s.batch, num_heads=s.num_heads, num_kv_heads=s.kv_heads,
+                       head_groups=g_count, head_dim=s.head_dim, kind_gQK=kinds, mask_mod=ap.mask_mod)
+    comm = (Comm(rank=ap.rank, global_ranks=ap.global_ranks, group=ap.group, timeout=ap.timeout)
+            if ap.world > 1 else None)
+    return Executor(tp, ap.rank, geo, comm, ap.dtype)
+
+
+# ----------------------------------------------------------------------------- consistency check
+_CHECK_FIELDS = ("mask pattern", "shape and dtype", "mesh and ranks", "plan")
+
+
+def _digests(ap: AttentionPlan) -> Tensor:
+    s = ap.shape
+    parts = [
+        ap.pattern.content_hash(),
+        repr((s.seq_len, s.num_heads, s.head_dim, s.kv_heads, s.batch, s.dtype)),
+        repr((ap.tile_plan.mesh.nodes, ap.tile_plan.mesh.devices, ap.global_ranks)),
+        ap.tile_plan.content_hash(),
+    ]
+    raw = b"".join(hashlib.sha256(p.encode()).digest()[:8] for p in parts)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def check_consistent(ap: AttentionPlan) -> None:
+    """All ranks must hold the same mask, shapes, mesh and plan; raises naming the ranks and fields that differ."""
+    if ap._checked:
+        return
+    if ap.world > 1:
+        if not dist.is_initialized():
+            raise RuntimeError(f"the plan is for {ap.world} ranks but torch.distributed is not initialised")
+        mine = _digests(ap)
+        allv = all_gather_bytes(mine, group=ap.group, world=ap.world, timeout=ap.timeout,
+                                what="the plan consistency check", rank=ap.rank)
+        grank = [dist.get_group_rank(ap.group, g) if ap.group is not dist.group.WORLD else g for g in ap.global_ranks]
+        ref = allv[grank[0]].view(len(_CHECK_FIELDS), 8)
+        problems = []
+        for p in range(1, ap.world):
+            other = allv[grank[p]].view(len(_CHECK_FIELDS), 8)
+            diff = [f for n, f in enumerate(_CHECK_FIELDS) if not torch.equal(ref[n], other[n])]
+            if diff:
+                problems.append(f"rank {p} differs from rank 0 in: {', '.join(diff)}")
+        if problems:
+            raise ValueError("ranks planned different attentions: " + "; ".join(problems) +
+                             " (every rank must call plan_attention with the same mask and shapes)")
+    ap._checked = True
+
+
+# ----------------------------------------------------------------------------- data movement
+def _check_plan(plan) -> AttentionPlan:
+    if not isinstance(plan, AttentionPlan):
+        raise TypeError(f"`plan` must be an AttentionPlan from ultraattn.plan_attention, got {type(plan).__name__}")
+    if plan.world > 1:
+        if not dist.is_initialized():
+            raise RuntimeError(f"the plan is for {plan.world} ranks but torch.distributed is not initialised")
+        if dist.get_rank() != plan.global_ranks[plan.rank]:
+            raise ValueError(f"the plan was made on global rank {plan.global_ranks[plan.rank]} but this process is "
+                             f"rank {dist.get_rank()}")
+        if plan.group is not dist.group.WORLD and dist.get_world_size(plan.group) != plan.world:
+            raise ValueError(f"the plan is for {plan.world} ranks but its group now has {dist.get_world_size(plan.group)}")
+    elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and plan.group is None:
+        # a 1-rank plan inside a multi-rank job is legal only when made for a 1-rank group
+        pass
+    return plan
+
+
+def _seq_dim(x: Tensor, seq_dim: int, name: str) -> int:
+    if not -x.dim() <= seq_dim < x.dim():
+        raise ValueError(f"`seq_dim`={seq_dim} is out of range for `{name}` with {x.dim()} dims")
+    return seq_dim % x.dim()
+
+
+def dispatch(x: Tensor, plan: AttentionPlan, seq_dim: int = 2) -> Tensor:
+    """This rank's tokens of the global tensor ``x`` (sequence on ``seq_dim``), zero-padded at the tail.
+
+    Differentiable; the gradient flows to this rank's tokens of ``x`` only.
+    """
+    plan = _check_plan(plan)
+    d = _seq_dim(x, seq_dim, "x")
+    if x.shape[d] != plan.seq_len:
+        raise ValueError(f"`x` has {x.shape[d]} tokens on seq_dim={seq_dim} but the plan is for seqlen={plan.seq_len}")
+    pad = plan.padded_len - plan.seq_len
+    if pad:
+        widths = [0, 0] * (x.dim() - 1 - d) + [0, pad]
+        x = torch.nn.functional.pad(x, widths)
+    return x.index_select(d, plan.local_token_index().to(x.device))
+
+
+class _Undispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan: AttentionPlan, d: int):
+        ctx.plan, ctx.d = plan, d
+        return _gather(x, plan, d)
+
+    @staticmethod
+    def backward(ctx, g):
+        # every rank holds the same global gradient (the global view): the local part is a slice
+        return dispatch(g, ctx.plan, ctx.d), None, None
+
+
+def _gather(x: Tensor, plan: AttentionPlan, d: int) -> Tensor:
+    xs = x.movedim(d, 0).contiguous()
+    if plan.world == 1:
+        full = xs
+        order = [0]
+    else:
+        buf = torch.empty((plan.world * xs.shape[0], *xs.shape[1:]), dtype=xs.dtype, device=xs.device)
+        import datetime
+
+        work = _all_gather_single(buf, xs, group=plan.group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=plan.timeout))
+        except Exception as exc:  # noqa: BLE001
+            raise RankTimeoutError(f"rank {plan.rank}: undispatch all-gather did not complete within "
+                                   f"{plan.timeout:g} s; a rank died or never joined: {exc}") from exc
+        full = buf
+        grank = ([dist.get_group_rank(plan.group, g) for g in plan.global_ranks]
+                 if plan.group is not dist.group.WORLD else list(plan.global_ranks))
+        order = grank
+    n = xs.shape[0]
+    pieces = []
+    index = []
+    for p in range(plan.world):
+        gr = order[p]
+        pieces.append(full[gr * n:(gr + 1) * n])
+        index.append(plan.local_token_index(p))
+    cat = torch.cat(pieces)
+    idx = torch.cat(index).to(x.device)
+    out = torch.empty_like(cat)
+    out[idx] = cat
+    return out[: plan.seq_len].movedim(0, d)
+
+
+def undispatch(x_local: Tensor, plan: AttentionPlan, seq_dim: int = 2) -> Tensor:
+    """The global tensor from every rank's tokens (an all-gather), without the tail padding.
+
+    Differentiable: the backward takes this rank's slice of the (replicated) global gradient.
+    """
+    plan = _check_plan(plan)
+    d = _seq_dim(x_local, seq_dim, "x_local")
+    if x_local.shape[d] != plan.local_len:
+        raise ValueError(f"`x_local` has {x_local.shape[d]} tokens on seq_dim={seq_dim} but this rank holds "
+                         f"{plan.local_len} (did you pass a global tensor?)")
+    return _Undispatch.apply(x_local, plan, d)
+
+
+def dist_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor, plan: AttentionPlan, *,
+                   scale: float | None = None, return_lse: bool = True):
+    """Attention of this rank's query tokens over the whole sequence, by the plan.
+
+    Args:
+        q_local: [B, H, L, D] from ``dispatch(q, plan)``; k_local, v_local: [B, Hk, L, D].
+        scale: softmax scale (default 1/sqrt(D)).
+        return_lse: also return the log-sum-exp (fp32 [B, H, L], natural log), differentiable.
+
+    Returns:
+        ``(out_local, lse_local)`` or ``out_local`` (q's dtype).
+    """
+    plan = _check_plan(plan)
+    s = plan.shape
+    want = {"q_local": (s.batch, s.num_heads, plan.local_len, s.head_dim),
+            "k_local": (s.batch, s.kv_heads, plan.local_len, s.head_dim),
+            "v_local": (s.batch, s.kv_heads, plan.local_len, s.head_dim)}
+    for nm, t in (("q_local", q_local), ("k_local", k_local), ("v_local", v_local)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"`{nm}` must be a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != want[nm]:
+            raise ValueError(f"`{nm}` has shape {tuple(t.shape)} but the plan expects {want[nm]} "
+                             f"(batch, heads, local tokens, head_dim); dispatch the global tensor first")
+        if t.dtype != plan.dtype:
+            raise ValueError(f"`{nm}` has dtype {t.dtype} but the plan was made for {plan.dtype}; plan with "
+                             f"dtype={t.dtype} or cast")
+    if not (q_local.device == k_local.device == v_local.device):
+        raise ValueError(f"q_local, k_local, v_local must be on one device, got {q_local.device}, "
+                         f"{k_local.device}, {v_local.device}")
+    check_consistent(plan)
+    sc = 1.0 / math.sqrt(s.head_dim) if scale is None else float(scale)
+    out, lse = run(plan.executor, q_local, k_local, v_local, sc)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,495 @@
+"""Execute a ``TilePlan`` on one rank: forward, backward, and the autograd function.
+
+Static part (``RankProgram``, built once per plan and rank): the plan's transfers that
+touch this rank, sorted into LEVELS so that a message is posted only when its payload
+exists and every wait depends on messages already posted everywhere:
+
+* input messages (q, kv, qdo, do): level 0 leaves the owner (or a rank that kept the unit
+  from the forward); a relay forwards at level L+1 what it received at level L;
+* partial messages (o, dq, dkv): a rank forwards its partial one level after the last
+  partial it receives for the same unit (the reduction tree of plan.py);
+* final messages (out, dq_out, dkv_out, Ulysses-style plans): after every reduction.
+
+Every rank walks the levels in the same order, posting all sends and receives of a level
+before waiting on that level's receives, so the exchange cannot deadlock; tiles whose
+inputs are present run between the posts and the waits (local work overlaps the first
+messages; with gloo and NCCL the transfers progress in the background).
+
+Dynamic part: ``forward`` / ``backward`` move real data, count the bytes of every message
+(``CommLog``) and check each against the planner's prediction.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..planner.plan import TilePlan, Transfer
+from .comm import Comm, CommLog, pack, spec_bytes, unpack
+from .tiles import TileGeometry, merge_partial, row_backward, row_forward
+
+INPUT_TENSORS = {"fwd": ("q", "kv"), "bwd": ("qdo", "do", "kv")}
+PARTIAL_TENSORS = {"fwd": ("o",), "bwd": ("dq", "dkv")}
+FINAL_TENSORS = {"fwd": ("out",), "bwd": ("dq_out", "dkv_out")}
+_FINAL_OF = {"o": "out", "dq": "dq_out", "dkv": "dkv_out"}
+
+
+class PlanExecutionError(ValueError):
+    """The plan cannot be executed as written (a rank would send data it never has, ...)."""
+
+
+Step = tuple[int, Transfer]  # (index in plan.transfers: the message tag, transfer)
+
+
+@dataclass(slots=True)
+class RankProgram:
+    rank: int
+    inputs: dict[str, list[list[Step]]]
+    partials: dict[str, list[list[Step]]]
+    finals: dict[str, list[Step]]
+    rows: list[tuple[int, int, list[int]]]
+    """(head group, q chunk, kv chunks) launched by this rank, in plan kernel order."""
+    finisher: dict[tuple[str, int, int], int]
+    """(partial tensor, chunk, group) -> the rank where its reduction ends."""
+    keep_q: set[tuple[int, int]] = field(default_factory=set)
+    keep_lse: set[tuple[int, int]] = field(default_factory=set)
+    keep_kv: set[tuple[int, int]] = field(default_factory=set)
+
+
+def _levels_inputs(steps: list[Step], have: set[tuple[str, int, int, int]]) -> list[list[Step]]:
+    """Level each input message: the level at which its source holds the unit."""
+    avail = {k: 0 for k in have}
+    level: dict[int, int] = {}
+    todo = list(steps)
+    while todo:
+        rest = []
+        for idx, t in todo:
+            key = (t.tensor, t.chunk, t.head_group, t.src)
+            if key in avail:
+                level[idx] = avail[key]
+                dkey = (t.tensor, t.chunk, t.head_group, t.dst)
+                avail[dkey] = min(avail.get(dkey, 1 << 30), level[idx] + 1)
+            else:
+                rest.append((idx, t))
+        if len(rest) == len(todo):
+            idx, t = rest[0]
+            raise PlanExecutionError(
+                f"transfer #{idx} ({t.phase} {t.tensor} chunk {t.chunk} group {t.head_group}) leaves rank {t.src}, "
+                f"which never holds that unit"
+            )
+        todo = rest
+    return _bucket(steps, level)
+
+
+def _levels_partials(steps: list[Step]) -> list[list[Step]]:
+    """A partial leaves a rank one level after the last partial it receives for the same unit."""
+    level: dict[int, int] = {}
+    incoming: dict[tuple, list[int]] = defaultdict(list)
+    for idx, t in steps:
+        incoming[(t.tensor, t.chunk, t.head_group, t.dst)].append(idx)
+    by_idx = dict(steps)
+
+    def lev(idx: int, depth: int = 0) -> int:
+        if idx in level:
+            return level[idx]
+        if depth > len(steps):
+            raise PlanExecutionError("partial transfers form a cycle")
+        t = by_idx[idx]
+        ins = incoming.get((t.tensor, t.chunk, t.head_group, t.src), [])
+        level[idx] = 1 + max((lev(j, depth + 1) for j in ins), default=-1)
+        return level[idx]
+
+    for idx, _ in steps:
+        lev(idx)
+    return _bucket(steps, level)
+
+
+def _bucket(steps: list[Step], level: dict[int, int]) -> list[list[Step]]:
+    n = 1 + max(level.values(), default=-1)
+    out: list[list[Step]] = [[] for _ in range(n)]
+    for idx, t in steps:
+        out[level[idx]].append((idx, t))
+    return out
+
+
+def build_program(plan: TilePlan, rank: int) -> RankProgram:
+    """The static per-rank program (module docstring); raises ``PlanExecutionError`` on an inconsistent plan."""
+    owner = plan.owner
+    g_count = plan.num_head_groups
+    steps = list(enumerate(plan.transfers))
+    by = defaultdict(list)
+    for idx, t in steps:
+        by[(t.phase, t.tensor)].append((idx, t))
+    known = {tn for ph in ("fwd", "bwd") for group in (INPUT_TENSORS, PARTIAL_TENSORS, FINAL_TENSORS)
+             for tn in group[ph]}
+    for ph, tn in by:
+        if tn not in known:
+            raise PlanExecutionError(f"unknown transfer tensor {tn!r} in phase {ph}")
+    # cells computed per rank
+    computes_row: dict[tuple[int, int], set[int]] = defaultdict(set)   # (c, g) -> ranks
+    computes_col: dict[tuple[int, int], set[int]] = defaultdict(set)
+    rows_of_rank: list[tuple[int, int, list[int]]] = []
+    for k in plan.kernels:
+        per_row: dict[int, list[int]] = defaultdict(list)
+        for i, j in k.cells:
+            per_row[i].append(j)
+            computes_row[(i, k.head_group)].add(k.rank)
+            computes_col[(j, k.head_group)].add(k.rank)
+        if k.rank == rank:
+            rows_of_rank.extend((k.head_group, i, sorted(js)) for i, js in per_row.items())
+    # finishers of each partial unit
+    finisher: dict[tuple[str, int, int], int] = {}
+    for part, fin in _FINAL_OF.items():
+        for c in range(plan.num_chunks):
+            for g in range(g_count):
+                finisher[(part, c, g)] = owner[c]
+        for ph in ("fwd", "bwd"):
+            for _, t in by[(ph, fin)]:
+                finisher[(part, t.chunk, t.head_group)] = t.src
+    owned_units = {(c, g) for c in range(plan.num_chunks) for g in range(g_count)}
+
+    def recv_of(phase: str, tensor: str, r: int) -> set[tuple[int, int]]:
+        return {(t.chunk, t.head_group) for _, t in by[(phase, tensor)] if t.dst == r}
+
+    def sends_of(phase: str, tensor: str, r: int) -> set[tuple[int, int]]:
+        return {(t.chunk, t.head_group) for _, t in by[(phase, tensor)] if t.src == r}
+
+    # forward inputs
+    have_f = {(tn, c, g, owner[c]) for tn in ("q", "kv") for (c, g) in owned_units}
+    inputs = {"fwd": _levels_inputs(by[("fwd", "q")] + by[("fwd", "kv")], have_f)}
+    # backward inputs: owners hold everything; other ranks keep what the forward brought them and the
+    # backward does not bring again (Ulysses keeps q, k, v and the LSE at the computing rank)
+    have_b = {(tn, c, g, owner[c]) for tn in ("qdo", "do", "kv") for (c, g) in owned_units}
+    keep = {r: (set(), set(), set()) for r in range(plan.world)}
+    for r in range(plan.world):
+        got_q, got_kv = recv_of("fwd", "q", r), recv_of("fwd", "kv", r)
+        need_rows = {u for u, rs in computes_row.items() if r in rs} | sends_of("bwd", "do", r)
+        need_cols = {u for u, rs in computes_col.items() if r in rs} | sends_of("bwd", "kv", r)
+        bwd_rows = recv_of("bwd", "qdo", r)
+        for u in need_rows:
+            if owner[u[0]] == r or u in bwd_rows:
+                continue
+            if u not in got_q:
+                continue  # reported below if the plan really lacks it
+            keep[r][0].add(u)
+            keep[r][1].add(u)
+        for u in need_cols - recv_of("bwd", "kv", r):
+            if owner[u[0]] != r and u in got_kv:
+                keep[r][2].add(u)
+                have_b.add(("kv", u[0], u[1], r))
+    inputs["bwd"] = _levels_inputs(by[("bwd", "qdo")] + by[("bwd", "do")] + by[("bwd", "kv")], have_b)
+    kq, kl, kkv = keep[rank]
+    for (c, g) in kl:
+        if finisher[("o", c, g)] != rank:
+            raise PlanExecutionError(
+                f"rank {rank} computes the backward of row {c} (group {g}) from kept data but did not finish its "
+                f"forward, so it lacks the global LSE"
+            )
+    # every bwd row a rank computes must have (q, do, lse, delta) from somewhere
+    for (g, i, _js) in rows_of_rank:
+        u = (i, g)
+        if not (owner[i] == rank or u in recv_of("bwd", "qdo", rank) or (u in kq and u in recv_of("bwd", "do", rank))):
+            raise PlanExecutionError(f"rank {rank} computes row {i} (group {g}) in the backward without its dO")
+    partials = {ph: _levels_partials([s for tn in PARTIAL_TENSORS[ph] for s in by[(ph, tn)]]) for ph in ("fwd", "bwd")}
+    finals = {ph: [s for tn in FINAL_TENSORS[ph] for s in by[(ph, tn)]] for ph in ("fwd", "bwd")}
+    return RankProgram(rank=rank, inputs=inputs, partials=partials, finals=finals, rows=rows_of_rank,
+                       finisher=finisher, keep_q=kq, keep_lse=kl, keep_kv=kkv)
+
+
+# ----------------------------------------------------------------------------- message layouts
+def layout(tensor: str, geo: TileGeometry, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of the pieces of one unit message, in packing order (plan.py's byte table)."""
+    b, c, d, hq, hk = geo.batch, geo.chunk, geo.head_dim, geo.hq, geo.hk
+    f32 = torch.float32
+    row, col, rowv = (b, hq, c, d), (b, hk, c, d), (b, hq, c)
+    return {
+        "q": [(row, dtype)],
+        "kv": [(col, dtype), (col, dtype)],
+        "o": [(row, f32), (rowv, f32)],
+        "out": [(row, dtype), (rowv, f32)],
+        "qdo": [(row, dtype), (row, dtype), (rowv, f32), (rowv, f32)],
+        "do": [(row, dtype), (rowv, f32)],
+        "dq": [(row, f32)],
+        "dkv": [(col, f32), (col, f32)],
+        "dq_out": [(row, dtype)],
+        "dkv_out": [(col, dtype), (col, dtype)],
+    }[tensor]
+
+
+class Executor:
+    """Runs one plan on one rank (module docstring). ``log`` holds the last call's messages per phase."""
+
+    def __init__(self, plan: TilePlan, rank: int, geo: TileGeometry, comm: Comm | None, dtype: torch.dtype):
+        self.plan = plan
+        self.rank = rank
+        self.geo = geo
+        self.comm = comm
+        self.dtype = dtype
+        self.program = build_program(plan, rank)
+        self.local_chunks = plan.local_chunks(rank)
+        self.local_pos = {c: n for n, c in enumerate(self.local_chunks)}
+        self.log: dict[str, CommLog] = {}
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _row_slice(self, x: Tensor, c: int, g: int, heads: int) -> Tensor:
+        n, cs = self.local_pos[c], self.geo.chunk
+        return x[:, g * heads:(g + 1) * heads, n * cs:(n + 1) * cs]
+
+    def _send(self, pending: list, t: Transfer, idx: int, pieces: list[Tensor]) -> None:
+        buf = pack(pieces)
+        if buf.numel() != t.nbytes:
+            raise PlanExecutionError(
+                f"{t.phase} {t.tensor} chunk {t.chunk}: the message holds {buf.numel()} bytes, the plan says "
+                f"{t.nbytes}; plan and runtime disagree on the byte table"
+            )
+        work = self.comm.isend(buf, dst=t.dst, tag=idx, record=(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst))
+        pending.append((work, buf, t))
+
+    def _post_recvs(self, level: list[Step], device: torch.device) -> list:
+        out = []
+        for idx, t in level:
+            if t.dst != self.rank:
+                continue
+            spec = layout(t.tensor, self.geo, self.dtype)
+            buf, work = self.comm.irecv(spec_bytes(spec), src=t.src, tag=idx, device=device,
+                                        record=(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst))
+            out.append((t, buf, work, spec))
+        return out
+
+    def _wait(self, recvs: list):
+        for t, buf, work, spec in recvs:
+            self.comm.wait(work, peer=t.src, what=f"{t.phase} {t.tensor} message for chunk {t.chunk} group {t.head_group}")
+            yield t, unpack(buf, spec)
+
+    def _wait_sends(self, sends: list) -> None:
+        for work, _buf, t in sends:
+            self.comm.wait(work, peer=t.dst, what=f"receipt of {t.phase} {t.tensor} chunk {t.chunk}")
+        sends.clear()
+
+    def _begin(self, phase: str) -> None:
+        if self.comm is not None:
+            self.comm.log = CommLog()
+
+    def _end(self, phase: str) -> None:
+        self.log[phase] = self.comm.log if self.comm is not None else CommLog()
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float):
+        geo, prog, r = self.geo, self.program, self.rank
+        hq, hk, g_count = geo.hq, geo.hk, geo.head_groups
+        self._begin("fwd")
+        rows: dict[tuple[int, int], Tensor] = {}
+        cols: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        for c in self.local_chunks:
+            for g in range(g_count):
+                rows[(c, g)] = self._row_slice(q, c, g, hq)
+                cols[(c, g)] = (self._row_slice(k, c, g, hk), self._row_slice(v, c, g, hk))
+        acc: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        todo = list(prog.rows)
+
+        def run_ready() -> None:
+            nonlocal todo
+            rest = []
+            for g, i, js in todo:
+                if (i, g) in rows and all((j, g) in cols for j in js):
+                    part = row_forward(geo, g, i, js, rows[(i, g)], [cols[(j, g)] for j in js], scale)
+                    acc[(i, g)] = merge_partial(acc.get((i, g)), part)
+                else:
+                    rest.append((g, i, js))
+            todo = rest
+
+        sends: list = []
+        for level in prog.inputs["fwd"]:
+            for idx, t in level:
+                if t.src == r:
+                    u = (t.chunk, t.head_group)
+                    self._send(sends, t, idx, [rows[u]] if t.tensor == "q" else list(cols[u]))
+            recvs = self._post_recvs(level, q.device)
+            run_ready()
+            for t, pieces in self._wait(recvs):
+                u = (t.chunk, t.head_group)
+                if t.tensor == "q":
+                    rows[u] = pieces[0]
+                else:
+                    cols[u] = (pieces[0], pieces[1])
+        run_ready()
+        if todo:
+            g, i, js = todo[0]
+            raise PlanExecutionError(f"rank {r}: row {i} (group {g}) never received its inputs")
+        self._reduce(prog.partials["fwd"], acc, sends, q.device, kind="o")
+        finals: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        keep_lse = {}
+        recvs = self._post_recvs(prog.finals["fwd"], q.device)
+        for idx, t in prog.finals["fwd"]:
+            if t.src == r:
+                u = (t.chunk, t.head_group)
+                o, lse = self._acc_or_empty(acc, u, "o", q.device)
+                self._send(sends, t, idx, [o.to(self.dtype), lse])
+                keep_lse[u] = lse
+        for t, (o, lse) in self._wait(recvs):
+            finals[(t.chunk, t.head_group)] = (o.float(), lse)
+        self._wait_sends(sends)
+        # assemble this rank's rows
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse_all = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        for c in self.local_chunks:
+            for g in range(g_count):
+                u = (c, g)
+                o, lse = finals[u] if u in finals else self._acc_or_empty(acc, u, "o", q.device)
+                self._row_slice(out, c, g, hq).copy_(o)
+                self._row_slice(lse_all, c, g, hq).copy_(lse)
+        saved = {
+            "q": {u: rows[u] for u in prog.keep_q},
+            "kv": {u: cols[u] for u in prog.keep_kv},
+            "lse": {u: keep_lse.get(u, acc.get(u, (None, None))[1]) for u in prog.keep_lse},
+        }
+        self._end("fwd")
+        return out, lse_all, saved
+
+    def _acc_or_empty(self, acc: dict, u: tuple[int, int], kind: str, device) -> tuple[Tensor, ...]:
+        if u in acc:
+            return acc[u]
+        geo = self.geo
+        if kind == "o":
+            return (torch.zeros(geo.batch, geo.hq, geo.chunk, geo.head_dim, device=device),
+                    torch.full((geo.batch, geo.hq, geo.chunk), float("-inf"), device=device))
+        if kind == "dq":
+            return (torch.zeros(geo.batch, geo.hq, geo.chunk, geo.head_dim, device=device),)
+        z = torch.zeros(geo.batch, geo.hk, geo.chunk, geo.head_dim, device=device)
+        return (z, z.clone())
+
+    def _reduce(self, levels: list[list[Step]], acc: dict, sends: list, device, kind: str | None = None,
+                accs: dict | None = None) -> None:
+        """Partial reduction by levels: send own + received partials, merge (o) or add (dq, dkv) arrivals."""
+        r = self.rank
+        for level in levels:
+            for idx, t in level:
+                if t.src == r:
+                    tk = kind or t.tensor
+                    store = acc if accs is None else accs[tk]
+                    u = (t.chunk, t.head_group)
+                    pieces = self._acc_or_empty(store, u, tk, device)
+                    store.pop(u, None)
+                    self._send(sends, t, idx, list(pieces))
+            recvs = self._post_recvs(level, device)
+            for t, pieces in self._wait(recvs):
+                tk = kind or t.tensor
+                store = acc if accs is None else accs[tk]
+                u = (t.chunk, t.head_group)
+                if tk == "o":
+                    store[u] = merge_partial(store.get(u), (pieces[0], pieces[1]))
+                else:
+                    prev = store.get(u)
+                    store[u] = tuple(pieces) if prev is None else tuple(a + b for a, b in zip(prev, pieces))
+
+    # -- backward --------------------------------------------------------------------------
+    def backward(self, q, k, v, out, lse, saved, dout, dlse, scale: float):
+        geo, prog, r = self.geo, self.program, self.rank
+        hq, hk, g_count = geo.hq, geo.hk, geo.head_groups
+        self._begin("bwd")
+        delta_all = (dout.float() * out).sum(-1)
+        if dlse is not None:
+            delta_all = delta_all - dlse.float()
+        rows: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        cols: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        for c in self.local_chunks:
+            for g in range(g_count):
+                rows[(c, g)] = (self._row_slice(q, c, g, hq), self._row_slice(dout, c, g, hq),
+                                self._row_slice(lse, c, g, hq), self._row_slice(delta_all, c, g, hq))
+                cols[(c, g)] = (self._row_slice(k, c, g, hk), self._row_slice(v, c, g, hk))
+        cols.update(saved["kv"])
+        accs: dict[str, dict] = {"dq": {}, "dkv": {}}
+        todo = list(prog.rows)
+
+        def run_ready() -> None:
+            nonlocal todo
+            rest = []
+            for g, i, js in todo:
+                if (i, g) in rows and all((j, g) in cols for j in js):
+                    qi, doi, lsei, deltai = rows[(i, g)]
+                    dq, per_col = row_backward(geo, g, i, js, qi, doi, lsei, deltai, [cols[(j, g)] for j in js], scale)
+                    prev = accs["dq"].get((i, g))
+                    accs["dq"][(i, g)] = (dq,) if prev is None else (prev[0] + dq,)
+                    for j, (dk, dv) in zip(js, per_col):
+                        prev = accs["dkv"].get((j, g))
+                        accs["dkv"][(j, g)] = (dk, dv) if prev is None else (prev[0] + dk, prev[1] + dv)
+                else:
+                    rest.append((g, i, js))
+            todo = rest
+
+        sends: list = []
+        for level in prog.inputs["bwd"]:
+            for idx, t in level:
+                if t.src != r:
+                    continue
+                u = (t.chunk, t.head_group)
+                if t.tensor == "kv":
+                    self._send(sends, t, idx, list(cols[u]))
+                elif t.tensor == "qdo":
+                    self._send(sends, t, idx, [x.contiguous() for x in rows[u]])
+                else:  # do: dO + delta (the computing rank kept q and the LSE)
+                    self._send(sends, t, idx, [rows[u][1], rows[u][3]])
+            recvs = self._post_recvs(level, q.device)
+            run_ready()
+            for t, pieces in self._wait(recvs):
+                u = (t.chunk, t.head_group)
+                if t.tensor == "kv":
+                    cols[u] = (pieces[0], pieces[1])
+                elif t.tensor == "qdo":
+                    rows[u] = tuple(pieces)
+                elif u in saved["q"]:
+                    rows[u] = (saved["q"][u], pieces[0], saved["lse"][u], pieces[1])
+                # else: dO of a row this rank computes nothing for (e.g. an all-padding chunk) -- moved, unused
+        run_ready()
+        if todo:
+            g, i, js = todo[0]
+            raise PlanExecutionError(f"rank {r}: backward row {i} (group {g}) never received its inputs")
+        self._reduce(prog.partials["bwd"], {}, sends, q.device, accs=accs)
+        finals: dict[tuple[str, int, int], tuple] = {}
+        recvs = self._post_recvs(prog.finals["bwd"], q.device)
+        for idx, t in prog.finals["bwd"]:
+            if t.src == r:
+                kind = "dq" if t.tensor == "dq_out" else "dkv"
+                pieces = self._acc_or_empty(accs[kind], (t.chunk, t.head_group), kind, q.device)
+                self._send(sends, t, idx, [p.to(self.dtype) for p in pieces])
+        for t, pieces in self._wait(recvs):
+            finals[(t.tensor, t.chunk, t.head_group)] = tuple(pieces)
+        self._wait_sends(sends)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        for c in self.local_chunks:
+            for g in range(g_count):
+                u = (c, g)
+                got = finals.get(("dq_out", c, g)) or self._acc_or_empty(accs["dq"], u, "dq", q.device)
+                self._row_slice(dq, c, g, hq).copy_(got[0])
+                got = finals.get(("dkv_out", c, g)) or self._acc_or_empty(accs["dkv"], u, "dkv", q.device)
+                self._row_slice(dk, c, g, hk).copy_(got[0])
+                self._row_slice(dv, c, g, hk).copy_(got[1])
+        self._end("bwd")
+        return dq, dk, dv
+
+
+class _DistAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, executor: Executor, scale: float):
+        out, lse, saved = executor.forward(q, k, v, scale)
+        ctx.executor, ctx.scale, ctx.saved = executor, scale, saved
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(q)
+        dq, dk, dv = ctx.executor.backward(q, k, v, out, lse, ctx.saved, dout, dlse, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def run(executor: Executor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Differentiable distributed attention on this rank's shards: (out in q's dtype, lse fp32)."""
+    return _DistAttention.apply(q, k, v, executor, scale)

@@ -1,0 +1,248 @@
+"""Tile compute on any device in plain torch: the reference path of the runtime.
+
+One call computes every cell of one plan row (a Q chunk) that a kernel holds, for one
+head group, as ONE softmax over the KV blocks the row's cells need:
+
+* the block grid says which KV blocks each Q block attends (EMPTY blocks are skipped,
+  never multiplied);
+* FULL blocks need no mask evaluation; a Q block whose gathered KV blocks include a
+  PARTIAL block, or that touches the padded tail, evaluates the mask_mod once (cached);
+* arithmetic is fp32 whatever the input dtype; the partial result is ``(o, lse)`` with
+  ``o`` already normalised by its own sum (merging is done with the LSE, runtime/merge).
+
+GQA: Q heads are viewed as ``[B, Hk, r, L, D]`` against K/V ``[B, Hk, 1, L, D]``: K/V are
+never repeated.
+
+Backward takes the GLOBAL LSE and ``delta = rowsum(dO * O) - dLSE`` (plan.py): with
+``P = exp(S - lse)``, ``dS = P * (dP - delta)``, which is exact for the distributed case
+where a tile's partial output is not the final one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..masks.convert import _eval_mask
+from ..masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
+
+#: bytes of cached element masks per plan before the cache stops growing
+MASK_CACHE_BYTES = 256 << 20
+
+
+def group_kind_grid(pattern: BlockPattern, heads: range, padded_blocks_q: int, padded_blocks_k: int) -> Tensor:
+    """int8 [Qp, Kp] kinds for a set of heads over every batch entry, on the padded grid.
+
+    A cell is FULL only if FULL for every (batch, head); EMPTY only if EMPTY for all; else PARTIAL.
+    """
+    groups = sorted({pattern.head_group_of[h] if pattern.head_group_of else 0 for h in heads})
+    k = pattern.kind_BGQK[:, groups].reshape(-1, *pattern.kind_BGQK.shape[2:])
+    full = (k == FULL).all(0)
+    nonempty = (k != EMPTY).any(0)
+    kind = torch.where(full, FULL, torch.where(nonempty, PARTIAL, EMPTY)).to(torch.int8)
+    out = torch.zeros(padded_blocks_q, padded_blocks_k, dtype=torch.int8)
+    out[: kind.shape[0], : kind.shape[1]] = kind
+    return out
+
+
+@dataclass(slots=True)
+class TileGeometry:
+    """Static facts every tile call needs (one per plan; shared by forward and backward)."""
+
+    seq_len: int
+    chunk: int
+    q_block: int
+    kv_block: int
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_groups: int
+    head_dim: int
+    kind_gQK: list[Tensor]
+    """Per runtime head group: kinds on the padded grid (``group_kind_grid``)."""
+    mask_mod: Callable | None
+    mask_cache: dict = field(default_factory=dict)
+    cache_bytes: int = 0
+
+    @property
+    def hq(self) -> int:
+        return self.num_heads // self.head_groups
+
+    @property
+    def hk(self) -> int:
+        return self.num_kv_heads // self.head_groups
+
+    def _blocks(self, g: int, qa: int, kv_ids: Tensor) -> tuple[Tensor, bool]:
+        """Positions (into ``kv_ids``) of the KV blocks Q block ``qa`` attends, and whether a mask is needed."""
+        kinds = self.kind_gQK[g][qa, kv_ids]
+        sel = (kinds != EMPTY).nonzero().flatten()
+        if sel.numel() == 0:
+            return sel, False
+        s, bq, bk = self.seq_len, self.q_block, self.kv_block
+        tail = (qa + 1) * bq > s or int(kv_ids[sel].max()) * bk + bk > s
+        return sel, bool(tail or (kinds[sel] == PARTIAL).any())
+
+    def _mask(self, g: int, qa: int, blocks: Tensor) -> Tensor:
+        """bool [mb, hk|1, r|1, bq, m*bk] for Q block ``qa`` against KV blocks ``blocks`` (global ids)."""
+        key = (g, qa, tuple(blocks.tolist()))
+        hit = self.mask_cache.get(key)
+        if hit is not None:
+            return hit
+        s, bq, bk = self.seq_len, self.q_block, self.kv_block
+        q_pos = qa * bq + torch.arange(bq)
+        kv_pos = (blocks[:, None] * bk + torch.arange(bk)[None, :]).flatten()
+        valid = (q_pos[:, None] < s) & (kv_pos[None, :] < s)
+        kinds = self.kind_gQK[g][qa, blocks]
+        if (kinds == PARTIAL).any():
+            if self.mask_mod is None:
+                raise ValueError(
+                    "the mask has PARTIAL blocks but no mask_mod to evaluate them: pass the BlockMask or the "
+                    "mask_mod (plan_attention(..., mask_mod=...)) instead of a bare BlockPattern"
+                )
+            b = torch.arange(self.batch).view(-1, 1, 1, 1)
+            h = (g * self.hq + torch.arange(self.hq)).view(1, -1, 1, 1)
+            qi = q_pos.clamp(max=s - 1).view(1, 1, -1, 1)
+            ki = kv_pos.clamp(max=s - 1).view(1, 1, 1, -1)
+            m = _eval_mask(self.mask_mod, b, h, qi, ki)
+            # keep the smallest broadcast shape: a mask that ignores b or h stays size 1 there
+            if bool((m == m[:1]).all()):
+                m = m[:1]
+            if bool((m == m[:, :1]).all()):
+                m = m[:, :1]
+            m = m & valid
+        else:
+            m = valid[None, None]
+        mb, mh = m.shape[0], m.shape[1]
+        r = self.num_heads // self.num_kv_heads
+        m5 = m.view(mb, 1, 1, bq, -1) if mh == 1 else m.view(mb, self.hk, r, bq, -1)
+        nbytes = m5.numel()
+        if self.cache_bytes + nbytes <= MASK_CACHE_BYTES:
+            self.mask_cache[key] = m5
+            self.cache_bytes += nbytes
+        return m5
+
+
+def _view5(x: Tensor, hk: int) -> Tensor:
+    """[B, Hq, L, D] -> [B, Hk, r, L, D] (a view)."""
+    b, hq, ln, d = x.shape
+    return x.view(b, hk, hq // hk, ln, d)
+
+
+def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, kvs: list[tuple[Tensor, Tensor]],
+                scale: float) -> tuple[Tensor, Tensor]:
+    """Partial attention of Q chunk ``i`` (head group ``g``) over KV chunks ``cols``.
+
+    Args:
+        q: [B, hq, C, D] the row's queries (any float dtype).
+        kvs: per column, (K, V) each [B, hk, C, D].
+
+    Returns:
+        o fp32 [B, hq, C, D] (normalised) and lse fp32 [B, hq, C]; rows that attend nothing get
+        o = 0 and lse = -inf.
+    """
+    c, bq, bk, hk = geo.chunk, geo.q_block, geo.kv_block, geo.hk
+    bsz, hq, _, d = q.shape
+    r = hq // hk
+    k_cat = torch.cat([k for k, _ in kvs], dim=2).float()
+    v_cat = torch.cat([v for _, v in kvs], dim=2).float()
+    nbk = c // bk
+    kv_ids = torch.cat([j * nbk + torch.arange(nbk) for j in cols])
+    kb = k_cat.view(bsz, hk, -1, bk, d)
+    vb = v_cat.view(bsz, hk, -1, bk, d)
+    q5 = _view5(q, hk)
+    o = torch.zeros(bsz, hk, r, c, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((bsz, hk, r, c), -math.inf, dtype=torch.float32, device=q.device)
+    for a in range(c // bq):
+        qa = i * (c // bq) + a
+        sel, need_mask = geo._blocks(g, qa, kv_ids)
+        if sel.numel() == 0:
+            continue
+        ks = kb[:, :, sel].reshape(bsz, hk, 1, -1, d)
+        vs = vb[:, :, sel].reshape(bsz, hk, 1, -1, d)
+        qs = q5[:, :, :, a * bq:(a + 1) * bq].float()
+        s = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+        if need_mask:
+            s = s.masked_fill(~geo._mask(g, qa, kv_ids[sel]).to(s.device), -math.inf)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m)
+        ssum = p.sum(-1, keepdim=True)
+        o[:, :, :, a * bq:(a + 1) * bq] = torch.matmul(p, vs) / torch.where(ssum > 0, ssum, torch.ones_like(ssum))
+        lse[:, :, :, a * bq:(a + 1) * bq] = (m + torch.log(ssum)).squeeze(-1)
+    return o.view(bsz, hq, c, d), lse.view(bsz, hq, c)
+
+
+def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, do: Tensor, lse: Tensor,
+                 delta: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float,
+                 ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    """Gradients of row ``i``'s tiles: dq fp32 [B, hq, C, D] and per column (dK, dV) fp32 [B, hk, C, D].
+
+    ``lse`` is the GLOBAL log-sum-exp of the row and ``delta = rowsum(dO * O) - dLSE`` (fp32 [B, hq, C]).
+    """
+    c, bq, bk, hk = geo.chunk, geo.q_block, geo.kv_block, geo.hk
+    bsz, hq, _, d = q.shape
+    k_cat = torch.cat([k for k, _ in kvs], dim=2).float()
+    v_cat = torch.cat([v for _, v in kvs], dim=2).float()
+    nbk = c // bk
+    kv_ids = torch.cat([j * nbk + torch.arange(nbk) for j in cols])
+    kb = k_cat.view(bsz, hk, -1, bk, d)
+    vb = v_cat.view(bsz, hk, -1, bk, d)
+    dkb = torch.zeros_like(kb)
+    dvb = torch.zeros_like(vb)
+    q5, do5 = _view5(q, hk), _view5(do, hk)
+    r = hq // hk
+    lse5 = lse.view(bsz, hk, r, c)
+    lse5 = torch.where(torch.isinf(lse5), torch.zeros_like(lse5), lse5)
+    delta5 = delta.view(bsz, hk, r, c)
+    dq = torch.zeros(bsz, hk, r, c, d, dtype=torch.float32, device=q.device)
+    for a in range(c // bq):
+        qa = i * (c // bq) + a
+        sel, need_mask = geo._blocks(g, qa, kv_ids)
+        if sel.numel() == 0:
+            continue
+        rows = slice(a * bq, (a + 1) * bq)
+        m_sel = sel.numel()
+        ks = kb[:, :, sel].reshape(bsz, hk, 1, -1, d)
+        vs = vb[:, :, sel].reshape(bsz, hk, 1, -1, d)
+        qs = q5[:, :, :, rows].float()
+        dos = do5[:, :, :, rows].float()
+        s = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+        p = torch.exp(s - lse5[:, :, :, rows, None])
+        if need_mask:
+            p = p.masked_fill(~geo._mask(g, qa, kv_ids[sel]).to(p.device), 0.0)
+        dv = torch.matmul(p.transpose(-1, -2), dos).sum(2)
+        dp = torch.matmul(dos, vs.transpose(-1, -2))
+        ds = p * (dp - delta5[:, :, :, rows, None])
+        dq[:, :, :, rows] = torch.matmul(ds, ks) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), qs).sum(2) * scale
+        dkb.index_add_(2, sel.to(dkb.device), dk.view(bsz, hk, m_sel, bk, d))
+        dvb.index_add_(2, sel.to(dvb.device), dv.view(bsz, hk, m_sel, bk, d))
+    dk_cat = dkb.view(bsz, hk, -1, d)
+    dv_cat = dvb.view(bsz, hk, -1, d)
+    per_col = [(dk_cat[:, :, n * c:(n + 1) * c], dv_cat[:, :, n * c:(n + 1) * c]) for n in range(len(cols))]
+    return dq.view(bsz, hq, c, d), per_col
+
+
+def merge_partial(acc: tuple[Tensor, Tensor] | None, part: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Merge two normalised partials ``(o, lse)`` (fp32) in the stable log-sum-exp form.
+
+    ``lse = max + log(exp(a - max) + exp(b - max))`` never exponentiates a positive number;
+    rows where both sides are -inf stay (0, -inf) without NaN.
+    """
+    if acc is None:
+        return part
+    o_a, l_a = acc
+    o_b, l_b = part
+    mx = torch.maximum(l_a, l_b)
+    mx_safe = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+    w_a = torch.exp(l_a - mx_safe)
+    w_b = torch.exp(l_b - mx_safe)
+    tot = w_a + w_b
+    lse = mx_safe + torch.log(tot)
+    tot_safe = torch.where(tot > 0, tot, torch.ones_like(tot))
+    o = (o_a * (w_a / tot_safe)[..., None]) + (o_b * (w_b / tot_safe)[..., None])
+    return o, lse

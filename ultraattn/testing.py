@@ -1,0 +1,121 @@
+"""Run a function on N local ranks over gloo (127.0.0.1), for tests and CPU benchmarks.
+
+    results = run_ranks(worker, world=4, args=(case,), timeout=120)
+
+``worker(rank, world, *args)`` runs in a fresh spawned process with the default process
+group initialised (gloo, a free port, ``pg_timeout`` seconds on every collective); its return
+value comes back (via ``torch.save`` bytes, so tensors survive). An exception in any rank is
+re-raised in the caller with that rank's traceback; a rank that hangs or dies is killed at
+``timeout`` and reported by rank number. Nothing is left running.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died, or did not finish in time."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, pg_timeout: float, threads: int, args: tuple,
+           out: mp.Queue) -> None:
+    try:
+        torch.set_num_threads(threads)
+        import torch.distributed as dist
+
+        if world > 0:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=pg_timeout))
+        try:
+            res = fn(rank, world, *args)
+        finally:
+            if world > 0 and dist.is_initialized():
+                dist.destroy_process_group()
+        buf = io.BytesIO()
+        torch.save(res, buf)
+        out.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - everything goes back to the caller
+        out.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world: int, *, args: tuple = (), timeout: float = 180.0, pg_timeout: float = 60.0,
+              threads: int = 1, env: dict[str, str] | None = None) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; returns the results in rank order.
+
+    ``world=0`` runs one process without a process group (rank 0, "world" argument 0).
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    out = ctx.Queue()
+    n = max(world, 1)
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, pg_timeout, threads, args, out), daemon=True)
+                 for r in range(n)]
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(results) + len(errors) < n:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                break
+            try:
+                rank, ok, payload = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and r not in errors]
+                if dead and all(not p.is_alive() for r, p in enumerate(procs) if r not in results and r not in errors):
+                    # drain anything that arrived late, then report the silent ranks
+                    try:
+                        while True:
+                            rank, ok, payload = out.get(timeout=0.5)
+                            (results if ok else errors)[rank] = (torch.load(io.BytesIO(payload), weights_only=False)
+                                                                 if ok else payload)
+                    except queue.Empty:
+                        pass
+                    for r in dead:
+                        if r not in results and r not in errors:
+                            errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
+                    break
+                continue
+            if ok:
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if errors or len(results) < n else 5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    missing = [r for r in range(n) if r not in results and r not in errors]
+    if errors or missing:
+        msg = [f"rank {r} failed:\n{errors[r]}" for r in sorted(errors)]
+        msg += [f"rank {r} did not finish within {timeout:g} s" for r in missing]
+        raise RankFailure("\n".join(msg))
+    return [results[r] for r in range(n)]
