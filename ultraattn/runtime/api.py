@@ -36,7 +36,7 @@ from ..planner.baselines import BASELINES
 from ..planner.cost import DEFAULT_COST, CostModel
 from ..planner.plan import AttnShape, Mesh, TilePlan
 from ..planner.tiling import PlannerOptions
-from .comm import Comm, RankTimeoutError, _all_gather_single, all_gather_bytes
+from .comm import Comm, RankTimeoutError, _all_gather_single, store_exchange
 from .executor import Executor, run
 from .tiles import TileGeometry, group_kind_grid
 
@@ -311,27 +311,32 @@ def _digests(ap: AttentionPlan) -> Tensor:
 
 
 def check_consistent(ap: AttentionPlan) -> None:
-    """All ranks must hold the same mask, shapes, mesh and plan; raises naming the ranks and fields that differ."""
+    """All ranks must hold the same mask, shapes, mesh and plan; raises naming the ranks and fields that differ,
+    or the ranks that never arrive (through the process group's store, with the plan's timeout)."""
     if ap._checked:
         return
     if ap.world > 1:
         if not dist.is_initialized():
             raise RuntimeError(f"the plan is for {ap.world} ranks but torch.distributed is not initialised")
-        mine = _digests(ap)
-        allv = all_gather_bytes(mine, group=ap.group, world=ap.world, timeout=ap.timeout,
-                                what="the plan consistency check", rank=ap.rank)
-        grank = [dist.get_group_rank(ap.group, g) if ap.group is not dist.group.WORLD else g for g in ap.global_ranks]
-        ref = allv[grank[0]].view(len(_CHECK_FIELDS), 8)
+        _CHECK_COUNT[ap.global_ranks] = n = _CHECK_COUNT.get(ap.global_ranks, 0) + 1
+        key = f"ultraattn/check/{'-'.join(map(str, ap.global_ranks))}/{n}"
+        values = store_exchange(key, bytes(_digests(ap).tolist()), rank=ap.rank, world=ap.world, timeout=ap.timeout)
+        width = 8
+        ref = values[0]
         problems = []
         for p in range(1, ap.world):
-            other = allv[grank[p]].view(len(_CHECK_FIELDS), 8)
-            diff = [f for n, f in enumerate(_CHECK_FIELDS) if not torch.equal(ref[n], other[n])]
+            diff = [f for n_, f in enumerate(_CHECK_FIELDS)
+                    if ref[n_ * width:(n_ + 1) * width] != values[p][n_ * width:(n_ + 1) * width]]
             if diff:
                 problems.append(f"rank {p} differs from rank 0 in: {', '.join(diff)}")
         if problems:
-            raise ValueError("ranks planned different attentions: " + "; ".join(problems) +
+            raise ValueError(f"rank {ap.rank}: ranks planned different attentions: " + "; ".join(problems) +
                              " (every rank must call plan_attention with the same mask and shapes)")
     ap._checked = True
+
+
+#: consistency checks so far per rank set (every rank checks its plans in the same order)
+_CHECK_COUNT: dict[tuple[int, ...], int] = {}
 
 
 # ----------------------------------------------------------------------------- data movement

@@ -14,6 +14,7 @@ that peer and what was expected from it, instead of hanging.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,13 +34,13 @@ def pack(tensors: Sequence[Tensor]) -> Tensor:
 
 def unpack(buf: Tensor, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Tensor]:
     """Inverse of ``pack`` given the (shape, dtype) of each piece."""
+    if buf.numel() != spec_bytes(specs):
+        raise RuntimeError(f"message of {buf.numel()} bytes does not match its layout ({spec_bytes(specs)} bytes)")
     out, off = [], 0
     for shape, dtype in specs:
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         out.append(buf[off:off + n].view(dtype).view(shape))
         off += n
-    if off != buf.numel():
-        raise RuntimeError(f"message of {buf.numel()} bytes does not match its layout ({off} bytes)")
     return out
 
 
@@ -73,42 +74,67 @@ class Comm:
         self.timeout = timeout
         self.log = CommLog()
 
-    def _td(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=self.timeout)
-
     def isend(self, buf: Tensor, *, dst: int, tag: int, record: tuple) -> object:
         self.log.records.append((record[0], "send", *record[1:], buf.numel(), tag))
-        return dist.isend(buf, dst=self.global_ranks[dst], group=self.group, tag=tag)
+        try:
+            return dist.isend(buf, dst=self.global_ranks[dst], group=self.group, tag=tag)
+        except Exception as exc:  # noqa: BLE001 - a closed connection fails at post time
+            raise RankTimeoutError(f"rank {self.rank}: cannot send {record[1]} to rank {dst} (it died or timed "
+                                   f"out earlier): {exc}") from exc
 
     def irecv(self, nbytes: int, *, src: int, tag: int, device: torch.device, record: tuple) -> tuple[Tensor, object]:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.log.records.append((record[0], "recv", *record[1:], nbytes, tag))
-        return buf, dist.irecv(buf, src=self.global_ranks[src], group=self.group, tag=tag)
-
-    def wait(self, work, *, peer: int, what: str) -> None:
-        """Wait for one message with the timeout; name the peer on failure."""
         try:
-            ok = work.wait(timeout=self._td())
+            return buf, dist.irecv(buf, src=self.global_ranks[src], group=self.group, tag=tag)
+        except Exception as exc:  # noqa: BLE001
+            raise RankTimeoutError(f"rank {self.rank}: cannot receive {record[1]} from rank {src} (it died or "
+                                   f"timed out earlier): {exc}") from exc
+
+    def wait(self, work, *, peer: int, what: str, timeout: float | None = None) -> None:
+        """Wait for one message with the timeout (or ``timeout``); name the peer on failure.
+
+        (Polling ``is_completed`` is no alternative: gloo's point-to-point works only complete
+        inside ``wait``. A gloo timeout closes the connections, so the plan check uses the
+        store instead, see ``store_exchange``.)
+        """
+        limit = self.timeout if timeout is None else max(timeout, 0.05)
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=limit))
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses with varied text
             raise RankTimeoutError(
-                f"rank {self.rank}: no {what} from rank {peer} within {self.timeout:g} s "
+                f"rank {self.rank}: no {what} from rank {peer} within {limit:g} s "
                 f"(rank {peer} died, never joined, or runs a different plan): {exc}"
             ) from exc
         if ok is False:
-            raise RankTimeoutError(f"rank {self.rank}: no {what} from rank {peer} within {self.timeout:g} s")
+            raise RankTimeoutError(f"rank {self.rank}: no {what} from rank {peer} within {limit:g} s")
 
 
-def all_gather_bytes(payload: Tensor, *, group, world: int, timeout: float, what: str, rank: int) -> Tensor:
-    """All-gather a small uint8 vector with a bounded wait: [world, n]. Names silent ranks on timeout."""
-    out = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-    work = _all_gather_single(out, payload, group=group, async_op=True)
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except Exception as exc:  # noqa: BLE001
-        raise RankTimeoutError(
-            f"rank {rank}: {what} did not complete within {timeout:g} s; a rank died or never joined: {exc}"
-        ) from exc
-    return out.view(world, payload.numel())
+def store_exchange(key: str, value: bytes, *, rank: int, world: int, timeout: float) -> list[bytes]:
+    """Every rank publishes ``value`` under ``key`` in the process group's store and reads everyone's.
+
+    Names every rank that has not published within ``timeout`` (RankTimeoutError). The store is
+    the rendezvous channel torch.distributed already has; using it leaves the data connections
+    untouched, so no rank's failure cascades into unrelated errors on the others.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{key}/{rank}", value)
+    deadline = time.monotonic() + timeout
+    missing = list(range(world))
+    nap = 1e-3
+    while True:
+        missing = [r for r in missing if not store.check([f"{key}/{r}"])]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            who = ", ".join(f"rank {r}" for r in missing)
+            raise RankTimeoutError(
+                f"rank {rank}: {who} did not reach dist_attention within {timeout:g} s "
+                f"(died, never joined, or is stuck elsewhere)"
+            )
+        time.sleep(nap)
+        nap = min(nap * 2, 0.05)
+    return [store.get(f"{key}/{r}") for r in range(world)]
 
 
 def _all_gather_single(out: Tensor, inp: Tensor, *, group, async_op: bool):

@@ -1,0 +1,244 @@
+"""Runtime benchmark on CPU: 4 gloo ranks, forward + backward wall time per step.
+
+For each mask, side by side in ONE run (same processes, same inputs, same thread count):
+
+* ``ultraattn``: the planned plan, executed by ultraattn's runtime;
+* ``ring``, ``zigzag``, ``allgather``: the baselines' plans executed by the same runtime;
+* ``flex_cp``: PyTorch's own FlexAttention context parallel (all-gather K/V, head-tail load
+  balancing; private API, see benchmarks/_flex_cp_peer.py), eager on CPU.
+
+Then the CP overhead: ultraattn with one rank (no process group) against plain single-process
+attention on the same mask (SDPA with the dense boolean mask, the best plain CPU path for an
+arbitrary mask; eager ``flex_attention`` on CPU is a dense reference implementation and slower).
+
+Every timed step is a full forward + backward with a barrier before and after; the figure is
+the median over ``--reps`` steps after one warm-up step. Ratios are against the fastest other
+method measured in the same run.
+
+    python benchmarks/runtime_cpu.py                      # S = 8K and 16K, 5 masks (long: ~30 min)
+    python benchmarks/runtime_cpu.py --seqlens 8192 --reps 2
+    -> benchmarks/results/runtime_cpu.json and .png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+MASKS = ("causal", "strided", "global_local", "document", "sliding_window")
+METHODS = ("ultraattn", "ring", "zigzag", "allgather")
+
+
+def mask_spec(name: str, seqlen: int) -> str:
+    if name == "document":  # uneven packed documents
+        fr = (0.37, 0.12, 0.30)
+        lens = [int(seqlen * f) for f in fr]
+        lens.append(seqlen - sum(lens))
+        return "document:lengths=" + "+".join(map(str, lens))
+    return name
+
+
+def _step(fn, reps: int, barrier) -> list[float]:
+    times = []
+    for n in range(reps + 1):
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        barrier()
+        if n:  # the first step is a warm-up
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
+    import torch.distributed as dist
+
+    import ultraattn
+    from ultraattn.masks import parse_mask_spec
+    from ultraattn.planner.tiling import PlannerOptions
+
+    torch.manual_seed(0)
+    rows = []
+    h, d, reps = cfg["heads"], cfg["head_dim"], cfg["reps"]
+    for s in cfg["seqlens"]:
+        for mask in cfg["masks"]:
+            spec = mask_spec(mask, s)
+            mm = parse_mask_spec(spec, s)
+            q, k, v = (torch.randn(1, h, s, d) for _ in range(3))
+            for method in cfg["methods"]:
+                row = {"seqlen": s, "mask": mask, "spec": spec, "method": method}
+                try:
+                    if method == "flex_cp":
+                        from _flex_cp_peer import flex_cp_step
+
+                        def fn():
+                            flex_cp_step(q, k, v, mm, seq_len=s, rank=rank, world=world)
+                        t_plan = 0.0
+                        sent = None
+                    else:
+                        t0 = time.perf_counter()
+                        plan = ultraattn.plan_attention(mm, seqlen=s, num_heads=h, head_dim=d, dtype=torch.float32,
+                                                        method=method, options=PlannerOptions(time_budget=10),
+                                                        timeout=600)
+                        t_plan = time.perf_counter() - t0
+                        ql, kl, vl = (ultraattn.dispatch(x, plan).requires_grad_() for x in (q, k, v))
+                        go = torch.randn(1, h, plan.local_len, d)
+
+                        def fn():
+                            out, lse = ultraattn.dist_attention(ql, kl, vl, plan)
+                            out.backward(go)
+                        sent = None
+                    times = _step(fn, reps, dist.barrier)
+                    if method != "flex_cp":
+                        tot = plan.comm_log
+                        sent = sum(v["sent"] for ph in tot.values() for v in ph.totals().values())
+                        row["structure"] = plan.tile_plan.meta.get("structure", method)
+                    row.update(seconds=statistics.median(times), all_seconds=times, plan_seconds=t_plan,
+                               bytes_sent=sent)
+                except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                # the step time is the slowest rank's (barriers); bytes are summed over ranks
+                gathered = [None] * world
+                dist.all_gather_object(gathered, row)
+                if rank == 0:
+                    merged = dict(row)
+                    if "seconds" in row:
+                        merged["seconds"] = max(g.get("seconds", math.inf) for g in gathered)
+                        if row.get("bytes_sent") is not None:
+                            merged["bytes_sent"] = sum(g.get("bytes_sent") or 0 for g in gathered)
+                    rows.append(merged)
+                    print(f"  S={s} {mask:15s} {method:10s} "
+                          + (f"{merged['seconds']:.3f} s" if "seconds" in merged else merged.get("error", "")),
+                          flush=True)
+    return rows
+
+
+def overhead(cfg: dict) -> list[dict]:
+    """ultraattn at one rank vs plain single-process SDPA with the dense mask (same threads)."""
+    import ultraattn
+    from ultraattn.masks import convert, parse_mask_spec
+
+    torch.set_num_threads(cfg["threads_single"])
+    rows = []
+    h, d, reps = cfg["heads"], cfg["head_dim"], cfg["reps"]
+    s = min(cfg["seqlens"])
+    for mask in cfg["masks"]:
+        mm = parse_mask_spec(mask_spec(mask, s), s)
+        q, k, v = (torch.randn(1, h, s, d, requires_grad=True) for _ in range(3))
+        go = torch.randn(1, h, s, d)
+        dense = convert._eval_mask(mm, torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                                   torch.arange(s).view(1, 1, -1, 1), torch.arange(s).view(1, 1, 1, -1))
+        plan = ultraattn.plan_attention(mm, seqlen=s, num_heads=h, head_dim=d, dtype=torch.float32)
+
+        def ours():
+            out, _ = ultraattn.dist_attention(*(ultraattn.dispatch(x, plan) for x in (q, k, v)), plan)
+            out.backward(ultraattn.dispatch(go, plan))
+
+        def plain():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+            out.backward(go)
+
+        t_ours = statistics.median(_step(ours, reps, lambda: None))
+        t_plain = statistics.median(_step(plain, reps, lambda: None))
+        rows.append({"seqlen": s, "mask": mask, "ultraattn_1rank_s": t_ours, "sdpa_dense_mask_s": t_plain,
+                     "overhead": t_ours / t_plain})
+        print(f"  1 rank S={s} {mask:15s} ultraattn {t_ours:.3f} s  sdpa(dense mask) {t_plain:.3f} s", flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for s in sorted({r["seqlen"] for r in rows}):
+        for mask in dict.fromkeys(r["mask"] for r in rows):
+            sub = {r["method"]: r for r in rows if r["seqlen"] == s and r["mask"] == mask and "seconds" in r}
+            if "ultraattn" not in sub:
+                continue
+            ours = sub["ultraattn"]["seconds"]
+            others = {m: r["seconds"] for m, r in sub.items() if m != "ultraattn"}
+            best = min(others, key=others.get) if others else None
+            out.append({"seqlen": s, "mask": mask, "ultraattn_s": ours,
+                        "speedup_vs": {m: t / ours for m, t in others.items()},
+                        "best_other": best, "speedup_vs_best": (others[best] / ours) if best else None})
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "seconds" in r]
+    seqlens = sorted({r["seqlen"] for r in rows})
+    methods = [m for m in result["config"]["methods"] if any(r["method"] == m for r in rows)]
+    fig, axes = plt.subplots(1, len(seqlens), figsize=(6.5 * len(seqlens), 4.2), squeeze=False)
+    for ax, s in zip(axes[0], seqlens):
+        masks = list(dict.fromkeys(r["mask"] for r in rows if r["seqlen"] == s))
+        w = 0.8 / max(len(methods), 1)
+        for n, m in enumerate(methods):
+            ys = []
+            for mask in masks:
+                hit = [r for r in rows if r["seqlen"] == s and r["mask"] == mask and r["method"] == m]
+                ys.append(hit[0]["seconds"] if hit else float("nan"))
+            ax.bar([i + n * w for i in range(len(masks))], ys, width=w, label=m)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(masks))], masks, rotation=20)
+        ax.set_ylabel("fwd+bwd seconds per step (lower is better)")
+        ax.set_title(f"4 gloo ranks on CPU, S={s}, {result['config']['heads']} heads, d={result['config']['head_dim']}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
+    ap.add_argument("--methods", nargs="+", default=[*METHODS, "flex_cp"], choices=[*METHODS, "flex_cp"])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--no-overhead", action="store_true")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "runtime_cpu.json")
+    args = ap.parse_args(argv)
+    from ultraattn.testing import run_ranks
+
+    cfg = {"seqlens": args.seqlens, "masks": args.masks, "methods": args.methods, "heads": args.heads,
+           "head_dim": args.head_dim, "reps": args.reps, "world": args.world,
+           "threads_per_rank": args.threads, "threads_single": os.cpu_count() or 1, "dtype": "fp32"}
+    print(f"runtime_cpu: {args.world} ranks, {cfg}", flush=True)
+    t0 = time.time()
+    rows = run_ranks(rank_worker, args.world, args=(cfg,), timeout=6 * 3600, pg_timeout=3600,
+                     threads=args.threads)[0]
+    over = [] if args.no_overhead else overhead(cfg)
+    result = {
+        "command": "python benchmarks/runtime_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "config": cfg, "rows": rows, "summary": summarize(rows), "overhead_1rank": over,
+        "wall_seconds": time.time() - t0,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    plot(result, args.out.with_suffix(".png"))
+    for r in result["summary"]:
+        vs = ", ".join(f"{m} {x:.2f}x" for m, x in r["speedup_vs"].items())
+        print(f"S={r['seqlen']} {r['mask']:15s} ultraattn {r['ultraattn_s']:.3f} s; speedup vs {vs}")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

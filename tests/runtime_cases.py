@@ -1,0 +1,223 @@
+"""Shared pieces of the runtime tests: case specs, mask builders, the dense reference, rank workers.
+
+Workers run in spawned processes (``ultraattn.testing.run_ranks``), so everything they take is
+plain data: a case names its mask by factory and arguments and rebuilds it in the process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.nn.attention.flex_attention import create_block_mask
+
+import ultraattn
+from ultraattn.masks import convert
+from ultraattn.planner.tiling import PlannerOptions
+
+FAST = PlannerOptions(time_budget=2.0, ilp_time_limit=1.0, schedule_time_limit=0.5, heuristic_seconds=0.2)
+
+_DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Case:
+    mask: str
+    kwargs: tuple = ()
+    seqlen: int = 200
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 16
+    batch: int = 1
+    dtype: str = "fp32"
+    method: str = "ultraattn"
+    block: int = 32
+    mesh: tuple[int, int] | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        kw = ",".join(f"{k}={v}" for k, v in self.kwargs)
+        gqa = f"-gqa{self.heads // self.kv_heads}" if self.kv_heads != self.heads else ""
+        m = f"-{self.mesh[0]}x{self.mesh[1]}" if self.mesh else ""
+        return f"{self.mask}({kw})-S{self.seqlen}{gqa}-{self.dtype}-{self.method}{m}"
+
+
+def random_dense(seed: int, seqlen: int, block: int) -> torch.Tensor:
+    """A random block-structured bool mask [S, S]: each block EMPTY, FULL or random PARTIAL; every row attends."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-seqlen // block)
+    kind = torch.randint(0, 3, (nb, nb), generator=g)
+    fine = torch.rand(nb * block, nb * block, generator=g) < 0.5
+    kind_el = kind.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    dense = (kind_el == 2) | ((kind_el == 1) & fine)
+    dense = dense[:seqlen, :seqlen].clone()
+    dense.fill_diagonal_(True)
+    return dense
+
+
+def mask_mod_of(case: Case):
+    """The case's mask_mod (and, for random masks, the dense table it reads)."""
+    kw = dict(case.kwargs)
+    if case.mask in ("causal", "full"):
+        return getattr(ultraattn.masks, f"generate_{case.mask}")()
+    if case.mask == "random":
+        dense = random_dense(case.seed, case.seqlen, case.block)
+
+        def random_mask(b, h, q_idx, kv_idx):
+            return dense[q_idx, kv_idx]
+
+        return random_mask
+    return getattr(ultraattn.masks, f"generate_{case.mask}")(**kw)
+
+
+def plan_mask(case: Case):
+    """What the rank passes to plan_attention: a BlockMask for random masks (the FlexAttention path),
+    the string for causal/full, else the mask_mod."""
+    if case.mask == "random":
+        return create_block_mask(mask_mod_of(case), None, None, case.seqlen, case.seqlen, device="cpu",
+                                 BLOCK_SIZE=case.block)
+    if case.mask in ("causal", "full"):
+        return case.mask
+    return mask_mod_of(case)
+
+
+def inputs(case: Case):
+    g = torch.Generator().manual_seed(1000 + case.seed)
+    dt = _DT[case.dtype]
+    b, s, d = case.batch, case.seqlen, case.head_dim
+    q = torch.randn(b, case.heads, s, d, generator=g).to(dt)
+    k = torch.randn(b, case.kv_heads, s, d, generator=g).to(dt)
+    v = torch.randn(b, case.kv_heads, s, d, generator=g).to(dt)
+    go = torch.randn(b, case.heads, s, d, generator=g).to(dt)
+    gl = torch.randn(b, case.heads, s, generator=g)
+    return q, k, v, go, gl
+
+
+def dense_mask(case: Case) -> torch.Tensor:
+    s = case.seqlen
+    mm = mask_mod_of(case)
+    return convert._eval_mask(mm, torch.arange(case.batch).view(-1, 1, 1, 1),
+                              torch.arange(case.heads).view(1, -1, 1, 1), torch.arange(s).view(1, 1, -1, 1),
+                              torch.arange(s).view(1, 1, 1, -1))
+
+
+def reference(case: Case, dtype: torch.dtype):
+    """Single-device dense attention in ``dtype`` (fp64: the oracle): out, lse, dq, dk, dv."""
+    q, k, v, go, gl = inputs(case)
+    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
+    r = case.heads // case.kv_heads
+    kk, vv = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    m = dense_mask(case)
+    s = (q @ kk.transpose(-1, -2)) * (1.0 / math.sqrt(case.head_dim))
+    s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    out = p @ vv
+    loss = (out.double() * go.double()).sum() + (lse.double() * gl.double()).sum()
+    loss.backward()
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def run_case(case: Case, rank: int, world: int, timeout: float = 60.0) -> dict:
+    mesh = None
+    if case.mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=("node", "device"))
+    t0 = time.perf_counter()
+    plan = ultraattn.plan_attention(plan_mask(case), seqlen=case.seqlen, num_heads=case.heads, head_dim=case.head_dim,
+                                    num_kv_heads=case.kv_heads, batch=case.batch, dtype=_DT[case.dtype],
+                                    block_size=case.block, method=case.method, mesh=mesh, options=FAST,
+                                    timeout=timeout)
+    t_plan = time.perf_counter() - t0
+    q, k, v, go, gl = inputs(case)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    ql, kl, vl = (ultraattn.dispatch(x, plan) for x in (q, k, v))
+    o, lse = ultraattn.dist_attention(ql, kl, vl, plan)
+    out = ultraattn.undispatch(o, plan)
+    lse_g = ultraattn.undispatch(lse, plan)
+    ((out.double() * go.double()).sum() + (lse_g.double() * gl.double()).sum()).backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    if world > 1:
+        for g in grads:  # each rank holds its own tokens' gradient: the sum is the full one
+            dist.all_reduce(g)
+    log = plan.comm_log
+    records = [r[:8] for ph in ("fwd", "bwd") for r in log[ph].records]
+    res = {"records": records, "rank": plan.rank, "plan_seconds": t_plan}
+    if rank == 0:
+        tp = plan.tile_plan
+        res.update(out=out.detach(), lse=lse_g.detach(), dq=grads[0], dk=grads[1], dv=grads[2],
+                   transfers=[(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst, t.nbytes) for t in tp.transfers],
+                   structure=tp.meta.get("structure", tp.method), world=tp.world)
+    return res
+
+
+def cases_worker(rank: int, world: int, cases: list[Case]) -> list[dict]:
+    return [run_case(c, rank, world) for c in cases]
+
+
+# ----------------------------------------------------------------------------- failure workers
+def mismatch_worker(rank: int, world: int) -> str:
+    """Rank 1 plans a different mask: every rank must get an error naming the difference."""
+    mask = "causal" if rank != 1 else "full"
+    plan = ultraattn.plan_attention(mask, seqlen=128, num_heads=2, head_dim=16, dtype=torch.float32, block_size=32,
+                                    options=FAST, timeout=20)
+    q = torch.randn(1, 2, plan.local_len, 16)
+    try:
+        ultraattn.dist_attention(q, q, q, plan)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def absent_worker(rank: int, world: int, how: str, timeout: float) -> dict | None:
+    """Rank ``world-1`` plans but then never calls dist_attention (``how='stall'``) or dies (``'die'``)."""
+    plan = ultraattn.plan_attention("causal", seqlen=128, num_heads=2, head_dim=16, dtype=torch.float32,
+                                    block_size=32, options=FAST, timeout=timeout)
+    if rank == world - 1:
+        if how == "die":
+            os._exit(3)
+        time.sleep(timeout + 6)
+        return None
+    q = torch.randn(1, 2, plan.local_len, 16)
+    t0 = time.perf_counter()
+    try:
+        ultraattn.dist_attention(q, q, q, plan)
+    except Exception as exc:  # noqa: BLE001 - the test inspects type and text
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
+    return {"error": None, "seconds": time.perf_counter() - t0}
+
+
+def group_errors_worker(rank: int, world: int) -> dict:
+    """Mesh/group mismatches and stale plans raise clear errors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    mesh = init_device_mesh("cpu", (world,))
+    sub = dist.new_group([0, 1])
+    try:
+        ultraattn.plan_attention("causal", seqlen=128, num_heads=2, head_dim=16, mesh=mesh, group=sub)
+        out["mesh_vs_group"] = "no error"
+    except ValueError as exc:
+        out["mesh_vs_group"] = str(exc)
+    plan = ultraattn.plan_attention("causal", seqlen=128, num_heads=2, head_dim=16, dtype=torch.float32,
+                                    block_size=32, options=FAST, timeout=20)
+    q = torch.randn(1, 2, plan.local_len, 16)
+    ultraattn.dist_attention(q, q, q, plan)  # fine
+    try:
+        ultraattn.dist_attention(q.to(torch.bfloat16), q, q, plan)
+        out["dtype"] = "no error"
+    except ValueError as exc:
+        out["dtype"] = str(exc)
+    try:
+        ultraattn.dist_attention(torch.randn(1, 2, 128, 16), q, q, plan)
+        out["shape"] = "no error"
+    except ValueError as exc:
+        out["shape"] = str(exc)
+    return out
