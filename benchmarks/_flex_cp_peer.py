@@ -236,6 +236,9 @@ def flex_cp_step(q, k, v, mask_mod, *, seq_len: int, rank: int, world: int, mesh
     B, H = q.shape[0], q.shape[1]
     if mesh is None:
         mesh = api["DeviceMesh"]("cpu", list(range(world)))
+    elif mesh.ndim != 1 or mesh.size() != world or mesh.device_type != "cpu":
+        raise RuntimeError(
+            f"flex CP peer: mesh must be a 1-D CPU DeviceMesh over all {world} ranks, got {mesh}")
     if grad_out is None:
         grad_out = default_grad_out(q.shape, q.dtype)
     elif tuple(grad_out.shape) != tuple(q.shape[:3]) + (v.shape[3],):
@@ -243,10 +246,58 @@ def flex_cp_step(q, k, v, mask_mod, *, seq_len: int, rank: int, world: int, mesh
 
     lb = cp._HeadTailLoadBalancer(seq_len, world, torch.device("cpu")) if load_balance else None
 
+    with _load_balance_option(cp, load_balance):
+        return _step(api, cp, dist, q, k, v, grad_out, mask_mod, B, H, seq_len, rank, world,
+                     mesh, lb, bool(load_balance))
+
+
+@contextlib.contextmanager
+def _load_balance_option(cp, enabled):
+    """Pin torch's global ``_cp_options.enable_load_balance`` to ``enabled`` for one step.
+
+    ``_create_cp_block_mask(load_balancer=None)`` and ``context_parallel_unshard(
+    load_balancer=None)`` fall back to a *default* head/tail balancer whenever that global
+    flag is True (its default), so without pinning it, ``load_balance=False`` would build
+    a reordered BlockMask for contiguous shards (wrong results).
+    """
+    opts = getattr(cp, "_cp_options", None)
+    if opts is None or not hasattr(opts, "enable_load_balance"):
+        raise RuntimeError(
+            f"flex CP peer: torch {torch.__version__} lacks _cp_options.enable_load_balance")
+    old = opts.enable_load_balance
+    opts.enable_load_balance = bool(enabled)
+    try:
+        yield
+    finally:
+        opts.enable_load_balance = old
+
+
+# (mask_mod, B, H, S, world, rank, load_balance) -> BlockMask; building one costs seconds
+# (torch.compile of create_block_mask, recompiled for every new rewritten mask_mod).
+_BLOCK_MASK_CACHE = {}
+_BLOCK_MASK_CACHE_MAX = 8
+
+
+def _cp_block_mask(api, mask_mod, B, H, seq_len, rank, world, mesh, lb, load_balance):
+    """Rank-local CP BlockMask, cached per (mask_mod, B, H, S, world, rank, load_balance)."""
+    key = (mask_mod, B, H, seq_len, world, rank, load_balance)
+    bm = _BLOCK_MASK_CACHE.get(key)
+    if bm is None:
+        bm = api["create_cp_block_mask"](mask_mod, B, H, seq_len, seq_len, mesh,
+                                         load_balancer=lb)
+        if len(_BLOCK_MASK_CACHE) >= _BLOCK_MASK_CACHE_MAX:
+            _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
+        _BLOCK_MASK_CACHE[key] = bm
+    return bm
+
+
+def _step(api, cp, dist, q, k, v, grad_out, mask_mod, B, H, seq_len, rank, world, mesh, lb,
+          load_balance):
+    """Shard, run forward+backward (timed), unshard. See :func:`flex_cp_step`."""
     dist.barrier()
     t_setup = time.perf_counter()
-    block_mask = api["create_cp_block_mask"](
-        mask_mod, B, H, seq_len, seq_len, mesh, load_balancer=lb)
+    block_mask = _cp_block_mask(api, mask_mod, B, H, seq_len, rank, world, mesh, lb,
+                                load_balance)
     q_l, k_l, v_l, go_l = cp._context_parallel_shard(
         mesh, [q.detach(), k.detach(), v.detach(), grad_out.detach()], [2, 2, 2, 2],
         load_balancer=lb)

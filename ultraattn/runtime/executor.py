@@ -292,14 +292,10 @@ class Executor:
 
         def run_ready() -> None:
             nonlocal todo
-            rest = []
-            for g, i, js in todo:
-                if (i, g) in rows and all((j, g) in cols for j in js):
-                    part = row_forward(geo, g, i, js, rows[(i, g)], [cols[(j, g)] for j in js], scale)
-                    acc[(i, g)] = merge_partial(acc.get((i, g)), part)
-                else:
-                    rest.append((g, i, js))
-            todo = rest
+            ready, todo = _split_ready(todo, rows, cols)
+            for (g, i), js in ready.items():
+                part = row_forward(geo, g, i, js, rows[(i, g)], [cols[(j, g)] for j in js], scale)
+                acc[(i, g)] = merge_partial(acc.get((i, g)), part)
 
         sends: list = []
         for level in prog.inputs["fwd"]:
@@ -406,19 +402,15 @@ class Executor:
 
         def run_ready() -> None:
             nonlocal todo
-            rest = []
-            for g, i, js in todo:
-                if (i, g) in rows and all((j, g) in cols for j in js):
-                    qi, doi, lsei, deltai = rows[(i, g)]
-                    dq, per_col = row_backward(geo, g, i, js, qi, doi, lsei, deltai, [cols[(j, g)] for j in js], scale)
-                    prev = accs["dq"].get((i, g))
-                    accs["dq"][(i, g)] = (dq,) if prev is None else (prev[0] + dq,)
-                    for j, (dk, dv) in zip(js, per_col):
-                        prev = accs["dkv"].get((j, g))
-                        accs["dkv"][(j, g)] = (dk, dv) if prev is None else (prev[0] + dk, prev[1] + dv)
-                else:
-                    rest.append((g, i, js))
-            todo = rest
+            ready, todo = _split_ready(todo, rows, cols)
+            for (g, i), js in ready.items():
+                qi, doi, lsei, deltai = rows[(i, g)]
+                dq, per_col = row_backward(geo, g, i, js, qi, doi, lsei, deltai, [cols[(j, g)] for j in js], scale)
+                prev = accs["dq"].get((i, g))
+                accs["dq"][(i, g)] = (dq,) if prev is None else (prev[0] + dq,)
+                for j, (dk, dv) in zip(js, per_col):
+                    prev = accs["dkv"].get((j, g))
+                    accs["dkv"][(j, g)] = (dk, dv) if prev is None else (prev[0] + dk, prev[1] + dv)
 
         sends: list = []
         for level in prog.inputs["bwd"]:
@@ -471,6 +463,19 @@ class Executor:
                 self._row_slice(dv, c, g, hk).copy_(got[1])
         self._end("bwd")
         return dq, dk, dv
+
+
+def _split_ready(todo: list, rows: dict, cols: dict) -> tuple[dict, list]:
+    """Launches whose inputs are present, fused per (group, row) into one call over all their columns
+    (one softmax instead of a merge per launch: the CPU path is bound by per-call overhead), and the rest."""
+    ready: dict[tuple[int, int], list[int]] = {}
+    rest = []
+    for g, i, js in todo:
+        if (i, g) in rows and all((j, g) in cols for j in js):
+            ready.setdefault((g, i), []).extend(js)
+        else:
+            rest.append((g, i, js))
+    return {k: sorted(v) for k, v in ready.items()}, rest
 
 
 class _DistAttention(torch.autograd.Function):

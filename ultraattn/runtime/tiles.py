@@ -31,7 +31,10 @@ from ..masks.convert import _eval_mask
 from ..masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
 
 #: bytes of cached element masks per plan before the cache stops growing
-MASK_CACHE_BYTES = 256 << 20
+MASK_CACHE_BYTES = 512 << 20
+#: rows per Q tile at most, and the extra (EMPTY, masked) work a tile may carry to be one launch
+TILE_ROWS = 512
+TILE_WASTE = 0.15
 
 
 def group_kind_grid(pattern: BlockPattern, heads: range, padded_blocks_q: int, padded_blocks_k: int) -> Tensor:
@@ -76,38 +79,70 @@ class TileGeometry:
     def hk(self) -> int:
         return self.num_kv_heads // self.head_groups
 
-    def _blocks(self, g: int, qa: int, kv_ids: Tensor) -> tuple[Tensor, bool]:
-        """Positions (into ``kv_ids``) of the KV blocks Q block ``qa`` attends, and whether a mask is needed."""
-        kinds = self.kind_gQK[g][qa, kv_ids]
-        sel = (kinds != EMPTY).nonzero().flatten()
-        if sel.numel() == 0:
-            return sel, False
-        s, bq, bk = self.seq_len, self.q_block, self.kv_block
-        tail = (qa + 1) * bq > s or int(kv_ids[sel].max()) * bk + bk > s
-        return sel, bool(tail or (kinds[sel] == PARTIAL).any())
+    def tiles(self, g: int, i: int, kv_ids: Tensor) -> list[tuple[int, int, Tensor, bool]]:
+        """Q tiles of row chunk ``i``: (first, last+1 Q block within the chunk, KV block positions into
+        ``kv_ids``, whether a mask is needed). Cached.
 
-    def _mask(self, g: int, qa: int, blocks: Tensor) -> Tensor:
-        """bool [mb, hk|1, r|1, bq, m*bk] for Q block ``qa`` against KV blocks ``blocks`` (global ids)."""
-        key = (g, qa, tuple(blocks.tolist()))
+        Consecutive Q blocks share one launch over the union of their KV blocks while the union
+        wastes at most ``TILE_WASTE`` of the work (fewer, larger matmuls: the CPU path is bound by
+        per-op overhead at 128-row blocks); EMPTY blocks inside a union are masked out exactly.
+        """
+        key = ("tiles", g, i, tuple(kv_ids.tolist()))
+        hit = self.mask_cache.get(key)
+        if hit is not None:
+            return hit
+        nqb = self.chunk // self.q_block
+        kinds = self.kind_gQK[g][i * nqb:(i + 1) * nqb][:, kv_ids]  # [nqb, m]
+        nonempty = kinds != EMPTY
+        max_blocks = max(1, TILE_ROWS // self.q_block)
+        out = []
+        a = 0
+        while a < nqb:
+            if not bool(nonempty[a].any()):
+                a += 1
+                continue
+            b, union, work = a + 1, nonempty[a].clone(), int(nonempty[a].sum())
+            while b < nqb and b - a < max_blocks and bool(nonempty[b].any()):
+                u2 = union | nonempty[b]
+                w2 = work + int(nonempty[b].sum())
+                if int(u2.sum()) * (b + 1 - a) > (1 + TILE_WASTE) * w2:
+                    break
+                union, work, b = u2, w2, b + 1
+            sel = union.nonzero().flatten()
+            s, bq, bk = self.seq_len, self.q_block, self.kv_block
+            qa0 = i * nqb + a
+            tail = (qa0 + (b - a)) * bq > s or int(kv_ids[sel].max()) * bk + bk > s
+            need = bool(tail or not bool((kinds[a:b][:, sel] == FULL).all()))
+            out.append((a, b, sel, need))
+            a = b
+        self.mask_cache[key] = out
+        return out
+
+    def _mask(self, g: int, qa0: int, nq: int, blocks: Tensor) -> Tensor:
+        """bool [mb, hk|1, r|1, nq*bq, m*bk] for Q blocks ``qa0 .. qa0+nq`` against KV blocks ``blocks`` (global ids)."""
+        key = (g, qa0, nq, tuple(blocks.tolist()))
         hit = self.mask_cache.get(key)
         if hit is not None:
             return hit
         s, bq, bk = self.seq_len, self.q_block, self.kv_block
-        q_pos = qa * bq + torch.arange(bq)
+        q_pos = qa0 * bq + torch.arange(nq * bq)
         kv_pos = (blocks[:, None] * bk + torch.arange(bk)[None, :]).flatten()
         valid = (q_pos[:, None] < s) & (kv_pos[None, :] < s)
-        kinds = self.kind_gQK[g][qa, blocks]
-        if (kinds == PARTIAL).any():
+        kinds = self.kind_gQK[g][qa0:qa0 + nq][:, blocks]
+        if bool(((kinds != FULL) & (kinds != EMPTY)).any()) or bool((kinds == EMPTY).any()):
             if self.mask_mod is None:
-                raise ValueError(
-                    "the mask has PARTIAL blocks but no mask_mod to evaluate them: pass the BlockMask or the "
-                    "mask_mod (plan_attention(..., mask_mod=...)) instead of a bare BlockPattern"
-                )
-            b = torch.arange(self.batch).view(-1, 1, 1, 1)
-            h = (g * self.hq + torch.arange(self.hq)).view(1, -1, 1, 1)
-            qi = q_pos.clamp(max=s - 1).view(1, 1, -1, 1)
-            ki = kv_pos.clamp(max=s - 1).view(1, 1, 1, -1)
-            m = _eval_mask(self.mask_mod, b, h, qi, ki)
+                if bool((kinds == PARTIAL).any()):
+                    raise ValueError(
+                        "the mask has PARTIAL blocks but no mask_mod to evaluate them: pass the BlockMask or the "
+                        "mask_mod (plan_attention(..., mask_mod=...)) instead of a bare BlockPattern"
+                    )
+                m = (kinds == FULL).repeat_interleave(bq, 0).repeat_interleave(bk, 1)[None, None]
+            else:
+                b = torch.arange(self.batch).view(-1, 1, 1, 1)
+                h = (g * self.hq + torch.arange(self.hq)).view(1, -1, 1, 1)
+                qi = q_pos.clamp(max=s - 1).view(1, 1, -1, 1)
+                ki = kv_pos.clamp(max=s - 1).view(1, 1, 1, -1)
+                m = _eval_mask(self.mask_mod, b, h, qi, ki)
             # keep the smallest broadcast shape: a mask that ignores b or h stays size 1 there
             if bool((m == m[:1]).all()):
                 m = m[:1]
@@ -118,7 +153,7 @@ class TileGeometry:
             m = valid[None, None]
         mb, mh = m.shape[0], m.shape[1]
         r = self.num_heads // self.num_kv_heads
-        m5 = m.view(mb, 1, 1, bq, -1) if mh == 1 else m.view(mb, self.hk, r, bq, -1)
+        m5 = m.reshape(mb, 1, 1, nq * bq, -1) if mh == 1 else m.reshape(mb, self.hk, r, nq * bq, -1)
         nbytes = m5.numel()
         if self.cache_bytes + nbytes <= MASK_CACHE_BYTES:
             self.mask_cache[key] = m5
@@ -156,23 +191,22 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
     q5 = _view5(q, hk)
     o = torch.zeros(bsz, hk, r, c, d, dtype=torch.float32, device=q.device)
     lse = torch.full((bsz, hk, r, c), -math.inf, dtype=torch.float32, device=q.device)
-    for a in range(c // bq):
-        qa = i * (c // bq) + a
-        sel, need_mask = geo._blocks(g, qa, kv_ids)
-        if sel.numel() == 0:
-            continue
-        ks = kb[:, :, sel].reshape(bsz, hk, 1, -1, d)
-        vs = vb[:, :, sel].reshape(bsz, hk, 1, -1, d)
-        qs = q5[:, :, :, a * bq:(a + 1) * bq].float()
-        s = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+    nqb = c // bq
+    for a, b, sel, need_mask in geo.tiles(g, i, kv_ids):
+        rows = slice(a * bq, b * bq)
+        t = (b - a) * bq
+        ks = kb[:, :, sel].reshape(bsz, hk, -1, d)
+        vs = vb[:, :, sel].reshape(bsz, hk, -1, d)
+        # [B, Hk, r*T, D]: the r query heads of a KV head share one matmul against it (GQA, no repeat)
+        qs = (q5[:, :, :, rows].float() * scale).reshape(bsz, hk, r * t, d)
+        s = torch.matmul(qs, ks.transpose(-1, -2))
         if need_mask:
-            s = s.masked_fill(~geo._mask(g, qa, kv_ids[sel]).to(s.device), -math.inf)
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-        p = torch.exp(s - m)
-        ssum = p.sum(-1, keepdim=True)
-        o[:, :, :, a * bq:(a + 1) * bq] = torch.matmul(p, vs) / torch.where(ssum > 0, ssum, torch.ones_like(ssum))
-        lse[:, :, :, a * bq:(a + 1) * bq] = (m + torch.log(ssum)).squeeze(-1)
+            m = geo._mask(g, i * nqb + a, b - a, kv_ids[sel]).to(s.device)
+            s.view(bsz, hk, r, t, -1).masked_fill_(~m, -math.inf)
+        lse_t = torch.logsumexp(s, -1)
+        s.sub_(torch.where(torch.isinf(lse_t), torch.zeros_like(lse_t), lse_t)[..., None]).exp_()
+        o[:, :, :, rows] = torch.matmul(s, vs).view(bsz, hk, r, t, d)
+        lse[:, :, :, rows] = lse_t.view(bsz, hk, r, t)
     return o.view(bsz, hq, c, d), lse.view(bsz, hq, c)
 
 
@@ -185,6 +219,7 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
     """
     c, bq, bk, hk = geo.chunk, geo.q_block, geo.kv_block, geo.hk
     bsz, hq, _, d = q.shape
+    r = hq // hk
     k_cat = torch.cat([k for k, _ in kvs], dim=2).float()
     v_cat = torch.cat([v for _, v in kvs], dim=2).float()
     nbk = c // bk
@@ -194,31 +229,29 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
     dkb = torch.zeros_like(kb)
     dvb = torch.zeros_like(vb)
     q5, do5 = _view5(q, hk), _view5(do, hk)
-    r = hq // hk
     lse5 = lse.view(bsz, hk, r, c)
     lse5 = torch.where(torch.isinf(lse5), torch.zeros_like(lse5), lse5)
     delta5 = delta.view(bsz, hk, r, c)
     dq = torch.zeros(bsz, hk, r, c, d, dtype=torch.float32, device=q.device)
-    for a in range(c // bq):
-        qa = i * (c // bq) + a
-        sel, need_mask = geo._blocks(g, qa, kv_ids)
-        if sel.numel() == 0:
-            continue
-        rows = slice(a * bq, (a + 1) * bq)
+    nqb = c // bq
+    for a, b, sel, need_mask in geo.tiles(g, i, kv_ids):
+        rows = slice(a * bq, b * bq)
+        t = (b - a) * bq
         m_sel = sel.numel()
-        ks = kb[:, :, sel].reshape(bsz, hk, 1, -1, d)
-        vs = vb[:, :, sel].reshape(bsz, hk, 1, -1, d)
-        qs = q5[:, :, :, rows].float()
-        dos = do5[:, :, :, rows].float()
-        s = torch.matmul(qs, ks.transpose(-1, -2)) * scale
-        p = torch.exp(s - lse5[:, :, :, rows, None])
+        ks = kb[:, :, sel].reshape(bsz, hk, -1, d)
+        vs = vb[:, :, sel].reshape(bsz, hk, -1, d)
+        qs = (q5[:, :, :, rows].float() * scale).reshape(bsz, hk, r * t, d)
+        dos = do5[:, :, :, rows].float().reshape(bsz, hk, r * t, d)
+        s = torch.matmul(qs, ks.transpose(-1, -2))
         if need_mask:
-            p = p.masked_fill(~geo._mask(g, qa, kv_ids[sel]).to(p.device), 0.0)
-        dv = torch.matmul(p.transpose(-1, -2), dos).sum(2)
-        dp = torch.matmul(dos, vs.transpose(-1, -2))
-        ds = p * (dp - delta5[:, :, :, rows, None])
-        dq[:, :, :, rows] = torch.matmul(ds, ks) * scale
-        dk = torch.matmul(ds.transpose(-1, -2), qs).sum(2) * scale
+            m = geo._mask(g, i * nqb + a, b - a, kv_ids[sel]).to(s.device)
+            s.view(bsz, hk, r, t, -1).masked_fill_(~m, -math.inf)
+        p = s.sub_(lse5[:, :, :, rows].reshape(bsz, hk, r * t, 1)).exp_()       # P with the GLOBAL lse
+        dv = torch.matmul(p.transpose(-1, -2), dos)                              # sums the r heads
+        ds = torch.matmul(dos, vs.transpose(-1, -2))
+        ds.sub_(delta5[:, :, :, rows].reshape(bsz, hk, r * t, 1)).mul_(p)       # P * (dP - delta)
+        dq[:, :, :, rows] = (torch.matmul(ds, ks) * scale).view(bsz, hk, r, t, d)
+        dk = torch.matmul(ds.transpose(-1, -2), qs)                              # qs carries the scale
         dkb.index_add_(2, sel.to(dkb.device), dk.view(bsz, hk, m_sel, bk, d))
         dvb.index_add_(2, sel.to(dvb.device), dv.view(bsz, hk, m_sel, bk, d))
     dk_cat = dkb.view(bsz, hk, -1, d)
