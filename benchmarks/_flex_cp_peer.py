@@ -29,6 +29,20 @@ guard lifted, eager backward is correct (the dense math backward, ``sdpa_dense_b
 
 Everything here is a *benchmark peer only*; nothing in ``ultraattn`` depends on it.
 
+Caveats (measured on the 2-core CPU machine, torch 2.13, fp32):
+
+* Memory: each rank materialises fp32 scores/probabilities of shape
+  ``[B, H, S/world, S]`` several times over in forward and backward; S=8192, H=8, D=64,
+  4 ranks peaked at ~4.7 GB RSS per rank (~17 GB for the machine). Memory grows as S^2/world.
+* Work: K/V are all-gathered, so every rank holds full K/V and grad buffers for them; the
+  block mask's sparsity is *not* exploited by the eager math path (masked entries are still
+  computed, then set to -inf), so causal and sliding-window masks cost the same as full.
+* The first call for a given (mask_mod, B, H, S, world) builds the CP BlockMask with
+  ``torch.compile`` (seconds to tens of seconds, reported as ``setup_seconds``; cached
+  afterwards in this module); the first forward also pays Dynamo tracing of the eager
+  flex_attention wrapper, so time a warm-up step and report later ones.
+* torch warns once per process that flex_attention runs without torch.compile.
+
 Requirements: the default process group is already initialised with the gloo backend,
 every rank passes the same global q/k/v, ``seq_len`` divides by ``world * 128`` (the CP
 BlockMask's restriction: ``_DEFAULT_SPARSE_BLOCK_SIZE`` is 128), and ``mask_mod`` is a
@@ -157,14 +171,20 @@ def default_grad_out(shape, dtype=torch.float32):
 
 
 class _FlexAttention(torch.nn.Module):
-    """``flex_attention(q, k, v, block_mask=...)`` as a module, so ``_ContextParallel`` can hook it."""
+    """``flex_attention`` as a module, so ``_ContextParallel``'s pre-hook can all-gather K/V.
+
+    The forward mirrors flex_attention's leading parameters ``(query, key, value,
+    score_mod, block_mask)``: some torch versions' hook (seen in older 2.x sources) moves
+    ``score_mod``/``block_mask`` from kwargs to positional args, 2.13's leaves kwargs alone;
+    this signature accepts both.
+    """
 
     def __init__(self, flex_attention):
         super().__init__()
         self._flex = flex_attention
 
-    def forward(self, query, key, value, block_mask=None):
-        return self._flex(query, key, value, block_mask=block_mask)
+    def forward(self, query, key, value, score_mod=None, block_mask=None):
+        return self._flex(query, key, value, score_mod=score_mod, block_mask=block_mask)
 
 
 def flex_cp_step(q, k, v, mask_mod, *, seq_len: int, rank: int, world: int, mesh=None,

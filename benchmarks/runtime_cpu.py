@@ -2,7 +2,8 @@
 
 For each mask, side by side in ONE run (same processes, same inputs, same thread count):
 
-* ``ultraattn``: the planned plan, executed by ultraattn's runtime;
+* ``ultraattn``: the planned plan (planned for this machine: ``CPU_GLOO_COST``), executed by
+  ultraattn's runtime;
 * ``ring``, ``zigzag``, ``allgather``: the baselines' plans executed by the same runtime;
 * ``flex_cp``: PyTorch's own FlexAttention context parallel (all-gather K/V, head-tail load
   balancing; private API, see benchmarks/_flex_cp_peer.py), eager on CPU.
@@ -15,8 +16,10 @@ Every timed step is a full forward + backward with a barrier before and after; t
 the median over ``--reps`` steps after one warm-up step. Ratios are against the fastest other
 method measured in the same run.
 
-    python benchmarks/runtime_cpu.py                      # S = 8K and 16K, 5 masks (long: ~30 min)
-    python benchmarks/runtime_cpu.py --seqlens 8192 --reps 2
+    python benchmarks/runtime_cpu.py --seqlens 8192 --reps 2          # all methods (~25 min on 2 cores)
+    python benchmarks/runtime_cpu.py --seqlens 16384 --reps 1 --methods ultraattn ring zigzag allgather \
+        --out benchmarks/results/runtime_cpu_16k.json
+    (flex_cp needs ~18 GB at S=8K on 4 ranks and runs out of memory at 16K on a 24 GB machine)
     -> benchmarks/results/runtime_cpu.json and .png
 """
 
@@ -67,6 +70,7 @@ def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
 
     import ultraattn
     from ultraattn.masks import parse_mask_spec
+    from ultraattn.planner.cost import CPU_GLOO_COST
     from ultraattn.planner.tiling import PlannerOptions
 
     torch.manual_seed(0)
@@ -83,15 +87,17 @@ def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
                     if method == "flex_cp":
                         from _flex_cp_peer import flex_cp_step
 
-                        def fn():
-                            flex_cp_step(q, k, v, mm, seq_len=s, rank=rank, world=world)
-                        t_plan = 0.0
-                        sent = None
+                        # the peer times its own forward+backward between barriers (max over ranks),
+                        # excluding its BlockMask build/sharding and the unshard of the results
+                        times = [flex_cp_step(q, k, v, mm, seq_len=s, rank=rank, world=world)["seconds"]
+                                 for _ in range(reps + 1)][1:]
+                        row.update(seconds=statistics.median(times), all_seconds=times, plan_seconds=0.0,
+                                   bytes_sent=None)
                     else:
                         t0 = time.perf_counter()
                         plan = ultraattn.plan_attention(mm, seqlen=s, num_heads=h, head_dim=d, dtype=torch.float32,
                                                         method=method, options=PlannerOptions(time_budget=10),
-                                                        timeout=600)
+                                                        cost=CPU_GLOO_COST, timeout=600)
                         t_plan = time.perf_counter() - t0
                         ql, kl, vl = (ultraattn.dispatch(x, plan).requires_grad_() for x in (q, k, v))
                         go = torch.randn(1, h, plan.local_len, d)
@@ -99,14 +105,13 @@ def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
                         def fn():
                             out, lse = ultraattn.dist_attention(ql, kl, vl, plan)
                             out.backward(go)
-                        sent = None
-                    times = _step(fn, reps, dist.barrier)
-                    if method != "flex_cp":
+                        times = _step(fn, reps, dist.barrier)
                         tot = plan.comm_log
                         sent = sum(v["sent"] for ph in tot.values() for v in ph.totals().values())
                         row["structure"] = plan.tile_plan.meta.get("structure", method)
-                    row.update(seconds=statistics.median(times), all_seconds=times, plan_seconds=t_plan,
-                               bytes_sent=sent)
+                        row.update(seconds=statistics.median(times), all_seconds=times, plan_seconds=t_plan,
+                                   bytes_sent=sent)
+                        del plan, ql, kl, vl, go
                 except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
                     row["error"] = f"{type(exc).__name__}: {exc}"[:500]
                 # the step time is the slowest rank's (barriers); bytes are summed over ranks

@@ -95,3 +95,13 @@ DEFAULT_COST = CostModel()
 def block_flops(q_block: int, kv_block: int, head_dim: int, heads: int, batch: int) -> float:
     """Forward FLOPs of one FULL (q_block x kv_block) block: QK^T and PV, 2 FLOPs per MAC."""
     return 4.0 * q_block * kv_block * head_dim * heads * batch
+
+
+#: CPU ranks over gloo on one 2-core machine (4 ranks share the cores), for the runtime's CPU
+#: benchmark. Measured on the development machine: the torch tile path reaches ~15 GFLOP/s per
+#: core forward (fp32, d=64), half a core per rank with 4 ranks; gloo over loopback moves ~1 GB/s
+#: (shared/PLATFORM.md) with ~0.1 ms per message; a tile call costs ~0.3 ms of Python.
+CPU_GLOO_COST = CostModel(
+    fwd_tflops=0.007, bwd_tflops=0.006, eff_half_tokens=64.0, partial_block_overhead=0.3, launch_us=300.0,
+    intra_bw_GBps=0.5, inter_bw_GBps=0.5, intra_latency_us=100.0, inter_latency_us=100.0, hbm_GBps=5.0,
+)
