@@ -66,6 +66,9 @@ def _step(fn, reps: int, barrier) -> list[float]:
 
 
 def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
+    """Per mask: plan every runtime method, warm each up once, then time them ROUND-ROBIN (the
+    order rotates every repetition) so that drifts of a shared 2-core machine hit all methods alike;
+    the FlexAttention CP peer runs after them (its own timing, see _flex_cp_peer.py)."""
     import torch.distributed as dist
 
     import ultraattn
@@ -81,39 +84,57 @@ def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
             spec = mask_spec(mask, s)
             mm = parse_mask_spec(spec, s)
             q, k, v = (torch.randn(1, h, s, d) for _ in range(3))
+            runs: dict[str, dict] = {}
+            fns = {}
             for method in cfg["methods"]:
-                row = {"seqlen": s, "mask": mask, "spec": spec, "method": method}
+                row = runs[method] = {"seqlen": s, "mask": mask, "spec": spec, "method": method, "all_seconds": []}
+                if method == "flex_cp":
+                    continue
                 try:
-                    if method == "flex_cp":
-                        from _flex_cp_peer import flex_cp_step
+                    t0 = time.perf_counter()
+                    plan = ultraattn.plan_attention(mm, seqlen=s, num_heads=h, head_dim=d, dtype=torch.float32,
+                                                    method=method, options=PlannerOptions(time_budget=10),
+                                                    cost=CPU_GLOO_COST, timeout=600)
+                    row["plan_seconds"] = time.perf_counter() - t0
+                    row["structure"] = plan.tile_plan.meta.get("structure", method)
+                    ql, kl, vl = (ultraattn.dispatch(x, plan).requires_grad_() for x in (q, k, v))
+                    go = torch.randn(1, h, plan.local_len, d)
 
-                        # the peer times its own forward+backward between barriers (max over ranks),
-                        # excluding its BlockMask build/sharding and the unshard of the results
-                        times = [flex_cp_step(q, k, v, mm, seq_len=s, rank=rank, world=world)["seconds"]
-                                 for _ in range(reps + 1)][1:]
-                        row.update(seconds=statistics.median(times), all_seconds=times, plan_seconds=0.0,
-                                   bytes_sent=None)
-                    else:
-                        t0 = time.perf_counter()
-                        plan = ultraattn.plan_attention(mm, seqlen=s, num_heads=h, head_dim=d, dtype=torch.float32,
-                                                        method=method, options=PlannerOptions(time_budget=10),
-                                                        cost=CPU_GLOO_COST, timeout=600)
-                        t_plan = time.perf_counter() - t0
-                        ql, kl, vl = (ultraattn.dispatch(x, plan).requires_grad_() for x in (q, k, v))
-                        go = torch.randn(1, h, plan.local_len, d)
+                    def fn(plan=plan, ql=ql, kl=kl, vl=vl, go=go):
+                        out, _lse = ultraattn.dist_attention(ql, kl, vl, plan)
+                        out.backward(go)
+                        return plan
 
-                        def fn():
-                            out, lse = ultraattn.dist_attention(ql, kl, vl, plan)
-                            out.backward(go)
-                        times = _step(fn, reps, dist.barrier)
-                        tot = plan.comm_log
-                        sent = sum(v["sent"] for ph in tot.values() for v in ph.totals().values())
-                        row["structure"] = plan.tile_plan.meta.get("structure", method)
-                        row.update(seconds=statistics.median(times), all_seconds=times, plan_seconds=t_plan,
-                                   bytes_sent=sent)
-                        del plan, ql, kl, vl, go
+                    fns[method] = fn
                 except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
                     row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            order = list(fns)
+            for rep in range(reps + 1):  # repetition 0 is the warm-up
+                for method in order[rep % len(order):] + order[: rep % len(order)] if order else []:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    plan = fns[method]()
+                    dist.barrier()
+                    if rep:
+                        runs[method]["all_seconds"].append(time.perf_counter() - t0)
+                    tot = plan.comm_log
+                    runs[method]["bytes_sent"] = sum(v["sent"] for ph in tot.values() for v in ph.totals().values())
+            fns.clear()
+            if "flex_cp" in runs:
+                try:
+                    from _flex_cp_peer import flex_cp_step
+
+                    # the peer times its own forward+backward between barriers (max over ranks),
+                    # excluding its BlockMask build/sharding and the unshard of the results
+                    runs["flex_cp"]["all_seconds"] = [
+                        flex_cp_step(q, k, v, mm, seq_len=s, rank=rank, world=world)["seconds"]
+                        for _ in range(reps + 1)][1:]
+                    runs["flex_cp"]["bytes_sent"] = None
+                except Exception as exc:  # noqa: BLE001
+                    runs["flex_cp"]["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            for method, row in runs.items():
+                if row["all_seconds"]:
+                    row["seconds"] = statistics.median(row["all_seconds"])
                 # the step time is the slowest rank's (barriers); bytes are summed over ranks
                 gathered = [None] * world
                 dist.all_gather_object(gathered, row)
@@ -199,11 +220,17 @@ def plot(result: dict, path: Path) -> None:
                 ys.append(hit[0]["seconds"] if hit else float("nan"))
             ax.bar([i + n * w for i in range(len(masks))], ys, width=w, label=m)
         ax.set_xticks([i + 0.4 - w / 2 for i in range(len(masks))], masks, rotation=20)
-        ax.set_ylabel("fwd+bwd seconds per step (lower is better)")
+        ax.set_yscale("log")
+        ax.set_ylabel("fwd+bwd seconds per step (log; lower is better)")
         ax.set_title(f"4 gloo ranks on CPU, S={s}, {result['config']['heads']} heads, d={result['config']['head_dim']}")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def replot(json_path: Path) -> None:
+    """Redraw the PNG next to a results JSON (``--replot FILE``)."""
+    plot(json.loads(json_path.read_text()), json_path.with_suffix(".png"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "runtime_cpu.json")
+    ap.add_argument("--replot", type=Path, help="only redraw the PNG of an existing results JSON")
     args = ap.parse_args(argv)
+    if args.replot:
+        replot(args.replot)
+        return 0
     from ultraattn.testing import run_ranks
 
     cfg = {"seqlens": args.seqlens, "masks": args.masks, "methods": args.methods, "heads": args.heads,

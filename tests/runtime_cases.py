@@ -176,11 +176,11 @@ def mismatch_worker(rank: int, world: int) -> str:
     return "no error"
 
 
-def absent_worker(rank: int, world: int, how: str, timeout: float) -> dict | None:
-    """Rank ``world-1`` plans but then never calls dist_attention (``how='stall'``) or dies (``'die'``)."""
+def absent_worker(rank: int, world: int, how: str, timeout: float, absent: int) -> dict | None:
+    """Rank ``absent`` plans but then never calls dist_attention (``how='stall'``) or dies (``'die'``)."""
     plan = ultraattn.plan_attention("causal", seqlen=128, num_heads=2, head_dim=16, dtype=torch.float32,
                                     block_size=32, options=FAST, timeout=timeout)
-    if rank == world - 1:
+    if rank == absent:
         if how == "die":
             os._exit(3)
         time.sleep(timeout + 6)

@@ -152,13 +152,15 @@ def test_ranks_that_planned_differently_get_an_error_naming_it():
         assert "rank 1 differs from rank 0 in: mask pattern" in m, m
 
 
-@pytest.mark.parametrize("how", ["stall", "die"])
-def test_absent_rank_is_named_within_the_timeout(how):
+@pytest.mark.parametrize("how,absent", [("stall", 2), ("die", 2), ("die", 0)])
+def test_absent_rank_is_named_within_the_timeout(how, absent):
+    # absent=0 also kills the rendezvous store's host: the others must still name rank 0, not
+    # surface a socket error. (absent=2 can see that too when rank 0 fails first and exits.)
     timeout = 4.0
-    res = run_ranks(absent_worker, 3, args=(how, timeout), timeout=120, may_exit=frozenset({2}))
-    for r in (0, 1):
+    res = run_ranks(absent_worker, 3, args=(how, timeout, absent), timeout=120, may_exit=frozenset({absent}))
+    for r in {0, 1, 2} - {absent}:
         assert res[r]["error"] is not None, res[r]
-        assert "rank 2" in res[r]["error"], res[r]["error"]
+        assert f"rank {absent}" in res[r]["error"], res[r]["error"]
         assert res[r]["seconds"] < 2 * timeout + 5, res[r]
 
 

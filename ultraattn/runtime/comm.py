@@ -120,10 +120,20 @@ def store_exchange(key: str, value: bytes, *, rank: int, world: int, timeout: fl
     store = dist.distributed_c10d._get_default_store()
     store.set(f"{key}/{rank}", value)
     deadline = time.monotonic() + timeout
-    missing = list(range(world))
+    missing = [r for r in range(world) if r != rank]
     nap = 1e-3
     while True:
-        missing = [r for r in missing if not store.check([f"{key}/{r}"])]
+        try:
+            missing = [r for r in missing if not store.check([f"{key}/{r}"])]
+        except (RuntimeError, OSError) as exc:  # DistNetworkError/DistStoreError subclass RuntimeError
+            # The store's host (rank 0 under torchrun) went away, typically because it already
+            # failed on the same absent rank and exited. Name what we know instead of a socket error.
+            who = ", ".join(f"rank {r}" for r in missing)
+            raise RankTimeoutError(
+                f"rank {rank}: the rendezvous store closed while waiting for {who} to reach "
+                f"dist_attention (its host, rank 0 under torchrun, exited or crashed; "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0]})"
+            ) from exc
         if not missing:
             break
         if time.monotonic() > deadline:
