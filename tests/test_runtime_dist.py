@@ -9,60 +9,18 @@ transfers touching that rank, message by message.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from runtime_cases import (
+    LIB,
     Case,
+    check_numerics,
     absent_worker,
     cases_worker,
     group_errors_worker,
     mismatch_worker,
-    reference,
     run_case,
 )
 from ultraattn.testing import RankFailure, run_ranks
-
-LIB = [
-    ("full", ()),
-    ("causal", ()),
-    ("sliding_window", (("window", 48),)),
-    ("strided", (("block", 32),)),
-    ("global_local", (("num_global", 16), ("window", 40))),
-    ("star", (("block", 32),)),
-    ("streaming", (("sink", 8), ("window", 2), ("block", 32))),
-    ("document", (("lengths", (50, 90, 60)),)),
-    ("prefix_lm", (("prefix", 60),)),
-    ("random", ()),
-]
-_EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps,
-        "fp16": torch.finfo(torch.float16).eps}
-
-
-def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    same_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
-    d = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
-    return float(d.max()) if d.numel() else 0.0
-
-
-def check_numerics(case: Case, res: dict) -> list[str]:
-    """The 2x rule for out, lse, dq, dk, dv; returns the violations (empty = pass)."""
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
-    ref64 = reference(case, torch.float64)
-    ref = reference(case, dt)
-    bad = []
-    for n, name in enumerate(("out", "lse", "dq", "dk", "dv")):
-        got = res[name]
-        assert got.shape == ref64[n].shape, (case.name, name, got.shape, ref64[n].shape)
-        err = _max_err(got, ref64[n])
-        base = _max_err(ref[n], ref64[n])
-        # floor: a few ulps of the output's scale, for when the reference happens to be exact
-        scale = float(ref64[n].double().abs().nan_to_num(0, 0, 0).max()) or 1.0
-        tol = 2 * base + 4 * _EPS[case.dtype] * scale
-        if not err <= tol:
-            bad.append(f"{case.name} {name}: err {err:.3g} > 2 x ref err {base:.3g} (+floor) = {tol:.3g}")
-    return bad
-
 
 def check_bytes(results: list[dict]) -> list[str]:
     """Per rank: the messages moved == the plan's transfers touching that rank (exact, with byte counts)."""

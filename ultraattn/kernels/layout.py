@@ -1,0 +1,294 @@
+"""``BlockSparseLayout``: the block-sparse description the tile kernels read.
+
+The planner's ``BlockPattern`` says, per (batch, head group), which Q-block x KV-block cells
+are EMPTY, FULL or PARTIAL. A kernel needs two more things, built here once per mask and
+cached by the caller:
+
+* **Block lists.** For each Q block, its FULL KV blocks and its PARTIAL KV blocks, ascending
+  (FlexAttention's ``kv_num_blocks``/``kv_indices`` form, split by kind so that FULL blocks
+  run a loop body without any mask code); and the transposed lists (for each KV block, the
+  Q blocks that see it) for the dK/dV kernel. Lists are int32 ``[U, N, N']`` with a count.
+* **Bit tiles.** Each PARTIAL cell gets a tile of ``q_block x kv_block`` bits, packed 8 per
+  byte along the KV axis (``bits[t, r, c // 8] >> (c % 8) & 1``). A kernel applies it with
+  one byte load per element (neighbouring lanes read the same byte, served from L1) and a
+  shift: no Python, no mask_mod compiled into the kernel, so one compiled kernel serves
+  every mask (any BlockMask, data-dependent document masks included) without recompiling.
+  A 128 x 128 tile is 2 KiB, an eighth of a dense bool tile and 1/32 of the K/V tile it
+  gates. Generating code from the mask_mod would save those loads but recompile per mask
+  and fail for mask_mods that index tensors; bit tiles are exact for all of them.
+
+Every (batch, head) pair is mapped to one of ``U`` unique (kind grid, bit tiles) patterns
+(``pattern_of[b * H + h]``); mask_mods are evaluated for every batch entry and head, so a
+mask that depends on ``h`` or ``b`` inside a block is exact even when the BlockMask's block
+structure is shared. The KV tail block (``kv_len % kv_block != 0``) is promoted from FULL to
+PARTIAL so that FULL blocks never need bounds checks on the KV axis; rows past ``q_len`` are
+handled by the kernels' row predicates (their tile bits are 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from ultraattn.masks.convert import _eval_mask, to_block_pattern
+from ultraattn.masks.factories import generate_causal, generate_full
+from ultraattn.masks.pattern import FULL, PARTIAL, BlockPattern
+
+# Elements of mask evaluation per chunk (bounds the index tensors' memory to a few hundred MB).
+_EVAL_CHUNK = 1 << 24
+
+
+@dataclass(frozen=True, eq=False)
+class BlockSparseLayout:
+    """Kernel-side block-sparse description (see module docstring). Tensors live on ``device``."""
+
+    q_len: int
+    kv_len: int
+    q_block: int
+    kv_block: int
+    batch: int
+    num_heads: int
+    pattern_of: Tensor
+    """int32 [B * H]: index into the U unique patterns."""
+    kind: Tensor
+    """int8 [U, NQ, NK]: EMPTY/PARTIAL/FULL after the KV tail promotion."""
+    full_cnt: Tensor
+    """int32 [U, NQ]: FULL KV blocks per Q block."""
+    full_idx: Tensor
+    """int32 [U, NQ, NK]: their indices, ascending, then padding."""
+    part_cnt: Tensor
+    part_idx: Tensor
+    part_tile: Tensor
+    """int32 [U, NQ, NK]: bit-tile index of each listed PARTIAL block."""
+    full_q_cnt: Tensor
+    """int32 [U, NK]: FULL Q blocks per KV block (for dK/dV)."""
+    full_q_idx: Tensor
+    """int32 [U, NK, NQ]."""
+    part_q_cnt: Tensor
+    part_q_idx: Tensor
+    part_q_tile: Tensor
+    bits: Tensor
+    """uint8 [P, q_block, kv_block // 8]: packed masks of the PARTIAL cells (P >= 1)."""
+    name: str = "custom"
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.kind.shape[1], self.kind.shape[2])
+
+    @property
+    def num_patterns(self) -> int:
+        return self.kind.shape[0]
+
+    def fwd_tensors(self) -> tuple[Tensor, ...]:
+        return (self.pattern_of, self.full_cnt, self.full_idx, self.part_cnt, self.part_idx, self.part_tile, self.bits)
+
+    def bwd_tensors(self) -> tuple[Tensor, ...]:
+        return self.fwd_tensors() + (self.full_q_cnt, self.full_q_idx, self.part_q_cnt, self.part_q_idx,
+                                     self.part_q_tile)
+
+    def to(self, device: torch.device | str) -> BlockSparseLayout:
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k, v in kw.items():
+            if isinstance(v, Tensor):
+                kw[k] = v.to(device)
+        return BlockSparseLayout(**kw)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kind.device
+
+    def attended_pairs(self) -> int:
+        """Exact number of attending (q, kv) pairs over all batch entries and heads."""
+        u_count = torch.zeros(self.num_patterns, dtype=torch.int64)
+        kind = self.kind.cpu()
+        nq, nk = self.grid
+        qrows = torch.clamp(self.q_len - torch.arange(nq) * self.q_block, max=self.q_block)
+        kcols = torch.clamp(self.kv_len - torch.arange(nk) * self.kv_block, max=self.kv_block)
+        area = qrows[:, None] * kcols[None, :]
+        u_count += ((kind == FULL) * area).sum((1, 2))
+        bits = unpack_bits(self.bits.cpu(), self.kv_block).sum((1, 2))
+        tiles = self.part_tile.cpu()
+        cnt = self.part_cnt.cpu()
+        for u in range(self.num_patterns):
+            for i in range(nq):
+                n = int(cnt[u, i])
+                if n:
+                    u_count[u] += bits[tiles[u, i, :n].long()].sum()
+        return int(u_count[self.pattern_of.cpu().long()].sum())
+
+    def __repr__(self) -> str:
+        nq, nk = self.grid
+        return (f"BlockSparseLayout({self.name}, q_len={self.q_len}, kv_len={self.kv_len}, "
+                f"blocks={self.q_block}x{self.kv_block}, grid={nq}x{nk}, patterns={self.num_patterns}, "
+                f"partial_tiles={self.bits.shape[0]}, B={self.batch}, H={self.num_heads})")
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """bool [..., K] (K % 8 == 0) -> uint8 [..., K // 8], bit c % 8 of byte c // 8."""
+    *lead, k = mask.shape
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=mask.device))
+    return (mask.reshape(*lead, k // 8, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(bits: Tensor, k: int) -> Tensor:
+    """uint8 [..., K // 8] -> bool [..., K]."""
+    shifts = torch.arange(8, dtype=torch.int32, device=bits.device)
+    out = (bits.to(torch.int32)[..., None] >> shifts) & 1
+    return out.reshape(*bits.shape[:-1], k).bool()
+
+
+def _mask_mod_for(mask: BlockPattern | BlockMask | str | Callable, mask_mod: Callable | None) -> Callable | None:
+    if mask_mod is not None:
+        return mask_mod
+    if isinstance(mask, BlockMask):
+        return mask.mask_mod
+    if isinstance(mask, str):
+        return generate_causal() if mask == "causal" else generate_full()
+    if callable(mask) and not isinstance(mask, BlockPattern):
+        return mask
+    return None
+
+
+def _sorted_lists(sel: Tensor) -> tuple[Tensor, Tensor]:
+    """bool [..., N] -> (count int32 [...], indices int32 [..., N]: the True positions ascending, then the rest)."""
+    cnt = sel.sum(-1).to(torch.int32)
+    idx = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    return cnt, idx
+
+
+def _check_block(name: str, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(
+            f"{name}={value}: the block-sparse kernels need a power-of-two block size >= 16 "
+            f"(the tile is also the dot-product tile); build the mask with BLOCK_SIZE=128 (FlexAttention's default)"
+        )
+
+
+def make_layout(
+    mask: BlockPattern | BlockMask | str | Callable,
+    *,
+    q_len: int | None = None,
+    kv_len: int | None = None,
+    batch: int = 1,
+    num_heads: int = 1,
+    mask_mod: Callable | None = None,
+    block_size: int | tuple[int, int] = 128,
+    device: torch.device | str = "cpu",
+) -> BlockSparseLayout:
+    """Build the kernels' layout for ``mask`` at the given batch and head count.
+
+    Args:
+        mask: a ``BlockMask``, a ``BlockPattern`` (with ``mask_mod=`` when it has PARTIAL
+            cells), a mask_mod, or ``"causal"`` / ``"full"`` (SDPA semantics).
+        q_len, kv_len: lengths (required for strings and mask_mods; checked otherwise).
+        batch, num_heads: the attention's batch size and number of query heads.
+        mask_mod: the mask function for PARTIAL cells when ``mask`` doesn't carry one.
+        block_size: block size for strings and mask_mods (a BlockMask/BlockPattern brings its own).
+        device: where the layout's tensors go.
+    """
+    pattern = to_block_pattern(mask, q_len=q_len, kv_len=kv_len, block_size=block_size, batch=batch,
+                               num_heads=num_heads)
+    if q_len is not None and q_len != pattern.q_len:
+        raise ValueError(f"q_len={q_len} disagrees with the mask's q_len={pattern.q_len}")
+    if kv_len is not None and kv_len != pattern.kv_len:
+        raise ValueError(f"kv_len={kv_len} disagrees with the mask's kv_len={pattern.kv_len}")
+    fn = _mask_mod_for(mask, mask_mod)
+    return layout_from_pattern(pattern, fn, batch=batch, num_heads=num_heads, device=device)
+
+
+def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, batch: int, num_heads: int,
+                        device: torch.device | str = "cpu") -> BlockSparseLayout:
+    """Layout from a pattern plus the mask_mod that resolves its PARTIAL cells (see ``make_layout``)."""
+    qb, kb = pattern.q_block, pattern.kv_block
+    _check_block("q_block", qb)
+    _check_block("kv_block", kb)
+    bp = pattern.num_batch_patterns
+    if bp not in (1, batch):
+        raise ValueError(f"the mask has {bp} batch entries but batch={batch}; build it for batch {batch} or 1")
+    groups = pattern.head_group_of
+    if groups is not None and len(groups) != num_heads:
+        raise ValueError(f"the mask has {len(groups)} heads but num_heads={num_heads}; build it for {num_heads} heads or 1")
+    nq, nk = pattern.grid
+    q_len, kv_len = pattern.q_len, pattern.kv_len
+    kind_all = pattern.kind_BGQK.clone()
+    if kv_len % kb:
+        tail = kind_all[..., nk - 1]
+        tail[tail == FULL] = PARTIAL
+    has_partial = bool((kind_all == PARTIAL).any())
+    if has_partial and mask_mod is None:
+        raise ValueError(
+            "the mask has PARTIAL blocks but no mask_mod to evaluate them: pass the BlockMask, or "
+            "mask_mod=... together with the BlockPattern"
+        )
+    # Per (b, h): the pattern cell grid, then its partial tiles' bits.
+    kinds: list[Tensor] = []
+    bit_sets: list[Tensor] = []
+    rows = torch.arange(qb)
+    cols = torch.arange(kb)
+    for b in range(batch):
+        for h in range(num_heads):
+            g = 0 if groups is None else groups[h]
+            kind = kind_all[b % bp, g]
+            kinds.append(kind)
+            cells = (kind == PARTIAL).nonzero()
+            if not len(cells):
+                bit_sets.append(torch.zeros(0, qb, kb // 8, dtype=torch.uint8))
+                continue
+            chunk = max(1, _EVAL_CHUNK // (qb * kb))
+            parts = []
+            for c0 in range(0, len(cells), chunk):
+                cc = cells[c0:c0 + chunk]
+                qi = (cc[:, 0, None] * qb + rows)[:, :, None]  # [P, qb, 1]
+                ki = (cc[:, 1, None] * kb + cols)[:, None, :]  # [P, 1, kb]
+                # padded positions are evaluated clamped (mask_mods may index tables of the true length)
+                m = _eval_mask(mask_mod, torch.tensor(b), torch.tensor(h), qi.clamp(max=q_len - 1),
+                               ki.clamp(max=kv_len - 1))
+                m = m & (qi < q_len) & (ki < kv_len)
+                parts.append(pack_bits(m))
+            bit_sets.append(torch.cat(parts))
+    # Deduplicate (b, h) patterns by content.
+    unique: dict[tuple[bytes, bytes], int] = {}
+    pattern_of = []
+    u_kinds: list[Tensor] = []
+    u_bits: list[Tensor] = []
+    for kind, bits in zip(kinds, bit_sets):
+        key = (kind.numpy().tobytes(), bits.numpy().tobytes())
+        if key not in unique:
+            unique[key] = len(u_kinds)
+            u_kinds.append(kind)
+            u_bits.append(bits)
+        pattern_of.append(unique[key])
+    kind_u = torch.stack(u_kinds)  # [U, NQ, NK]
+    tile_grid = torch.full(kind_u.shape, -1, dtype=torch.int32)
+    offset = 0
+    for u, bits in enumerate(u_bits):
+        cells = (kind_u[u] == PARTIAL).nonzero()
+        tile_grid[u, cells[:, 0], cells[:, 1]] = torch.arange(offset, offset + len(cells), dtype=torch.int32)
+        offset += len(cells)
+    bits_all = torch.cat(u_bits) if offset else torch.zeros(1, qb, kb // 8, dtype=torch.uint8)
+
+    full_cnt, full_idx = _sorted_lists(kind_u == FULL)
+    part_cnt, part_idx = _sorted_lists(kind_u == PARTIAL)
+    part_tile = torch.gather(tile_grid, 2, part_idx.long())
+    kind_t = kind_u.transpose(1, 2)
+    full_q_cnt, full_q_idx = _sorted_lists(kind_t == FULL)
+    part_q_cnt, part_q_idx = _sorted_lists(kind_t == PARTIAL)
+    part_q_tile = torch.gather(tile_grid.transpose(1, 2), 2, part_q_idx.long())
+    part_tile[part_tile < 0] = 0  # padding entries are never read; keep them in range
+    part_q_tile[part_q_tile < 0] = 0
+    # Kernels index these with row-major arithmetic: every tensor must be contiguous (the
+    # transposed lists come out of sort/gather with the transpose's strides otherwise).
+    full_q_cnt, full_q_idx, part_q_cnt, part_q_idx, part_q_tile = (
+        t.contiguous() for t in (full_q_cnt, full_q_idx, part_q_cnt, part_q_idx, part_q_tile))
+    lay = BlockSparseLayout(
+        q_len=q_len, kv_len=kv_len, q_block=qb, kv_block=kb, batch=batch, num_heads=num_heads,
+        pattern_of=torch.tensor(pattern_of, dtype=torch.int32), kind=kind_u,
+        full_cnt=full_cnt, full_idx=full_idx, part_cnt=part_cnt, part_idx=part_idx, part_tile=part_tile,
+        full_q_cnt=full_q_cnt, full_q_idx=full_q_idx, part_q_cnt=part_q_cnt, part_q_idx=part_q_idx,
+        part_q_tile=part_q_tile, bits=bits_all.contiguous(), name=pattern.name,
+    )
+    return lay.to(device) if torch.device(device).type != "cpu" else lay

@@ -1,0 +1,265 @@
+"""The block-sparse attention ops, registered with ``torch.library`` so Inductor sees them.
+
+* ``ultraattn::bsa_fwd`` / ``ultraattn::bsa_bwd`` are ``triton_op``s: on CUDA their bodies
+  launch the Triton kernels through ``wrap_triton``, so inside ``torch.compile`` Inductor
+  traces into them and schedules the kernels with the rest of the graph. ``bsa_fwd`` has an
+  autograd formula that calls ``bsa_bwd`` (delta = rowsum(dO * O) in fp32, dLSE passed on).
+* ``ultraattn::bsa_fwd_ref`` / ``ultraattn::bsa_bwd_ref`` are plain custom ops with the
+  eager implementation (``reference.py``) and fake kernels. The triton_ops call them for
+  tensors that are not on CUDA, so the same op works on every device, eagerly and compiled
+  (a triton_op's body is also its fake implementation, so its CPU branch must be an op with
+  a fake kernel, not data-dependent Python).
+* With ``TRITON_INTERPRET=1`` and ``ULTRAATTN_KERNELS=triton``, CPU tensors run the Triton
+  kernels in the interpreter (eager only: the interpreter cannot run on fake tensors, and
+  shared/PLATFORM.md records that interpreted ``wrap_triton`` fails inside torch.compile).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.library import custom_op, triton_op, wrap_triton
+
+from ultraattn.kernels import config
+from ultraattn.kernels.layout import BlockSparseLayout, make_layout
+from ultraattn.kernels.reference import reference_bwd, reference_fwd
+
+_LOG2E = 1.4426950408889634
+
+
+def _interpreted(t: Tensor) -> bool:
+    """Run the Triton kernels on a non-CUDA tensor (interpreter, eager, explicitly asked for)."""
+    if config.kernel_mode() != "triton":
+        return False
+    if not config.interpret():
+        raise RuntimeError(
+            "ULTRAATTN_KERNELS=triton with CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before ultraattn.kernels is first used (or unset ULTRAATTN_KERNELS to use the reference path)"
+        )
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not isinstance(t, FakeTensor) and not torch.compiler.is_compiling()
+
+
+def _use_triton(t: Tensor) -> bool:
+    if t.device.type == "cuda":
+        if config.kernel_mode() == "reference":
+            return False
+        if not config.HAS_TRITON:
+            if config.kernel_mode() == "triton":
+                raise RuntimeError("ULTRAATTN_KERNELS=triton but triton is not installed")
+            return False
+        return True
+    return _interpreted(t)
+
+
+# ----------------------------------------------------------------------------- reference ops
+@custom_op("ultraattn::bsa_fwd_ref", mutates_args=())
+def bsa_fwd_ref(q: Tensor, k: Tensor, v: Tensor, pattern_of: Tensor, full_cnt: Tensor, full_idx: Tensor,
+                part_cnt: Tensor, part_idx: Tensor, part_tile: Tensor, bits: Tensor, q_block: int, kv_block: int,
+                scale: float) -> tuple[Tensor, Tensor]:
+    return reference_fwd(q, k, v, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, q_block,
+                         kv_block, scale)
+
+
+@bsa_fwd_ref.register_fake
+def _(q, k, v, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, q_block, kv_block, scale):
+    B, H, S, _ = q.shape
+    return q.new_empty(B, H, S, v.shape[-1]), q.new_empty(B, H, S, dtype=torch.float32)
+
+
+@custom_op("ultraattn::bsa_bwd_ref", mutates_args=())
+def bsa_bwd_ref(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, dlse: Tensor | None,
+                pattern_of: Tensor, full_cnt: Tensor, full_idx: Tensor, part_cnt: Tensor, part_idx: Tensor,
+                part_tile: Tensor, bits: Tensor, q_block: int, kv_block: int,
+                scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return reference_bwd(q, k, v, do, lse, delta, dlse, pattern_of, full_cnt, full_idx, part_cnt, part_idx,
+                         part_tile, bits, q_block, kv_block, scale)
+
+
+@bsa_bwd_ref.register_fake
+def _(q, k, v, do, lse, delta, dlse, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, q_block,
+      kv_block, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# ----------------------------------------------------------------------------- triton ops
+def _launch_args(q: Tensor, k: Tensor, v: Tensor, q_block: int, kv_block: int, nq: int, nk: int):
+    B, H, Sq, D = q.shape
+    Hk, Sk = k.shape[1], k.shape[2]
+    block_d = max(16, 1 << (D - 1).bit_length())
+    upcast = config.interpret() or q.dtype == torch.float32
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    const = dict(GROUP=H // Hk, D=D, BLOCK_D=block_d, QB=q_block, KB=kv_block, UPCAST=upcast, PREC=prec)
+    return B, H, Hk, Sq, Sk, const
+
+
+@triton_op("ultraattn::bsa_fwd", mutates_args=())
+def bsa_fwd(q: Tensor, k: Tensor, v: Tensor, pattern_of: Tensor, full_cnt: Tensor, full_idx: Tensor,
+            part_cnt: Tensor, part_idx: Tensor, part_tile: Tensor, bits: Tensor, full_q_cnt: Tensor,
+            full_q_idx: Tensor, part_q_cnt: Tensor, part_q_idx: Tensor, part_q_tile: Tensor, q_block: int,
+            kv_block: int, scale: float) -> tuple[Tensor, Tensor]:
+    """Block-sparse attention forward: (out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] fp32)."""
+    if not _use_triton(q):
+        return torch.ops.ultraattn.bsa_fwd_ref(q, k, v, pattern_of, full_cnt, full_idx, part_cnt, part_idx,
+                                              part_tile, bits, q_block, kv_block, scale)
+    from ultraattn.kernels import triton_kernels as tk
+
+    pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits = (
+        t.contiguous() for t in (pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits))
+    nq, nk = full_idx.shape[1], full_idx.shape[2]
+    B, H, Hk, Sq, Sk, const = _launch_args(q, k, v, q_block, kv_block, nq, nk)
+    out = torch.empty_like(q)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    rows = nq * q_block
+    kernel = tk.fwd_kernel(q_block, kv_block)
+    tiles = {}
+    if config.interpret():
+        tiles = dict(zip(("BLOCK_M", "BLOCK_N"), config.interpret_blocks(q_block, kv_block)))
+    wrap_triton(kernel)[lambda meta: (rows // meta["BLOCK_M"], B * H)](
+        q, k, v, out, lse, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        H, Sq, Sk, nq, nk, scale * _LOG2E, **const, **tiles)
+    return out, lse
+
+
+@triton_op("ultraattn::bsa_bwd", mutates_args=())
+def bsa_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, dlse: Tensor | None,
+            pattern_of: Tensor, full_cnt: Tensor, full_idx: Tensor, part_cnt: Tensor, part_idx: Tensor,
+            part_tile: Tensor, bits: Tensor, full_q_cnt: Tensor, full_q_idx: Tensor, part_q_cnt: Tensor,
+            part_q_idx: Tensor, part_q_tile: Tensor, q_block: int, kv_block: int,
+            scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Block-sparse attention backward from the GLOBAL lse and delta = rowsum(dO * O) (minus dlse if given)."""
+    if not _use_triton(q):
+        return torch.ops.ultraattn.bsa_bwd_ref(q, k, v, do, lse, delta, dlse, pattern_of, full_cnt, full_idx,
+                                              part_cnt, part_idx, part_tile, bits, q_block, kv_block, scale)
+    from ultraattn.kernels import triton_kernels as tk
+
+    (pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, full_q_cnt, full_q_idx, part_q_cnt,
+     part_q_idx, part_q_tile) = (t.contiguous() for t in (pattern_of, full_cnt, full_idx, part_cnt, part_idx,
+                                                            part_tile, bits, full_q_cnt, full_q_idx, part_q_cnt,
+                                                            part_q_idx, part_q_tile))
+    nq, nk = full_idx.shape[1], full_idx.shape[2]
+    B, H, Hk, Sq, Sk, const = _launch_args(q, k, v, q_block, kv_block, nq, nk)
+    lse = lse.contiguous()
+    delta = delta.contiguous()
+    has_dlse = dlse is not None
+    dl = dlse.contiguous() if has_dlse else delta
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    tiles = {}
+    if config.interpret():
+        tiles = dict(zip(("BLOCK_M", "BLOCK_N"), config.interpret_blocks(q_block, kv_block)))
+    rows, cols = nq * q_block, nk * kv_block
+    wrap_triton(tk.dq_kernel(q_block, kv_block))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
+        q, k, v, do, lse, delta, dl, dq, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+        H, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const, HAS_DLSE=has_dlse, **tiles)
+    wrap_triton(tk.dkv_kernel(q_block, kv_block))[lambda meta: (cols // meta["BLOCK_N"], B * Hk)](
+        q, k, v, do, lse, delta, dl, dk, dv, pattern_of, full_q_cnt, full_q_idx, part_q_cnt, part_q_idx,
+        part_q_tile, bits,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+        H, Hk, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const, HAS_DLSE=has_dlse, **tiles)
+    return dq, dk, dv
+
+
+_N_LAYOUT = 12  # layout tensors passed to bsa_fwd
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    lay = inputs[3:3 + _N_LAYOUT]
+    ctx.q_block, ctx.kv_block, ctx.scale = inputs[3 + _N_LAYOUT:]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *lay)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *lay = ctx.saved_tensors
+    delta = (dout.float() * out.float()).sum(-1)
+    # A zero dlse (lse unused) would be materialised by autograd anyway; pass it on unchanged.
+    dq, dk, dv = bsa_bwd(q, k, v, dout, lse, delta, dlse, *lay, ctx.q_block, ctx.kv_block, ctx.scale)
+    return (dq, dk, dv) + (None,) * (_N_LAYOUT + 3)
+
+
+bsa_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public API
+_LAYOUTS: OrderedDict = OrderedDict()
+_LAYOUT_CACHE_SIZE = 32
+
+
+def get_layout(mask, *, q_len: int, kv_len: int, batch: int, num_heads: int, device: torch.device,
+               mask_mod: Callable | None = None, block_size: int = 128) -> BlockSparseLayout:
+    """``make_layout`` with a small cache keyed on the mask object's identity (kept alive by the cache)."""
+    if isinstance(mask, BlockSparseLayout):
+        lay = mask
+    else:
+        key = (id(mask) if not isinstance(mask, str) else mask, id(mask_mod), q_len, kv_len, batch, num_heads,
+               str(device), block_size)
+        hit = _LAYOUTS.get(key)
+        if hit is not None and (isinstance(mask, str) or hit[0] is mask):
+            _LAYOUTS.move_to_end(key)
+            return hit[1]
+        lay = make_layout(mask, q_len=q_len, kv_len=kv_len, batch=batch, num_heads=num_heads, mask_mod=mask_mod,
+                          block_size=block_size, device=device)
+        _LAYOUTS[key] = (mask, lay)
+        if len(_LAYOUTS) > _LAYOUT_CACHE_SIZE:
+            _LAYOUTS.popitem(last=False)
+    if (lay.q_len, lay.kv_len, lay.batch, lay.num_heads) != (q_len, kv_len, batch, num_heads):
+        raise ValueError(
+            f"the layout was built for q_len={lay.q_len}, kv_len={lay.kv_len}, batch={lay.batch}, "
+            f"heads={lay.num_heads}, but the inputs have q_len={q_len}, kv_len={kv_len}, batch={batch}, "
+            f"heads={num_heads}: build it with make_layout(..., batch=, num_heads=) for these inputs"
+        )
+    return lay if lay.device == torch.device(device) else lay.to(device)
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for nm, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"`{nm}` must be a 4-D tensor (batch, heads, seq, dim), got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"`{nm}` has dtype {t.dtype}; the kernels support float16, bfloat16 and float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch or head dim")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"num_heads={q.shape[1]} is not a multiple of num_kv_heads={k.shape[1]} (GQA needs it)")
+    if q.shape[3] > 256:
+        raise ValueError(f"head dim {q.shape[3]} > 256 is not supported by the kernels")
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask="full", *, scale: float | None = None,
+                           return_lse: bool = False, mask_mod: Callable | None = None, block_size: int = 128):
+    """Block-sparse attention with FlexAttention semantics, on the kernels of this package.
+
+    Args:
+        q: ``[B, H, Sq, D]``; k, v: ``[B, Hk, Sk, D]`` with ``H % Hk == 0`` (GQA, K/V never expanded).
+        mask: a ``BlockMask``, a ``BlockPattern`` (give ``mask_mod=`` if it has PARTIAL blocks), a
+            ``BlockSparseLayout``, a mask_mod, or ``"causal"`` / ``"full"`` (SDPA semantics).
+        scale: softmax scale, default ``1/sqrt(D)``.
+        return_lse: also return the log-sum-exp ``[B, H, Sq]`` (fp32, -inf for rows that attend nowhere).
+        mask_mod, block_size: for masks that don't carry them (see ``make_layout``).
+
+    Differentiable in q, k, v (and through lse). Rows that attend nowhere give 0, not NaN.
+    """
+    _check_inputs(q, k, v)
+    B, H, Sq, D = q.shape
+    lay = get_layout(mask, q_len=Sq, kv_len=k.shape[2], batch=B, num_heads=H, device=q.device, mask_mod=mask_mod,
+                     block_size=block_size)
+    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out, lse = torch.ops.ultraattn.bsa_fwd(q, k, v, *lay.bwd_tensors(), lay.q_block, lay.kv_block, s)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,358 @@
+"""Triton block-sparse attention: forward (out + fp32 LSE), dQ and dK/dV kernels.
+
+Imported lazily (``ultraattn.kernels.ops``) because ``triton.jit`` decides at decoration time
+whether kernels run compiled or under ``TRITON_INTERPRET=1`` (the CPU test path).
+
+Block-sparse walk. A forward program owns ``BLOCK_M`` query rows of one (batch, head); it
+reads its pattern's list of FULL KV blocks and runs them with no mask code at all, then its
+list of PARTIAL KV blocks, each gated by a packed bit tile (``layout.py``). A pattern block
+(``kv_block`` wide) is walked in ``BLOCK_N`` sub-tiles, so the autotuner can pick tile shapes
+independently of the mask's granularity. The dK/dV program owns ``BLOCK_N`` keys of one KV
+head and loops over the query heads of its GQA group and the Q blocks in the transposed
+lists, accumulating in registers: no atomics, no repeated K/V. dQ is a separate program
+that walks the forward lists (recomputing QK^T and dO V^T instead of atomically adding dQ:
+deterministic, and the extra FLOPs are the usual FlashAttention-2 trade).
+
+Numerics: scores are scaled into base 2 (``qk_scale = scale * log2(e)``) and the online
+softmax runs in fp32; a row with no attended key keeps ``m = -inf`` and is guarded so that
+its output is 0 and its LSE -inf, never NaN. Backward takes the GLOBAL LSE (a tile's local
+softmax is not the final one in the distributed case) and ``delta - dlse`` per row; a row
+with LSE -inf contributes nothing. fp32 inputs use IEEE dots (no TF32) so fp32 results are
+exact to fp32 rounding; 16-bit inputs feed the tensor cores and accumulate in fp32. Under the
+interpreter 16-bit tiles are upcast first (it computes bf16 arithmetic wrongly).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ultraattn.kernels.config import bwd_configs, fwd_configs, interpret
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+# Runtime-sized integer arguments that must not trigger a recompile when they change.
+_NO_SPEC = ["q_len", "kv_len", "NQ", "NK"]
+
+
+@triton.jit
+def _load_bits(BITS, tile, rows_in, cols_in, QB: tl.constexpr, KB: tl.constexpr):
+    """Mask bits [len(rows_in), len(cols_in)] of bit tile ``tile`` (rows/cols relative to the block)."""
+    ptr = BITS + tile.to(tl.int64) * (QB * (KB // 8)) + rows_in[:, None] * (KB // 8) + cols_in[None, :] // 8
+    byte = tl.load(ptr).to(tl.int32)
+    return ((byte >> (cols_in[None, :] % 8)) & 1) != 0
+
+
+@triton.jit
+def _load_bits_t(BITS, tile, rows_in, cols_in, QB: tl.constexpr, KB: tl.constexpr):
+    """The transpose of ``_load_bits``: [len(cols_in), len(rows_in)] (keys as rows, for dK/dV)."""
+    ptr = BITS + tile.to(tl.int64) * (QB * (KB // 8)) + rows_in[None, :] * (KB // 8) + cols_in[:, None] // 8
+    byte = tl.load(ptr).to(tl.int32)
+    return ((byte >> (cols_in[:, None] % 8)) & 1) != 0
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile, start, sub_in, r_in, kv_len,
+               qk_scale, offs_d, D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, IS_PARTIAL: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr,
+               PREC: tl.constexpr):
+    offs_n = start + tl.arange(0, BLOCK_N)
+    dmask = offs_d < D
+    k_ptr = K_base + offs_n[None, :].to(tl.int64) * skn + offs_d[:, None] * skd
+    if IS_PARTIAL:
+        kt = tl.load(k_ptr, mask=(offs_n[None, :] < kv_len) & dmask[:, None], other=0.0)
+    elif EVEN_D:
+        kt = tl.load(k_ptr)
+    else:
+        kt = tl.load(k_ptr, mask=dmask[:, None], other=0.0)
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+    if IS_PARTIAL:
+        cols_in = sub_in + tl.arange(0, BLOCK_N)
+        rows_in = r_in + tl.arange(0, BLOCK_M)
+        keep = _load_bits(BITS, tile, rows_in, cols_in, QB, KB)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_ptr = V_base + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :] * svd
+    if IS_PARTIAL:
+        vt = tl.load(v_ptr, mask=(offs_n[:, None] < kv_len) & dmask[None, :], other=0.0)
+    elif EVEN_D:
+        vt = tl.load(v_ptr)
+    else:
+        vt = tl.load(v_ptr, mask=dmask[None, :], other=0.0)
+    if UPCAST:
+        vt = vt.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def bsa_fwd_kernel(Q, K, V, O, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, PART_TILE, BITS,
+                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                   H, q_len, kv_len, NQ, NK, qk_scale,
+                   GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
+                   UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    EVEN_D: tl.constexpr = D == BLOCK_D
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kh = h // GROUP
+    u = tl.load(PAT + bh)
+    row0 = pid_m * BLOCK_M
+    i = row0 // QB
+    r_in = row0 % QB
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm
+                + offs_d[None, :] * sqd, mask=(offs_m[:, None] < q_len) & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    K_base = K + b.to(tl.int64) * skb + kh.to(tl.int64) * skh
+    V_base = V + b.to(tl.int64) * svb + kh.to(tl.int64) * svh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row = u.to(tl.int64) * NQ + i
+    n_full = tl.load(FULL_CNT + row)
+    for t in range(0, n_full):
+        j = tl.load(FULL_IDX + row * NK + t)
+        for sub in tl.static_range(KB // BLOCK_N):
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, 0,
+                                       j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
+                                       D, QB, KB, BLOCK_M, BLOCK_N, False, EVEN_D, UPCAST, PREC)
+    n_part = tl.load(PART_CNT + row)
+    for t in range(0, n_part):
+        j = tl.load(PART_IDX + row * NK + t)
+        tile = tl.load(PART_TILE + row * NK + t)
+        for sub in tl.static_range(KB // BLOCK_N):
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile,
+                                       j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
+                                       D, QB, KB, BLOCK_M, BLOCK_N, True, EVEN_D, UPCAST, PREC)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    omask = (offs_m[:, None] < q_len) & dmask[None, :]
+    tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None].to(tl.int64) * som
+             + offs_d[None, :] * sod, out.to(O.dtype.element_ty), mask=omask)
+    tl.store(LSE + bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS, tile, start, sub_in, r_in,
+                  kv_len, qk_scale, offs_d, D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
+                  UPCAST: tl.constexpr, PREC: tl.constexpr):
+    offs_n = start + tl.arange(0, BLOCK_N)
+    dmask = offs_d < D
+    k_ptr = K_base + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :] * skd
+    v_ptr = V_base + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :] * svd
+    if IS_PARTIAL:
+        lmask = (offs_n[:, None] < kv_len) & dmask[None, :]
+        k = tl.load(k_ptr, mask=lmask, other=0.0)
+        v = tl.load(v_ptr, mask=lmask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptr)
+        v = tl.load(v_ptr)
+    else:
+        k = tl.load(k_ptr, mask=dmask[None, :], other=0.0)
+        v = tl.load(v_ptr, mask=dmask[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    p = tl.math.exp2(s - lse2[:, None])
+    if IS_PARTIAL:
+        keep = _load_bits(BITS, tile, r_in + tl.arange(0, BLOCK_M), sub_in + tl.arange(0, BLOCK_N), QB, KB)
+        p = tl.where(keep, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = p * (dp - dd[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def bsa_bwd_dq_kernel(Q, K, V, DO, LSE, DD, DLSE, DQ, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, PART_TILE, BITS,
+                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
+                      H, q_len, kv_len, NQ, NK, qk_scale, scale,
+                      GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr,
+                      KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_DLSE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ for BLOCK_M rows of one (b, h). DQ has Q's strides; DO is contiguous like Q (sd*)."""
+    EVEN_D: tl.constexpr = D == BLOCK_D
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kh = h // GROUP
+    u = tl.load(PAT + bh)
+    row0 = pid_m * BLOCK_M
+    i = row0 // QB
+    r_in = row0 % QB
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    mmask = offs_m < q_len
+    qmask = mmask[:, None] & dmask[None, :]
+    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm
+                + offs_d[None, :] * sqd, mask=qmask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None].to(tl.int64) * sdm
+                 + offs_d[None, :] * sdd, mask=qmask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + bh.to(tl.int64) * q_len + offs_m, mask=mmask, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    dd = tl.load(DD + bh.to(tl.int64) * q_len + offs_m, mask=mmask, other=0.0)
+    if HAS_DLSE:
+        dd -= tl.load(DLSE + bh.to(tl.int64) * q_len + offs_m, mask=mmask, other=0.0)
+    K_base = K + b.to(tl.int64) * skb + kh.to(tl.int64) * skh
+    V_base = V + b.to(tl.int64) * svb + kh.to(tl.int64) * svh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row = u.to(tl.int64) * NQ + i
+    n_full = tl.load(FULL_CNT + row)
+    for t in range(0, n_full):
+        j = tl.load(FULL_IDX + row * NK + t)
+        for sub in tl.static_range(KB // BLOCK_N):
+            dq = _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS, 0,
+                               j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
+                               D, QB, KB, BLOCK_M, BLOCK_N, False, EVEN_D, UPCAST, PREC)
+    n_part = tl.load(PART_CNT + row)
+    for t in range(0, n_part):
+        j = tl.load(PART_IDX + row * NK + t)
+        tile = tl.load(PART_TILE + row * NK + t)
+        for sub in tl.static_range(KB // BLOCK_N):
+            dq = _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS, tile,
+                               j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
+                               D, QB, KB, BLOCK_M, BLOCK_N, True, EVEN_D, UPCAST, PREC)
+    tl.store(DQ + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm
+             + offs_d[None, :] * sqd, (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm, sqd, sdm, sdd, BITS, tile, start, sub_in,
+                  c_in, q_len, qk_scale, offs_d, D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
+                  UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_DLSE: tl.constexpr):
+    offs_m = start + tl.arange(0, BLOCK_M)
+    dmask = offs_d < D
+    mmask = offs_m < q_len
+    lmask = mmask[:, None] & dmask[None, :]
+    q = tl.load(Q_base + offs_m[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd, mask=lmask, other=0.0)
+    do = tl.load(DO_base + offs_m[:, None].to(tl.int64) * sdm + offs_d[None, :] * sdd, mask=lmask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE_row + offs_m, mask=mmask, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    dd = tl.load(DD_row + offs_m, mask=mmask, other=0.0)
+    if HAS_DLSE:
+        dd -= tl.load(DLSE_row + offs_m, mask=mmask, other=0.0)
+    # Transposed scores: [BLOCK_N, BLOCK_M], rows are keys.
+    st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+    pt = tl.math.exp2(st - lse2[None, :])
+    if IS_PARTIAL:
+        keep = _load_bits_t(BITS, tile, sub_in + tl.arange(0, BLOCK_M), c_in + tl.arange(0, BLOCK_N), QB, KB)
+        pt = tl.where(keep, pt, 0.0)
+    dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+    dst = pt * (dpt - dd[None, :])
+    dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE, DD, DLSE, DK, DV, PAT, FULL_Q_CNT, FULL_Q_IDX, PART_Q_CNT, PART_Q_IDX,
+                       PART_Q_TILE, BITS,
+                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
+                       H, HK, q_len, kv_len, NQ, NK, qk_scale, scale,
+                       GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr,
+                       KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_DLSE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK, dV for BLOCK_N keys of one (b, kv head), summed over its GROUP query heads. DK/DV have K/V's strides."""
+    EVEN_D: tl.constexpr = D == BLOCK_D
+    pid_n = tl.program_id(0)
+    bkh = tl.program_id(1)
+    b = bkh // HK
+    kh = bkh % HK
+    col0 = pid_n * BLOCK_N
+    j = col0 // KB
+    c_in = col0 % KB
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    kmask = (offs_n[:, None] < kv_len) & dmask[None, :]
+    k_off = b.to(tl.int64) * skb + kh.to(tl.int64) * skh + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :] * skd
+    v_off = b.to(tl.int64) * svb + kh.to(tl.int64) * svh + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :] * svd
+    k = tl.load(K + k_off, mask=kmask, other=0.0)
+    v = tl.load(V + v_off, mask=kmask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for g in range(0, GROUP):
+        h = kh * GROUP + g
+        bh = b * H + h
+        u = tl.load(PAT + bh)
+        Q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        DO_base = DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
+        LSE_row = LSE + bh.to(tl.int64) * q_len
+        DD_row = DD + bh.to(tl.int64) * q_len
+        DLSE_row = DLSE + bh.to(tl.int64) * q_len
+        col = u.to(tl.int64) * NK + j
+        n_full = tl.load(FULL_Q_CNT + col)
+        for t in range(0, n_full):
+            i = tl.load(FULL_Q_IDX + col * NQ + t)
+            for sub in tl.static_range(QB // BLOCK_M):
+                dk, dv = _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm, sqd, sdm, sdd, BITS,
+                                       0, i * QB + sub * BLOCK_M, sub * BLOCK_M, c_in, q_len, qk_scale, offs_d,
+                                       D, QB, KB, BLOCK_M, BLOCK_N, False, EVEN_D, UPCAST, PREC, HAS_DLSE)
+        n_part = tl.load(PART_Q_CNT + col)
+        for t in range(0, n_part):
+            i = tl.load(PART_Q_IDX + col * NQ + t)
+            tile = tl.load(PART_Q_TILE + col * NQ + t)
+            for sub in tl.static_range(QB // BLOCK_M):
+                dk, dv = _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm, sqd, sdm, sdd, BITS,
+                                       tile, i * QB + sub * BLOCK_M, sub * BLOCK_M, c_in, q_len, qk_scale, offs_d,
+                                       D, QB, KB, BLOCK_M, BLOCK_N, True, EVEN_D, UPCAST, PREC, HAS_DLSE)
+    tl.store(DK + k_off, (dk * scale).to(DK.dtype.element_ty), mask=kmask)
+    tl.store(DV + v_off, dv.to(DV.dtype.element_ty), mask=kmask)
+
+
+def _tuned(kernel, configs, key):
+    if interpret():
+        return kernel
+    return triton.autotune(configs=configs, key=key)(kernel)
+
+
+_FWD: dict = {}
+_DQ: dict = {}
+_DKV: dict = {}
+
+
+def fwd_kernel(qb: int, kb: int):
+    """The forward kernel for pattern blocks qb x kb (autotuned over tile shapes that divide them)."""
+    if (qb, kb) not in _FWD:
+        _FWD[(qb, kb)] = _tuned(bsa_fwd_kernel, fwd_configs(qb, kb), ["GROUP", "D", "QB", "KB"])
+    return _FWD[(qb, kb)]
+
+
+def dq_kernel(qb: int, kb: int):
+    if (qb, kb) not in _DQ:
+        _DQ[(qb, kb)] = _tuned(bsa_bwd_dq_kernel, bwd_configs(qb, kb), ["GROUP", "D", "QB", "KB"])
+    return _DQ[(qb, kb)]
+
+
+def dkv_kernel(qb: int, kb: int):
+    if (qb, kb) not in _DKV:
+        _DKV[(qb, kb)] = _tuned(bsa_bwd_dkv_kernel, bwd_configs(qb, kb), ["GROUP", "D", "QB", "KB"])
+    return _DKV[(qb, kb)]
