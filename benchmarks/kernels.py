@@ -1,0 +1,230 @@
+"""Block-sparse kernel benchmark: ultraattn's kernels vs FlexAttention (same BlockMask) vs SDPA.
+
+TFLOP/s count only unmasked work: forward 4 * D FLOPs per attended (q, kv) pair (QK^T and PV),
+backward 2.5x that (the FlashAttention convention: 5 matmuls vs 2). Every method runs on the
+same inputs in the same process; ratios are taken within the run.
+
+    # the issue's configuration (GPU: bf16, D=128, 16 heads, S = 8K and 32K)
+    python benchmarks/kernels.py
+    # CPU smoke run (the eager reference op vs eager flex_attention and SDPA; not a GPU figure)
+    python benchmarks/kernels.py --device cpu --seqlens 1024 --heads 4 --dtype fp32 --reps 2
+
+Writes JSON (every time, every ratio, the device name) and a PNG (TFLOP/s bars per mask).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ultraattn.kernels as K  # noqa: E402
+from ultraattn import masks  # noqa: E402
+
+_DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def mask_mod_for(name: str, S: int):
+    if name == "causal":
+        return masks.generate_causal()
+    if name == "full":
+        return masks.generate_full()
+    if name == "sliding_window":
+        return masks.generate_sliding_window(window=max(256, S // 16))
+    if name == "strided":
+        return masks.generate_strided(block=128, stride=4, band=2, causal=True)
+    if name == "global_local":
+        return masks.generate_global_local(num_global=256, window=max(256, S // 16))
+    if name == "document":
+        g = torch.Generator().manual_seed(0)
+        cuts = sorted(torch.randperm(S // 128 - 1, generator=g)[: max(1, S // 2048)].add(1).mul(128).tolist())
+        bounds = [0, *cuts, S]
+        return masks.generate_document([b - a for a, b in zip(bounds, bounds[1:])])
+    raise ValueError(f"unknown mask {name!r}")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn, device: str, reps: int, warmup: int = 2) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def fwd_bwd_times(attn, q, k, v, device: str, reps: int) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of ``attn(q, k, v)``; backward timed alone (graph rebuilt untimed)."""
+    go = torch.randn_like(q)
+
+    def fwd():
+        with torch.no_grad():
+            attn(q, k, v)
+
+    t_fwd = timeit(fwd, device, reps)
+    t_bwd = []
+    for _ in range(reps + 1):
+        out = attn(q, k, v)
+        _sync(device)
+        t0 = time.perf_counter()
+        if device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out.backward(go)
+            b.record()
+            torch.cuda.synchronize()
+            t_bwd.append(a.elapsed_time(b) / 1e3)
+        else:
+            out.backward(go)
+            t_bwd.append(time.perf_counter() - t0)
+        q.grad = k.grad = v.grad = None
+    t_bwd = sorted(t_bwd[1:])
+    return t_fwd, t_bwd[len(t_bwd) // 2]
+
+
+def run(args) -> dict:
+    device = args.device
+    dt = _DT[args.dtype]
+    flex = torch.compile(flex_attention, dynamic=False) if device == "cuda" else flex_attention
+    rows = []
+    for S in args.seqlens:
+        for name in args.masks:
+            mm = mask_mod_for(name, S)
+            bm = create_block_mask(mm, None, None, S, S, device=device, BLOCK_SIZE=128)
+            lay = K.get_layout(bm, q_len=S, kv_len=S, batch=args.batch, num_heads=args.heads, device=torch.device(device))
+            pairs = lay.attended_pairs()
+            flops_fwd = 4.0 * pairs * args.head_dim
+            g = torch.Generator(device=device).manual_seed(0)
+            q, k, v = (torch.randn(args.batch, args.heads, S, args.head_dim, device=device, dtype=dt, generator=g)
+                       .requires_grad_() for _ in range(3))
+            methods = {
+                "ultraattn": lambda q, k, v, lay=lay: K.block_sparse_attention(q, k, v, lay),
+                "flex": lambda q, k, v, bm=bm: flex(q, k, v, block_mask=bm),
+            }
+            if name in ("causal", "full"):
+                methods["sdpa"] = lambda q, k, v, c=(name == "causal"): F.scaled_dot_product_attention(q, k, v,
+                                                                                                    is_causal=c)
+            row = {"seqlen": S, "mask": name, "density": pairs / (args.batch * args.heads * S * S), "methods": {}}
+            for mname, fn in methods.items():
+                try:
+                    tf, tb = fwd_bwd_times(fn, q, k, v, device, args.reps)
+                except Exception as exc:  # noqa: BLE001 - a baseline that can't run is reported, not fatal
+                    row["methods"][mname] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+                    print(f"  S={S} {name:15s} {mname:10s} failed: {row['methods'][mname]['error']}", flush=True)
+                    continue
+                row["methods"][mname] = {"fwd_s": tf, "bwd_s": tb, "fwd_tflops": flops_fwd / tf / 1e12,
+                                         "bwd_tflops": 2.5 * flops_fwd / tb / 1e12}
+                print(f"  S={S} {name:15s} {mname:10s} fwd {tf * 1e3:9.3f} ms ({flops_fwd / tf / 1e12:7.2f} TFLOP/s)"
+                      f"  bwd {tb * 1e3:9.3f} ms ({2.5 * flops_fwd / tb / 1e12:7.2f} TFLOP/s)", flush=True)
+            ua = row["methods"].get("ultraattn", {})
+            for base in ("flex", "sdpa"):
+                b = row["methods"].get(base, {})
+                if "fwd_s" in ua and "fwd_s" in b:
+                    row[f"fwd_vs_{base}"] = b["fwd_s"] / ua["fwd_s"]
+                    row[f"bwd_vs_{base}"] = b["bwd_s"] / ua["bwd_s"]
+            rows.append(row)
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "replot")},
+        "command": "python benchmarks/kernels.py " + " ".join(sys.argv[1:]),
+        "rows": rows,
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    seqlens = sorted({r["seqlen"] for r in rows})
+    fig, axes = plt.subplots(len(seqlens), 2, figsize=(12, 3.6 * len(seqlens)), squeeze=False)
+    colors = {"ultraattn": "#1f77b4", "flex": "#ff7f0e", "sdpa": "#2ca02c"}
+    for si, S in enumerate(seqlens):
+        rs = [r for r in rows if r["seqlen"] == S]
+        for ci, phase in enumerate(("fwd", "bwd")):
+            ax = axes[si][ci]
+            width = 0.27
+            for mi, m in enumerate(("ultraattn", "flex", "sdpa")):
+                xs, ys = [], []
+                for xi, r in enumerate(rs):
+                    v = r["methods"].get(m, {}).get(f"{phase}_tflops")
+                    if v is not None:
+                        xs.append(xi + (mi - 1) * width)
+                        ys.append(v)
+                ax.bar(xs, ys, width, label=m, color=colors[m])
+            ax.set_xticks(range(len(rs)), [r["mask"] for r in rs], rotation=20)
+            ax.set_ylabel("TFLOP/s (unmasked work)")
+            ax.set_title(f"{phase}, S={S}")
+            ax.legend(fontsize=8)
+    fig.suptitle(f"block-sparse attention kernels on {result['device']} ({result['config']['dtype']}, "
+                 f"D={result['config']['head_dim']}, H={result['config']['heads']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    p.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--masks", nargs="+", default=["full", "causal", "sliding_window", "strided", "global_local",
+                                                  "document"])
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="bf16", choices=tuple(_DT))
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/kernels_<device>.json)")
+    p.add_argument("--replot", type=Path, default=None, help="only redraw the PNG of an existing JSON")
+    args = p.parse_args(argv)
+    if args.replot:
+        res = json.loads(args.replot.read_text())
+        plot(res, args.replot.with_suffix(".png"))
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here; pass --device cpu for the CPU smoke run")
+    for S in args.seqlens:
+        if S % 128:
+            p.error(f"--seqlens {S}: must be a multiple of 128 (the BlockMask block)")
+    out = args.out or Path(__file__).parent / "results" / f"kernels_{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res = run(args)
+    out.write_text(json.dumps(res, indent=1))
+    plot(res, out.with_suffix(".png"))
+    for r in res["rows"]:
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r.items() if k.startswith(("fwd_vs", "bwd_vs")))
+        print(f"S={r['seqlen']} {r['mask']:15s} density {r['density']:.3f}: {ratios}")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""Small transformer models and rank workers shared by the backend tests (plain data in, plain data out)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+
+class Block(nn.Module):
+    """Pre-norm attention + MLP block; ``attn`` picks how attention is called."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, attn: str):
+        super().__init__()
+        self.h, self.hk, self.d = heads, kv_heads, dim // heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, heads * self.d, bias=False)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.d, bias=False)
+        self.o = nn.Linear(heads * self.d, dim, bias=False)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.attn = attn
+
+    def forward(self, x, mask=None):
+        B, S, _ = x.shape
+        y = self.norm1(x)
+        q = self.q(y).view(B, S, self.h, self.d).transpose(1, 2)
+        k, v = self.kv(y).view(B, S, 2, self.hk, self.d).permute(2, 0, 3, 1, 4)
+        gqa = self.h != self.hk
+        if self.attn == "causal":
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif self.attn == "dense_mask":  # the oracle for flex models: SDPA with the dense bool mask
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif self.attn == "float_mask":
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif self.attn == "dropout":
+            a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True, enable_gqa=gqa)
+        elif self.attn == "flex":
+            a = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        elif self.attn == "flex_score_mod":
+            a = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + (qi - kv) * 0.01, block_mask=mask,
+                               enable_gqa=gqa)
+        else:
+            raise ValueError(self.attn)
+        x = x + self.o(a.transpose(1, 2).reshape(B, S, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+class Tiny(nn.Module):
+    def __init__(self, attn: str = "causal", layers: int = 2, dim: int = 32, heads: int = 4, kv_heads: int = 4,
+                 vocab: int = 64, checkpoint: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, attn) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.checkpoint = checkpoint
+
+    def forward(self, tokens, mask=None):
+        x = self.emb(tokens)
+        for blk in self.blocks:
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(blk, x, mask, use_reentrant=False)
+            else:
+                x = blk(x, mask)
+        logits = self.head(x)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def doc_ids(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+
+
+def doc_mask_mod(ids: torch.Tensor):
+    def document_causal(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    return document_causal
+
+
+def sliding_mask_mod(window: int):
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return sliding
+
+
+def make_masks(kind: str, S: int, lengths=None, window: int = 48, block: int = 64):
+    """(BlockMask for flex models, dense bool [S, S] for the SDPA oracle) of a library-style mask."""
+    mm = doc_mask_mod(doc_ids(lengths)) if kind == "document" else sliding_mask_mod(window)
+    bm = create_block_mask(mm, None, None, S, S, device="cpu", BLOCK_SIZE=block)
+    qi = torch.arange(S)
+    dense = mm(torch.tensor(0), torch.tensor(0), qi[:, None], qi[None, :])
+    return bm, dense
+
+
+def step(model: nn.Module, tokens, mask=None) -> dict:
+    """One forward + backward: the loss and every parameter's gradient (by name)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, mask)
+    loss.backward()
+    return {"loss": loss.detach().double(), "grads": {n.removeprefix("_orig_mod."): p.grad.detach().double().clone()
+                                                      for n, p in model.named_parameters()}}
+
+
+def build(spec: dict, dtype=torch.float32) -> Tiny:
+    torch.manual_seed(spec.get("seed", 0))
+    m = Tiny(attn=spec["attn"], layers=spec.get("layers", 2), dim=spec.get("dim", 32), heads=spec.get("heads", 4),
+             kv_heads=spec.get("kv_heads", 4), checkpoint=spec.get("checkpoint", False))
+    return m.to(dtype)
+
+
+def inputs(spec: dict):
+    g = torch.Generator().manual_seed(123)
+    S = spec["seqlen"]
+    tokens = torch.randint(0, 64, (spec.get("batch", 1), S), generator=g)
+    if spec["attn"] == "causal":
+        return tokens, None, None
+    bm, dense = make_masks(spec["mask"], S, spec.get("lengths"), spec.get("window", 48), spec.get("block", 64))
+    return tokens, bm, dense
+
+
+def oracle(spec: dict) -> tuple[dict, dict]:
+    """fp64 and fp32 eager single-device results (flex models: SDPA with the dense mask)."""
+    tokens, _, dense = inputs(spec)
+    ref_spec = dict(spec, attn="causal" if spec["attn"] == "causal" else "dense_mask")
+    out = []
+    for dt in (torch.float64, torch.float32):
+        m = build(ref_spec, dt)
+        out.append(step(m, tokens, dense))
+    return out[0], out[1]
+
+
+def compiled_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
+    """Compile the spec's model with the ultraattn backend on this rank and take one step."""
+    import ultraattn.passes as P
+
+    tokens, bm, _ = inputs(spec)
+    model = build(spec)
+    cm = torch.compile(model, backend="ultraattn", options=dict(options), fullgraph=spec.get("fullgraph", False))
+    res = step(cm, tokens, bm)
+    res["rewritten"] = P.COUNTERS["rewritten"]
+    res["graphs"] = P.COUNTERS["graphs"]
+    return res

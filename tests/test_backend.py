@@ -1,0 +1,200 @@
+"""The ``ultraattn`` torch.compile backend: registration, options, capture, rewrite, numerics across ranks.
+
+Numerics: a compiled model's loss and every parameter gradient against the fp64 eager
+single-device model (flex models: SDPA with the same dense mask), by the 2x rule of DESIGN.md
+with the fp32 eager model as the same-precision reference. The floor is 16 fp32 ulps of each
+tensor's scale: Inductor legitimately reorders the non-attention reductions (layer norm, cross
+entropy), which moves fp32 results by a few ulps even without ultraattn.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ultraattn.passes as P
+from backend_models import Tiny, build, compiled_worker, inputs, make_masks, oracle, step
+from ultraattn.testing import run_ranks
+
+FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 60.0}
+EPS = torch.finfo(torch.float32).eps
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def check_against_oracle(spec: dict, got: dict) -> list[str]:
+    ref64, ref32 = oracle(spec)
+    bad = []
+    pairs = [("loss", got["loss"], ref64["loss"], ref32["loss"])]
+    pairs += [(n, got["grads"][n], ref64["grads"][n], ref32["grads"][n]) for n in ref64["grads"]]
+    for name, g, r64, r32 in pairs:
+        tol = 2 * _err(r32, r64) + 16 * EPS * (float(r64.abs().max()) or 1.0)
+        e = _err(g, r64)
+        if not e <= tol:
+            bad.append(f"{name}: err {e:.3g} > {tol:.3g}")
+    return bad
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    P.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- registration, options
+def test_entry_point_finds_the_backend_without_importing_ultraattn():
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "f = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), backend='ultraattn')\n"
+        "q = torch.randn(1, 2, 64, 16)\n"
+        "print(float((f(q) - F.scaled_dot_product_attention(q, q, q, is_causal=True)).abs().max()))\n"
+        "import sys; print('ultraattn.passes.backend' in sys.modules)\n"
+    )
+    env = dict(os.environ, ULTRAATTN_KERNELS="reference")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    err, loaded = out.stdout.split()
+    assert float(err) < 1e-5 and loaded == "True"
+
+
+def test_backend_is_importable_as_a_callable():
+    import ultraattn
+
+    f = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend=ultraattn.backend)
+    q = torch.randn(1, 2, 64, 16)
+    torch.testing.assert_close(f(q), F.scaled_dot_product_attention(q, q, q), rtol=0, atol=1e-5)
+    assert P.COUNTERS["rewritten"] == 1
+
+
+def test_unknown_and_bad_options_are_errors():
+    q = torch.randn(1, 2, 64, 16)
+
+    def f(q):
+        return F.scaled_dot_product_attention(q, q, q)
+
+    with pytest.raises(Exception, match=r"unknown ultraattn backend option\(s\) \['colour'\]; valid options: mesh"):
+        torch.compile(f, backend="ultraattn", options={"colour": 1})(q)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"options\['report'\]='loud'"):
+        torch.compile(f, backend="ultraattn", options={"report": "loud"})(q)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"options\['cost'\] has unknown field"):
+        torch.compile(f, backend="ultraattn", options={"cost": {"speed": 1}})(q)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="needs an initialised process group"):
+        torch.compile(f, backend="ultraattn", options={"world_size": 2})(q)
+
+
+def test_world_size_env_without_a_process_group_is_an_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(Exception, match="WORLD_SIZE=4 but torch.distributed is not initialised"):
+        torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend="ultraattn")(torch.randn(1, 1, 32, 16))
+
+
+# ----------------------------------------------------------------------------- capture: must fire / must not
+def _compile_once(model, *args, **opts):
+    cm = torch.compile(model, backend="ultraattn", options=opts or None)
+    return cm(*args)
+
+
+@pytest.mark.parametrize("attn", ["causal", "flex", "gqa", "bool_mask"])
+def test_must_fire(attn):
+    S = 128
+    if attn == "bool_mask":
+        _, dense = make_masks("sliding", S)
+        m, mask = Tiny(attn="dense_mask", layers=1), dense
+    elif attn == "flex":
+        bm, _ = make_masks("document", S, lengths=[40, 88])
+        m, mask = Tiny(attn="flex", layers=1), bm
+    else:
+        m, mask = Tiny(attn="causal", layers=1, kv_heads=1 if attn == "gqa" else 4), None
+    _compile_once(m, torch.randint(0, 64, (1, S)), mask)
+    rec = P.RECORDS[-1]
+    assert P.COUNTERS["rewritten"] == 1 and rec.rewritten == 1, [s.reason for s in rec.sites]
+    assert "torch.ops.ultraattn.site_attention" in rec.code_after
+    assert "scaled_dot_product_attention" not in rec.code_after and "flex_attention(" not in rec.code_after
+
+
+@pytest.mark.parametrize("attn,why", [("float_mask", "additive float mask"), ("dropout", "dropout_p=0.5"),
+                                      ("flex_score_mod", "score_mod")])
+def test_must_not_fire(attn, why):
+    S = 128
+    m = Tiny(attn=attn, layers=1)
+    tokens = torch.randint(0, 64, (1, S))
+    if attn == "float_mask":
+        mask = torch.zeros(S, S).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    elif attn == "flex_score_mod":
+        mask, _ = make_masks("document", S, lengths=[40, 88])
+    else:
+        mask = None
+    # (Inductor's CPU flex template itself fails on this score_mod, ultraattn or not: the graph runs eagerly)
+    opts = {"compiler": "eager"} if attn == "flex_score_mod" else {}
+    with torch.no_grad():  # flex with a score_mod cannot train on CPU at all: check the forward only
+        got = _compile_once(m, tokens, mask, **opts)
+        want = m(tokens, mask) if attn != "dropout" else None
+    rec = P.RECORDS[-1]
+    assert P.COUNTERS["rewritten"] == 0 and rec.sites and not rec.sites[0].rewritable
+    assert why in rec.sites[0].reason, rec.sites[0].reason
+    assert "ultraattn.site_attention" not in rec.code_after
+    if want is not None:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- numerics, world size 1
+MODELS = {
+    "causal": {"attn": "causal", "seqlen": 160, "batch": 2},
+    "gqa": {"attn": "causal", "seqlen": 160, "kv_heads": 2},
+    "document": {"attn": "flex", "mask": "document", "lengths": [50, 70, 40], "seqlen": 160},
+    "sliding": {"attn": "flex", "mask": "sliding", "window": 40, "seqlen": 192, "kv_heads": 1},
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_world1_compiled_matches_eager(name):
+    spec = MODELS[name]
+    got = compiled_worker(0, 1, spec, FAST)
+    assert got["rewritten"] == spec.get("layers", 2)
+    assert not check_against_oracle(spec, got)
+
+
+def test_world1_checkpointing_fullgraph():
+    spec = dict(MODELS["document"], checkpoint=True, fullgraph=True)
+    got = compiled_worker(0, 1, spec, FAST)
+    assert got["rewritten"] == 2
+    assert not check_against_oracle(spec, got)
+
+
+def test_new_mask_content_does_not_recompile_and_is_planned_again():
+    S = 160
+    model = build({"attn": "flex"})
+    cm = torch.compile(model, backend="ultraattn")
+    tokens = torch.randint(0, 64, (1, S))
+    for lengths in ([50, 70, 40], [100, 60], [50, 70, 40]):
+        bm, dense = make_masks("document", S, lengths=lengths)
+        got = step(cm, tokens, bm)
+        want = step(build({"attn": "dense_mask"}, torch.float64), tokens, dense)
+        assert abs(float(got["loss"] - want["loss"])) < 1e-5
+    assert P.COUNTERS["graphs"] == 1, "a new mask content must not recompile"
+    specs = P.RECORDS[-1].specs
+    assert all(sp.stats["plans"] == 2 and sp.stats["cache_hits"] >= 1 for sp in specs), [sp.stats for sp in specs]
+
+
+# ----------------------------------------------------------------------------- across ranks
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["causal", "document"])
+def test_ranks_match_single_device(world, name):
+    spec = MODELS[name]
+    res = run_ranks(compiled_worker, world, args=(spec, FAST), timeout=600)
+    for r, got in enumerate(res):
+        assert got["rewritten"] == 2, r
+        problems = check_against_oracle(spec, got)
+        assert not problems, f"rank {r}: {problems}"

@@ -1,0 +1,115 @@
+"""The ``ultraattn`` torch.compile backend.
+
+``torch.compile(model, backend="ultraattn", options={...})`` finds this function through the
+``torch_dynamo_backends`` entry point (pyproject.toml), so a training script needs no import
+of ultraattn. Per Dynamo graph it finds the attention sites (``capture.py``), rewrites the
+ones it can run exactly (``rewrite.py``, ``site_op.py``), records what it did for reports,
+and hands the graph to Inductor.
+
+CPU FlexAttention training: PyTorch's flex_attention refuses ``requires_grad`` inputs on CPU
+in its Python front end (``_validate_device``), which Dynamo executes while tracing, before
+any backend sees the graph. Importing this module wraps that check so that, on CPU and only
+while Dynamo is tracing, the backward refusal is skipped (every other check still runs).
+Eager calls and non-CPU devices behave exactly as before. A flex site that the backend
+rewrites then trains on CPU through ultraattn's kernels; one it cannot rewrite still fails
+later with Inductor's own "CPU only supports inference" error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ultraattn.passes.capture import Site, find_sites
+from ultraattn.passes.options import BackendOptions, parse_options
+from ultraattn.passes.rewrite import rewrite_sites
+from ultraattn.passes.site_op import SiteSpec
+
+
+@dataclass
+class GraphRecord:
+    """What the backend did to one Dynamo graph (for reports and tests)."""
+
+    index: int
+    sites: list[Site]
+    specs: list[SiteSpec]
+    options: BackendOptions
+    code_before: str
+    code_after: str
+    world_size: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def rewritten(self) -> int:
+        return len(self.specs)
+
+
+RECORDS: list[GraphRecord] = []
+"""Every graph compiled by this process (most recent last)."""
+
+COUNTERS = {"graphs": 0, "sites": 0, "rewritten": 0}
+
+
+def reset() -> None:
+    """Forget the records and counters (tests)."""
+    RECORDS.clear()
+    for k in COUNTERS:
+        COUNTERS[k] = 0
+
+
+def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **unused):
+    """torch.compile backend: rewrite attention sites for context parallelism, then Inductor."""
+    if unused:
+        mode = unused.get("mode")
+        raise ValueError(f"the ultraattn backend takes no torch.compile mode (got mode={mode!r}); "
+                         f"pass options={{...}} instead")
+    opts = parse_options(options)
+    before = gm.code
+    sites = find_sites(gm, opts.world_size)
+    specs = rewrite_sites(gm, sites, opts)
+    rec = GraphRecord(index=COUNTERS["graphs"], sites=sites, specs=specs, options=opts, code_before=before,
+                      code_after=gm.code, world_size=opts.world_size)
+    RECORDS.append(rec)
+    COUNTERS["graphs"] += 1
+    COUNTERS["sites"] += len(sites)
+    COUNTERS["rewritten"] += len(specs)
+    if opts.report != "off":
+        from ultraattn.passes.report import print_graph_report
+
+        print_graph_report(rec, full=opts.report == "full")
+    if opts.compiler == "eager":
+        return gm.forward
+    if opts.compiler == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+backend = ultraattn_backend
+
+
+# ----------------------------------------------------------------------------- flex CPU backward shim
+def _install_flex_cpu_shim() -> bool:
+    import torch.nn.attention.flex_attention as fa
+
+    orig = getattr(fa, "_validate_device", None)
+    if orig is None or getattr(orig, "_ultraattn_shim", False):
+        return False
+
+    def _validate_device(query, key, value):
+        if query.device.type == "cpu" and torch.compiler.is_dynamo_compiling():
+            return None  # tracing for a backend: the backward refusal is the backend's call to make
+        return orig(query, key, value)
+
+    _validate_device._ultraattn_shim = True
+    _validate_device.__wrapped__ = orig
+    fa._validate_device = _validate_device
+    return True
+
+
+SHIM_INSTALLED = _install_flex_cpu_shim()

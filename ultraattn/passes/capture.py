@@ -1,0 +1,219 @@
+"""Find the attention sites of a Dynamo graph and decide, per site, whether it can be rewritten exactly.
+
+Two kinds of site (shared/PLATFORM.md shows what Dynamo hands a backend):
+
+* ``torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0,
+  is_causal=False, scale=None, enable_gqa=False)``: rewritten when there is no dropout, the
+  mask is absent or boolean, and the shapes are 4-D self-attention (or cross-attention at
+  world size 1). An additive float mask keeps the original op.
+* ``torch.ops.higher_order.flex_attention(q, k, v, score_mod, block_mask_tuple, scale,
+  kernel_options, score_mod_buffers, mask_mod_buffers)``: rewritten when the score_mod is the
+  identity (the tile kernels apply masks, not score modifications) and the auxiliary "max"
+  output is not used. The block-mask tuple is parsed by position from both ends, because its
+  middle grew fields across torch versions.
+
+Every site gets a reason string, shown in reports; a site that is not rewritten runs as the
+user wrote it, so the answer is never wrong.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+_SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
+
+
+def _is_flex(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", "") == "flex_attention" and \
+        type(node.target).__name__ == "FlexAttentionHOP"
+
+
+def _val(node) -> torch.Tensor | None:
+    if isinstance(node, fx.Node):
+        v = node.meta.get("example_value", node.meta.get("val"))
+        return v if isinstance(v, torch.Tensor) else None
+    return None
+
+
+@dataclass
+class Site:
+    """One attention call in the graph."""
+
+    index: int
+    node: fx.Node
+    op: str
+    """'sdpa' or 'flex'."""
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    q_shape: tuple[int, ...] = ()
+    kv_shape: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
+    scale: float | None = None
+    is_causal: bool = False
+    mask: str = "full"
+    """full | causal | bool_mask | block_mask."""
+    mask_node: fx.Node | None = None
+    """SDPA's boolean attn_mask."""
+    block_mask: dict = field(default_factory=dict)
+    """flex: q_len, kv_len, q_block, kv_block, tensors (kv_num_blocks, kv_indices, full_kv_num_blocks,
+    full_kv_indices as nodes or None), mask_mod (GraphModule), buffers (nodes)."""
+    rewritable: bool = True
+    reason: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}#{self.index}"
+
+    def skip(self, reason: str) -> None:
+        self.rewritable = False
+        self.reason = reason
+
+
+def _identity_score_mod(gm) -> bool:
+    """A score_mod graph whose output is its first input (the score) unchanged."""
+    if not isinstance(gm, fx.GraphModule):
+        return False
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    outs = [n for n in gm.graph.nodes if n.op == "output"]
+    if not phs or len(outs) != 1:
+        return False
+    ret = outs[0].args[0]
+    if isinstance(ret, tuple | list):
+        if len(ret) != 1:
+            return False
+        ret = ret[0]
+    return ret is phs[0]
+
+
+def _sdpa_site(index: int, node: fx.Node, world: int) -> Site:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    args = dict(zip(names, node.args))
+    args.update(node.kwargs)
+    s = Site(index=index, node=node, op="sdpa", q=args["query"], k=args["key"], v=args["value"])
+    qv, kv, vv = _val(s.q), _val(s.k), _val(s.v)
+    if qv is None or kv is None or vv is None:
+        s.skip("q/k/v shapes are unknown in the graph")
+        return s
+    s.q_shape, s.kv_shape, s.dtype = tuple(qv.shape), tuple(kv.shape), qv.dtype
+    s.scale = args.get("scale")
+    s.is_causal = bool(args.get("is_causal", False))
+    mask = args.get("attn_mask")
+    dropout = args.get("dropout_p", 0.0)
+    if isinstance(dropout, fx.Node) or float(dropout or 0.0) != 0.0:
+        s.skip(f"dropout_p={dropout}: attention dropout is not applied by the tile kernels")
+        return s
+    if len(s.q_shape) != 4 or len(s.kv_shape) != 4 or tuple(vv.shape) != s.kv_shape:
+        s.skip(f"q {s.q_shape} / k {s.kv_shape} / v {tuple(vv.shape)}: the rewrite needs 4-D (batch, heads, seq, dim) "
+               f"with k and v of one shape")
+        return s
+    if s.q_shape[3] != s.kv_shape[3]:
+        s.skip(f"q head dim {s.q_shape[3]} != k head dim {s.kv_shape[3]}")
+        return s
+    if s.q_shape[1] != s.kv_shape[1]:
+        if not args.get("enable_gqa", False):
+            s.skip("q and k head counts differ without enable_gqa (SDPA itself would reject this)")
+            return s
+        if s.q_shape[1] % s.kv_shape[1]:
+            s.skip(f"{s.q_shape[1]} query heads are not a multiple of {s.kv_shape[1]} kv heads")
+            return s
+    if qv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        s.skip(f"dtype {qv.dtype} is not supported by the tile kernels (fp16, bf16, fp32)")
+        return s
+    if mask is not None:
+        if s.is_causal:
+            s.skip("attn_mask together with is_causal=True (SDPA rejects this)")
+            return s
+        mv = _val(mask)
+        if mv is None:
+            s.skip("attn_mask is not a tensor in the graph")
+            return s
+        if mv.dtype != torch.bool:
+            s.skip(f"attn_mask has dtype {mv.dtype}: an additive float mask is not a sparsity pattern; "
+                   f"pass a boolean mask (True = attend) or a BlockMask to flex_attention")
+            return s
+        s.mask, s.mask_node = "bool_mask", mask
+    else:
+        s.mask = "causal" if s.is_causal else "full"
+    if s.q_shape[2] != s.kv_shape[2] and world > 1:
+        s.skip(f"cross-attention (q len {s.q_shape[2]} != kv len {s.kv_shape[2]}) is not sharded; "
+               f"it runs replicated")
+        return s
+    s.reason = f"rewritten ({s.mask})"
+    return s
+
+
+def _flex_site(index: int, node: fx.Node, world: int) -> Site:
+    q, k, v, score_mod, bm, scale, kernel_options, score_buffers, mask_buffers = node.args[:9]
+    s = Site(index=index, node=node, op="flex", q=q, k=k, v=v, scale=float(scale) if scale is not None else None)
+    qv, kv, vv = _val(q), _val(k), _val(v)
+    if qv is None or kv is None or vv is None:
+        s.skip("q/k/v shapes are unknown in the graph")
+        return s
+    s.q_shape, s.kv_shape, s.dtype = tuple(qv.shape), tuple(kv.shape), qv.dtype
+    owner = node.graph.owning_module
+    sm = getattr(owner, score_mod.target) if isinstance(score_mod, fx.Node) and score_mod.op == "get_attr" else None
+    if score_buffers or not _identity_score_mod(sm):
+        s.skip("flex_attention with a score_mod: the tile kernels apply masks only, so this site keeps "
+               "flex_attention")
+        return s
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] not in (0, 1) and user.users:
+            s.skip("the auxiliary max output of flex_attention is used")
+            return s
+    if tuple(vv.shape) != s.kv_shape or s.q_shape[3] != s.kv_shape[3]:
+        s.skip(f"q {s.q_shape} / k {s.kv_shape} / v {tuple(vv.shape)}: needs equal head dims and k, v of one shape")
+        return s
+    if qv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        s.skip(f"dtype {qv.dtype} is not supported by the tile kernels (fp16, bf16, fp32)")
+        return s
+    mm = bm[-1]
+    mask_mod = getattr(owner, mm.target) if isinstance(mm, fx.Node) and mm.op == "get_attr" else None
+    if mask_mod is None:
+        s.skip("the BlockMask's mask_mod is not a graph submodule")
+        return s
+    q_len, kv_len = bm[0], bm[1]
+    if not isinstance(q_len, int) or not isinstance(kv_len, int):
+        s.skip("the BlockMask's sequence lengths are dynamic")
+        return s
+    s.mask = "block_mask"
+    s.block_mask = {
+        "q_len": q_len, "kv_len": kv_len, "q_block": bm[-3], "kv_block": bm[-2],
+        "tensors": tuple(bm[2:6]), "mask_mod": mask_mod, "buffers": tuple(mask_buffers),
+    }
+    if q_len != s.q_shape[2] or kv_len != s.kv_shape[2]:
+        s.skip(f"BlockMask built for ({q_len}, {kv_len}) but q/k have lengths ({s.q_shape[2]}, {s.kv_shape[2]})")
+        return s
+    if s.q_shape[2] != s.kv_shape[2] and world > 1:
+        s.skip(f"cross-attention (q len {s.q_shape[2]} != kv len {s.kv_shape[2]}) is not sharded")
+        return s
+    if s.q_shape[1] % s.kv_shape[1]:
+        s.skip(f"{s.q_shape[1]} query heads are not a multiple of {s.kv_shape[1]} kv heads")
+        return s
+    if any(not isinstance(b, fx.Node) for b in s.block_mask["tensors"][:2]):
+        s.skip("the BlockMask has no kv_num_blocks/kv_indices tensors")
+        return s
+    s.reason = "rewritten (BlockMask)"
+    return s
+
+
+def find_sites(gm: fx.GraphModule, world: int = 1) -> list[Site]:
+    """Every SDPA / flex_attention call in ``gm`` and its subgraphs, each marked rewritable or not (with why).
+
+    Subgraphs are the bodies of higher-order ops (activation checkpointing, ``wrap``) that
+    Dynamo stores as GraphModule attributes; sites inside them are rewritten in place.
+    """
+    sites = []
+    for _, mod in gm.named_modules():
+        if not isinstance(mod, fx.GraphModule):
+            continue
+        for node in mod.graph.nodes:
+            if node.op == "call_function" and node.target in _SDPA_TARGETS:
+                sites.append(_sdpa_site(len(sites), node, world))
+            elif _is_flex(node):
+                sites.append(_flex_site(len(sites), node, world))
+    return sites
