@@ -79,33 +79,39 @@ def timeit(fn, device: str, reps: int, warmup: int = 2) -> float:
     return times[len(times) // 2]
 
 
-def fwd_bwd_times(attn, q, k, v, device: str, reps: int) -> tuple[float, float]:
-    """(forward seconds, backward seconds) of ``attn(q, k, v)``; backward timed alone (graph rebuilt untimed)."""
-    go = torch.randn_like(q)
+def fwd_time(attn, q, k, v, device: str, reps: int) -> float:
+    """Median seconds of the forward alone (no autograd graph)."""
+
+    qd, kd, vd = (x.detach() for x in (q, k, v))  # (flex checks requires_grad even under no_grad)
 
     def fwd():
         with torch.no_grad():
-            attn(q, k, v)
+            attn(qd, kd, vd)
 
-    t_fwd = timeit(fwd, device, reps)
-    t_bwd = []
+    return timeit(fwd, device, reps)
+
+
+def bwd_time(attn, q, k, v, device: str, reps: int) -> float:
+    """Median seconds of the backward alone (the forward that builds its graph is not timed)."""
+    go = torch.randn_like(q)
+    times = []
     for _ in range(reps + 1):
         out = attn(q, k, v)
         _sync(device)
-        t0 = time.perf_counter()
         if device == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             out.backward(go)
             b.record()
             torch.cuda.synchronize()
-            t_bwd.append(a.elapsed_time(b) / 1e3)
+            times.append(a.elapsed_time(b) / 1e3)
         else:
+            t0 = time.perf_counter()
             out.backward(go)
-            t_bwd.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
         q.grad = k.grad = v.grad = None
-    t_bwd = sorted(t_bwd[1:])
-    return t_fwd, t_bwd[len(t_bwd) // 2]
+    times = sorted(times[1:])
+    return times[len(times) // 2]
 
 
 def run(args) -> dict:
@@ -132,22 +138,25 @@ def run(args) -> dict:
                                                                                                     is_causal=c)
             row = {"seqlen": S, "mask": name, "density": pairs / (args.batch * args.heads * S * S), "methods": {}}
             for mname, fn in methods.items():
-                try:
-                    tf, tb = fwd_bwd_times(fn, q, k, v, device, args.reps)
-                except Exception as exc:  # noqa: BLE001 - a baseline that can't run is reported, not fatal
-                    row["methods"][mname] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-                    print(f"  S={S} {name:15s} {mname:10s} failed: {row['methods'][mname]['error']}", flush=True)
-                    continue
-                row["methods"][mname] = {"fwd_s": tf, "bwd_s": tb, "fwd_tflops": flops_fwd / tf / 1e12,
-                                         "bwd_tflops": 2.5 * flops_fwd / tb / 1e12}
-                print(f"  S={S} {name:15s} {mname:10s} fwd {tf * 1e3:9.3f} ms ({flops_fwd / tf / 1e12:7.2f} TFLOP/s)"
-                      f"  bwd {tb * 1e3:9.3f} ms ({2.5 * flops_fwd / tb / 1e12:7.2f} TFLOP/s)", flush=True)
+                res = row["methods"][mname] = {}
+                for phase in ("fwd", "bwd"):
+                    try:
+                        t = fwd_time(fn, q, k, v, device, args.reps) if phase == "fwd" else \
+                            bwd_time(fn, q, k, v, device, args.reps)
+                    except Exception as exc:  # noqa: BLE001 - a baseline that can't run is reported, not fatal
+                        res[f"{phase}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                        print(f"  S={S} {name:15s} {mname:10s} {phase} failed: {res[f'{phase}_error']}", flush=True)
+                        continue
+                    flops = flops_fwd * (2.5 if phase == "bwd" else 1.0)
+                    res[f"{phase}_s"], res[f"{phase}_tflops"] = t, flops / t / 1e12
+                    print(f"  S={S} {name:15s} {mname:10s} {phase} {t * 1e3:9.3f} ms ({flops / t / 1e12:7.3f} TFLOP/s)",
+                          flush=True)
             ua = row["methods"].get("ultraattn", {})
             for base in ("flex", "sdpa"):
                 b = row["methods"].get(base, {})
-                if "fwd_s" in ua and "fwd_s" in b:
-                    row[f"fwd_vs_{base}"] = b["fwd_s"] / ua["fwd_s"]
-                    row[f"bwd_vs_{base}"] = b["bwd_s"] / ua["bwd_s"]
+                for phase in ("fwd", "bwd"):
+                    if f"{phase}_s" in ua and f"{phase}_s" in b:
+                        row[f"{phase}_vs_{base}"] = b[f"{phase}_s"] / ua[f"{phase}_s"]
             rows.append(row)
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
@@ -180,7 +189,8 @@ def plot(result: dict, path: Path) -> None:
                     if v is not None:
                         xs.append(xi + (mi - 1) * width)
                         ys.append(v)
-                ax.bar(xs, ys, width, label=m, color=colors[m])
+                if xs:
+                    ax.bar(xs, ys, width, label=m, color=colors[m])
             ax.set_xticks(range(len(rs)), [r["mask"] for r in rs], rotation=20)
             ax.set_ylabel("TFLOP/s (unmasked work)")
             ax.set_title(f"{phase}, S={S}")
