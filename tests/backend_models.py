@@ -142,3 +142,35 @@ def compiled_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
     res["rewritten"] = P.COUNTERS["rewritten"]
     res["graphs"] = P.COUNTERS["graphs"]
     return res
+
+
+def mismatch_worker(rank: int, world: int) -> str:
+    """debug=True: rank 1 feeds different tokens; every rank must get an error naming rank 1."""
+    spec = {"attn": "causal", "seqlen": 128}
+    tokens, _, _ = inputs(spec)
+    if rank == 1:
+        tokens = (tokens + 1) % 64
+    cm = torch.compile(build(spec), backend="ultraattn",
+                       options={"debug": True, "ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 30.0})
+    try:
+        cm(tokens)
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return str(exc)
+    return "no error"
+
+
+def local_world_worker(rank: int, world: int) -> dict:
+    """LOCAL_WORLD_SIZE=2 with 4 ranks: the backend plans on a 2 x 2 mesh (two 'nodes')."""
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    from ultraattn.passes.site_op import SITES
+
+    spec = {"attn": "causal", "seqlen": 128}
+    tokens, _, _ = inputs(spec)
+    res = compiled_worker(rank, world, spec, {"ilp_time_limit": 1.0, "time_budget": 2.0})
+    meshes = {tuple(r[1].tile_plan.mesh.__dict__.values()) if hasattr(r[1].tile_plan.mesh, "__dict__")
+              else (r[1].tile_plan.mesh.nodes, r[1].tile_plan.mesh.devices)
+              for sp in SITES.values() for r in sp.plans.values()}
+    res["meshes"] = sorted(meshes)
+    return res

@@ -198,3 +198,78 @@ def test_ranks_match_single_device(world, name):
         assert got["rewritten"] == 2, r
         problems = check_against_oracle(spec, got)
         assert not problems, f"rank {r}: {problems}"
+
+
+def test_mismatched_inputs_across_ranks_are_named_in_debug_mode():
+    from backend_models import mismatch_worker
+
+    msgs = run_ranks(mismatch_worker, 2, timeout=300)
+    for m in msgs:
+        assert "rank(s) [1] got different q/k/v or mask than rank 0" in m, m
+
+
+def test_local_world_size_gives_a_two_level_mesh():
+    from backend_models import local_world_worker
+
+    spec = {"attn": "causal", "seqlen": 128}
+    res = run_ranks(local_world_worker, 4, timeout=600)
+    for r, got in enumerate(res):
+        assert got["meshes"] == [(2, 2)], got["meshes"]
+        assert not check_against_oracle(spec, got), r
+
+
+def test_graph_break_between_two_attention_regions():
+    spec = {"attn": "causal", "seqlen": 128}
+    tokens, _, _ = inputs(spec)
+    model = build(spec)
+
+    def forward(tokens):
+        x = model.emb(tokens)
+        x = model.blocks[0](x)
+        torch._dynamo.graph_break()
+        x = model.blocks[1](x)
+        logits = model.head(x)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+    loss = torch.compile(forward, backend="ultraattn")(tokens)
+    loss.backward()
+    got = {"loss": loss.detach().double(), "grads": {n: p.grad.double() for n, p in model.named_parameters()}}
+    assert P.COUNTERS["graphs"] == 2 and P.COUNTERS["rewritten"] == 2
+    assert not check_against_oracle(spec, got)
+
+
+def test_explain_plans_and_prints_without_running(capsys):
+    import io
+
+    from rich.console import Console
+
+    import ultraattn
+
+    spec = {"attn": "flex", "mask": "document", "lengths": [300, 500, 224], "seqlen": 1024}
+    tokens, bm, _ = inputs(spec)
+    model = build(spec)
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    buf = io.StringIO()
+    res = ultraattn.explain(model, tokens, bm, world_size=4, options=FAST, console=Console(file=buf, width=120))
+    text = buf.getvalue()
+    assert set(res.plans) == {"flex#0", "flex#1"} and not calls
+    assert "modeled time against the baselines" in text and "torch.ops.ultraattn.site_attention" in text
+    assert res.plans["flex#0"].plan.world == 4
+    one = ultraattn.explain(model, tokens, bm, world_size=1, console=Console(file=io.StringIO()))
+    assert one.plans["flex#0"].attended_pairs() == int(inputs(spec)[2].sum()) * 4  # 4 heads, batch 1
+
+
+def test_report_file_and_cli(tmp_path):
+    from ultraattn.cli import main
+
+    path = tmp_path / "report.json"
+    spec = {"attn": "causal", "seqlen": 128}
+    tokens, _, _ = inputs(spec)
+    step(torch.compile(build(spec), backend="ultraattn", options={"report_file": str(path)}), tokens)
+    assert path.exists()
+    out = subprocess.run([sys.executable, "-m", "ultraattn.cli", "report", str(path)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
+    assert out.returncode == 0, out.stderr
+    assert "sdpa#0" in out.stdout and "rewritten (causal)" in out.stdout and "planned in" in out.stdout
+    assert main(["report", str(tmp_path / "missing.json")]) == 2

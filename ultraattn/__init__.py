@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 from ultraattn.runtime import AttentionPlan, dispatch, dist_attention, plan_attention, undispatch
 
-__all__ = ["AttentionPlan", "backend", "dispatch", "dist_attention", "plan_attention", "undispatch", "__version__"]
+__all__ = ["AttentionPlan", "backend", "dispatch", "explain", "dist_attention", "plan_attention", "undispatch", "__version__"]
 
 
 def __getattr__(name: str):
@@ -20,4 +20,8 @@ def __getattr__(name: str):
         from ultraattn.passes.backend import ultraattn_backend
 
         return ultraattn_backend
+    if name == "explain":
+        from ultraattn.passes.explain import explain
+
+        return explain
     raise AttributeError(f"module 'ultraattn' has no attribute {name!r}")

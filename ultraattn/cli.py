@@ -102,6 +102,11 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--png", metavar="FILE", help="draw the tile assignment and schedule (needs matplotlib)")
     pl.add_argument("--quiet", action="store_true", help="no report, only the JSON (if asked) and one line")
     sub.add_parser("masks", help="list mask names, parameters and defaults")
+    rp = sub.add_parser("report", help="render a report saved by the backend (options={'report_file': FILE})",
+                        description="Render the JSON report that torch.compile(..., backend='ultraattn', "
+                                    "options={'report_file': FILE}) wrote: attention sites, why each was or was not "
+                                    "rewritten, the rewritten graph, and the plans made at run time.")
+    rp.add_argument("file", help="the report JSON")
     return p
 
 
@@ -175,37 +180,9 @@ def _summary_json(args, res, shape, mesh) -> dict:
 
 
 def _report(console, args, res, mesh):
-    from rich.rule import Rule
+    from .report.plan_report import print_plan_result
 
-    from .report import render
-
-    ours = res.ours
-    plan = res.plan
-    pat = res.pattern
-    console.print(Rule(f"ultraattn plan · {pat.name} · S={pat.q_len} · CP {mesh}"))
-    console.print(render.mask_heatmap(pat.kind_BGQK[0, 0].tolist(), title=f"mask {pat.name}"))
-    console.print(render.assignment_heatmap(plan.assign_GPP[0].tolist(), list(plan.owner), nodes=mesh.nodes,
-                                            devices=mesh.devices, title="tile assignment (head group 0)"))
-    rows = ours.rank_rows
-    if len(rows) > 16:
-        keep = {r["rank"] for r in rows if r["node"] == 0}
-        keep.add(max(rows, key=lambda r: r["inter_in_bytes"] + r["inter_out_bytes"])["rank"])
-        rows = [r for r in rows if r["rank"] in keep]
-    console.print(render.rank_table(rows, title=f"per rank ({'fwd+bwd' if args.backward else 'fwd'} bytes)"))
-    node0 = set(range(mesh.devices))
-    console.print(render.gantt(ours.fwd.gantt_tasks(node0), title="forward schedule, node 0"))
-    info = dict(res.solver)
-    info["levels"] = [{**lv, "level": lv["name"], "fallback": lv["note"] if not lv["used"] else None}
-                      for lv in info["levels"]]
-    info["schedule"] = {**info["schedule"], "level": "schedule"}
-    info["notes"] = list(res.notes) + [f"plan structure: {plan.meta.get('structure')}",
-                                       f"plan hash: {plan.content_hash()[:16]}"]
-    console.print(render.solver_panel(info))
-    methods = {name: ev.summary() for name, ev in res.evaluations.items()}
-    for name, why in res.not_applicable.items():
-        methods[name] = {"fwd_ms": None, "bwd_ms": None, "max_rank_bytes": None,
-                         "max_rank_inter_node_bytes": None, "compute_imbalance": None, "note": why}
-    console.print(render.comparison_table(methods, title="modeled time against the baselines"))
+    print_plan_result(console, res, mesh, backward=args.backward)
 
 
 def cmd_plan(args) -> int:
@@ -260,6 +237,20 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    import json
+
+    from .passes.explain import render_saved
+
+    try:
+        render_saved(args.file)
+    except FileNotFoundError:
+        raise CliError(f"{args.file}: no such file (write one with options={{'report_file': ...}})") from None
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise CliError(f"{args.file} is not an ultraattn report ({type(exc).__name__}: {exc})") from None
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -269,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(describe_masks())
             return 0
+        if args.cmd == "report":
+            return cmd_report(args)
         return cmd_plan(args)
     except CliError as exc:
         print(f"ultraattn {args.cmd}: error: {exc}", file=sys.stderr)

@@ -68,17 +68,24 @@ def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     opts = parse_options(options)
     before = gm.code
     sites = find_sites(gm, opts.world_size)
-    specs = rewrite_sites(gm, sites, opts)
+    specs = rewrite_sites(gm, sites, opts, graph_index=COUNTERS["graphs"])
     rec = GraphRecord(index=COUNTERS["graphs"], sites=sites, specs=specs, options=opts, code_before=before,
                       code_after=gm.code, world_size=opts.world_size)
     RECORDS.append(rec)
     COUNTERS["graphs"] += 1
     COUNTERS["sites"] += len(sites)
     COUNTERS["rewritten"] += len(specs)
-    if opts.report != "off":
+    rank0 = not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+        torch.distributed.get_rank() == 0
+    if opts.report != "off" and rank0:
         from ultraattn.passes.report import print_graph_report
 
         print_graph_report(rec, full=opts.report == "full")
+    if opts.report_file and rank0:
+        from ultraattn.passes.explain import save_report
+        from ultraattn.passes.site_op import PLANS
+
+        save_report(opts.report_file, [r for r in RECORDS if r.options.report_file == opts.report_file], PLANS)
     if opts.compiler == "eager":
         return gm.forward
     if opts.compiler == "aot_eager":

@@ -41,6 +41,8 @@ class BackendOptions:
     """Check on every call that all ranks got the same inputs' shapes and mask (a cheap hash)."""
     world_size: int | None = None
     """Ranks to plan for; default: the process group's size (1 without one)."""
+    report_file: str | None = None
+    """Write the report as JSON here (rank 0), updated as plans are made; ``ultraattn report FILE`` renders it."""
     compiler: str = "inductor"
     """What compiles the rewritten graph: inductor, aot_eager (debugging) or eager (run the FX graph as is)."""
 
@@ -61,8 +63,11 @@ class BackendOptions:
 VALID = tuple(f.name for f in fields(BackendOptions))
 
 
-def parse_options(options: dict | None) -> BackendOptions:
-    """Check ``options`` and fill defaults. Unknown keys or bad values raise ``ValueError`` naming them."""
+def parse_options(options: dict | None, *, require_group: bool = True) -> BackendOptions:
+    """Check ``options`` and fill defaults. Unknown keys or bad values raise ``ValueError`` naming them.
+
+    ``require_group=False`` (``ultraattn.explain``) plans for ``world_size`` ranks without a process group.
+    """
     options = dict(options or {})
     unknown = sorted(set(options) - set(VALID))
     if unknown:
@@ -90,6 +95,8 @@ def parse_options(options: dict | None) -> BackendOptions:
         v = getattr(opts, nm)
         if v is not None and (not isinstance(v, int | float) or v <= 0):
             raise ValueError(f"options[{nm!r}]={v!r}: expected a positive number")
+    if opts.report_file is not None and not isinstance(opts.report_file, str | os.PathLike):
+        raise ValueError(f"options['report_file'] must be a path, got {type(opts.report_file).__name__}")
     if opts.block_size < 16 or opts.block_size & (opts.block_size - 1):
         raise ValueError(f"options['block_size']={opts.block_size}: expected a power of two >= 16")
     world = opts.world_size
@@ -101,9 +108,33 @@ def parse_options(options: dict | None) -> BackendOptions:
                 f"torch.distributed.init_process_group() before running the compiled model"
             )
         opts.world_size = world
-    elif world > 1 and not (dist.is_available() and dist.is_initialized()):
+    elif world > 1 and require_group and not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             f"options['world_size']={world} needs an initialised process group: call "
             f"torch.distributed.init_process_group() first"
         )
+    if opts.mesh is None and require_group and world > 1:
+        opts.mesh = default_mesh(world)
     return opts
+
+
+_MESHES: dict = {}
+
+
+def default_mesh(world: int):
+    """None (the group as one node), or nodes x devices from ``LOCAL_WORLD_SIZE`` (set by torchrun) when it
+    splits the world into several nodes. Created once per process (a collective: every rank compiles the same graphs)."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']!r} is not an integer") from None
+    if not 1 < local < world or world % local:
+        return None
+    key = (world, local)
+    if key not in _MESHES:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dev = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+        _MESHES[key] = init_device_mesh(dev, (world // local, local), mesh_dim_names=("node", "device"))
+    return _MESHES[key]

@@ -16,7 +16,8 @@ from ultraattn.passes.site_op import SiteSpec, register
 _INV_LN2 = 1.0 / math.log(2.0)
 
 
-def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions) -> list[SiteSpec]:
+def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions, graph_index: int = 0
+                  ) -> list[SiteSpec]:
     """Replace every rewritable site in place; returns the registered specs (in site order)."""
     specs = []
     touched: dict[int, fx.GraphModule] = {}
@@ -40,7 +41,7 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions
                     "has_full": has_full, "mask_mod": bm["mask_mod"], "n_buffers": len(bm["buffers"])}
         spec = SiteSpec(key=f"{s.name}-{uuid.uuid4().hex[:12]}", name=s.name, op=s.op, mask=s.mask,
                         q_shape=s.q_shape, kv_shape=s.kv_shape, dtype=s.dtype, scale=scale, options=options,
-                        block_mask=info)
+                        block_mask=info, sync_key=f"g{graph_index}-{s.name}")
         register(spec)
         specs.append(spec)
         with graph.inserting_before(s.node):

@@ -51,6 +51,8 @@ class SiteSpec:
     dtype: torch.dtype
     scale: float
     options: BackendOptions
+    sync_key: str = ""
+    """Identical on every rank (graph index and site name), for store exchanges; ``key`` is process-unique."""
     block_mask: dict = field(default_factory=dict)
     """flex: q_len, kv_len, q_block, kv_block, has_full (bool), mask_mod (GraphModule), n_buffers."""
     plans: OrderedDict = field(default_factory=OrderedDict)
@@ -150,9 +152,80 @@ def _runner(spec: SiteSpec, q: Tensor, k: Tensor, mask_tensors: list[Tensor]):
     spec.stats["plans"] += 1
     spec.stats["planning_seconds"] += time.perf_counter() - t0
     spec.plans[key] = runner
+    _report_plan(spec, runner, time.perf_counter() - t0)
     if len(spec.plans) > _PLAN_CACHE_SIZE:
         spec.plans.popitem(last=False)
     return runner
+
+
+def _check_same_inputs(spec: SiteSpec, tensors) -> None:
+    """debug option: every rank of the group must call this site with the same q, k, v and mask.
+
+    A cheap fingerprint (shape, dtype, fp64 sum and sum of squares of each tensor) goes through
+    the process group's store; ranks whose fingerprint differs from rank 0's are named.
+    """
+    import torch.distributed as dist
+
+    from ultraattn.runtime.comm import store_exchange
+
+    fp = []
+    for t in tensors:
+        d = t.detach().double()
+        fp.append((tuple(t.shape), str(t.dtype), float(d.sum()), float((d * d).sum())))
+    mine = hashlib.blake2b(repr(fp).encode(), digest_size=8).digest()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    call = spec.stats["calls"]
+    got = store_exchange(f"ultraattn/debug/{spec.sync_key}/{call}", mine, rank=rank, world=world,
+                         timeout=spec.options.timeout)
+    bad = [r for r in range(world) if got[r] != got[0]]
+    if bad:
+        raise RuntimeError(
+            f"ultraattn site {spec.name} (call {call}): rank(s) {bad} got different q/k/v or mask than rank 0. "
+            f"Every rank of a context-parallel group must run the same batch: give all of them the same data "
+            f"(same seed, no DistributedSampler across the CP group)"
+        )
+
+
+PLANS: dict[str, dict] = {}
+"""site name -> the latest plan's summary (rank 0), for saved reports."""
+
+
+def _report_plan(spec: SiteSpec, runner, seconds: float) -> None:
+    """Record (and print, per the report option) a plan made at run time, on rank 0 only."""
+    kind, obj = runner
+    opts = spec.options
+    if kind == "plan" and obj.rank != 0:
+        return
+    info = {"seconds": seconds, "world": opts.world_size}
+    if kind == "plan":
+        info.update(hash=obj.tile_plan.content_hash()[:16], structure=obj.tile_plan.meta.get("structure"),
+                    method=obj.tile_plan.method)
+        res = obj.planner_result
+        if res is not None:
+            from ultraattn.report.plan_report import comparison
+
+            info["comparison"] = comparison(res)
+    else:
+        info.update(hash="kernels", structure=repr(obj))
+    PLANS[spec.name] = info
+    if opts.report != "off":
+        from rich.console import Console
+
+        console = Console()
+        console.print(f"[bold]ultraattn[/bold] {spec.name}: planned in {seconds:.2f} s "
+                      f"({info['structure']}, plan {info['hash']}, {opts.world_size} ranks)")
+        if opts.report == "full" and kind == "plan" and obj.planner_result is not None:
+            from ultraattn.planner.plan import Mesh
+            from ultraattn.report.plan_report import print_plan_result
+
+            m = obj.tile_plan.mesh
+            print_plan_result(console, obj.planner_result, Mesh(nodes=m.nodes, devices=m.devices),
+                              title=f"{spec.name} · run-time plan")
+    if opts.report_file:
+        from ultraattn.passes.backend import RECORDS
+        from ultraattn.passes.explain import save_report
+
+        save_report(opts.report_file, [r for r in RECORDS if r.options.report_file == opts.report_file], PLANS)
 
 
 def _put(spec: SiteSpec, state) -> int:
@@ -187,6 +260,8 @@ def site_attention(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor], 
     """Attention of one rewritten site on the full-sequence q, k, v: (out, lse fp32, ticket int64)."""
     spec = SITES[site]
     spec.stats["calls"] += 1
+    if spec.options.debug and spec.options.world_size > 1:
+        _check_same_inputs(spec, (q, k, v, *mask_tensors))
     kind, runner = _runner(spec, q, k, mask_tensors)
     # Custom-op bodies run below autograd, so the state for the backward is kept explicitly.
     if kind == "kernels":

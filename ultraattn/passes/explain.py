@@ -1,0 +1,166 @@
+"""``ultraattn.explain(model, *inputs)``: what the backend would do, planned and printed, without a step.
+
+Dynamo traces ``model(*inputs)`` and hands its first graph to a backend that captures and
+rewrites the attention sites exactly as ``backend="ultraattn"`` does, plans every rewritten
+site for ``world_size`` ranks (no process group needed: planning is pure) with the example
+inputs' masks, prints the report and stops before anything runs. Graphs after a graph break
+are not reached (the report says so).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from rich.console import Console
+
+from ultraattn.passes.backend import GraphRecord
+from ultraattn.passes.capture import find_sites
+from ultraattn.passes.options import parse_options
+from ultraattn.passes.report import render_graph_report
+from ultraattn.passes.rewrite import rewrite_sites
+
+
+class _Stop(Exception):
+    pass
+
+
+@dataclass
+class Explanation:
+    record: GraphRecord | None = None
+    plans: dict = field(default_factory=dict)
+    """site name -> PlanResult (world > 1), BlockSparseLayout (world 1) or a string saying why not planned."""
+
+
+def _site_inputs(gm: fx.GraphModule, example_inputs) -> dict:
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {n: v for n, v in zip(phs, example_inputs)}
+
+
+def plan_site(spec, mask_tensors, *, nodes: int, devices: int):
+    """Plan one rewritten site for ``nodes x devices`` ranks (pure planner) or build its kernel layout (1 rank)."""
+    from ultraattn.masks.convert import to_block_pattern
+    from ultraattn.passes.site_op import _mask_object
+    from ultraattn.planner.api import plan
+    from ultraattn.planner.plan import AttnShape, Mesh
+
+    B, H, S, D = spec.q_shape
+    Hk = spec.kv_shape[1]
+    mask, mask_mod = _mask_object(spec, mask_tensors, B, H)
+    if nodes * devices == 1:
+        from ultraattn.kernels import make_layout
+
+        return make_layout(mask, q_len=S, kv_len=spec.kv_shape[2], batch=B, num_heads=H, mask_mod=mask_mod,
+                           block_size=spec.options.block_size)
+    pattern = to_block_pattern(mask, q_len=S, kv_len=S, block_size=spec.options.block_size, batch=B, num_heads=H)
+    shape = AttnShape(seq_len=S, num_heads=H, head_dim=D, num_kv_heads=Hk, batch=B)
+    return plan(pattern, shape, Mesh(nodes=nodes, devices=devices), cost=spec.options.cost_model(),
+                options=spec.options.planner_options())
+
+
+def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict | None = None,
+            console: Console | None = None, **kwargs) -> Explanation:
+    """Capture, rewrite and plan ``model(*inputs, **kwargs)``'s attention for ``world_size`` ranks; print; don't run.
+
+    Args:
+        world_size: ranks to plan for (``nodes`` x devices per node); 1 shows the kernel layouts.
+        options: backend options (as for ``torch.compile(..., options=)``), e.g. planner settings.
+    """
+    if world_size < 1 or nodes < 1 or world_size % nodes:
+        raise ValueError(f"world_size={world_size} must be a positive multiple of nodes={nodes}")
+    opts = parse_options({**(options or {}), "world_size": world_size}, require_group=False)
+    console = console or Console()
+    result = Explanation()
+
+    def backend(gm, example_inputs):
+        before = gm.code
+        values = _site_inputs(gm, example_inputs)
+        sites = find_sites(gm, world_size)
+        specs = rewrite_sites(gm, sites, opts)
+        rec = GraphRecord(index=0, sites=sites, specs=specs, options=opts, code_before=before, code_after=gm.code,
+                          world_size=world_size)
+        result.record = rec
+        console.print(render_graph_report(rec, full=True))
+        site_nodes = {n.args[4]: n for mod in gm.modules() if isinstance(mod, fx.GraphModule)
+                      for n in mod.graph.nodes if n.target is torch.ops.ultraattn.site_attention.default}
+        for spec in specs:
+            node = site_nodes[spec.key]
+            tensors = [values.get(m) for m in node.args[3]]
+            if any(t is None for t in tensors):
+                result.plans[spec.name] = "the mask is computed inside the graph: planned at run time"
+                console.print(f"[yellow]{spec.name}: {result.plans[spec.name]}[/yellow]")
+                continue
+            res = plan_site(spec, tensors, nodes=nodes, devices=world_size // nodes)
+            result.plans[spec.name] = res
+            if world_size == 1:
+                density = res.attended_pairs() / (math.prod(spec.q_shape[:3]) * spec.kv_shape[2])
+                console.print(f"{spec.name}: block-sparse kernels, {res!r}, density {density:.3f}")
+            else:
+                from ultraattn.planner.plan import Mesh
+                from ultraattn.report.plan_report import print_plan_result
+
+                print_plan_result(console, res, Mesh(nodes=nodes, devices=world_size // nodes),
+                                  title=f"{spec.name} · {res.pattern.name} · S={spec.q_shape[2]} · {world_size} ranks")
+        raise _Stop
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend=backend)(*inputs, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - our stop signal arrives wrapped by Dynamo
+        inner = exc
+        while inner is not None and not isinstance(inner, _Stop):
+            inner = getattr(inner, "inner_exception", None) or inner.__cause__
+        if inner is None:
+            raise
+    finally:
+        torch._dynamo.reset()
+    if result.record is None:
+        console.print("[yellow]Dynamo produced no graph: nothing to explain[/yellow]")
+    return result
+
+
+# ----------------------------------------------------------------------------- saved reports
+def record_json(rec: GraphRecord) -> dict:
+    return {
+        "graph": rec.index, "world_size": rec.world_size,
+        "sites": [{"site": s.name, "op": s.op, "q_shape": list(s.q_shape), "kv_shape": list(s.kv_shape),
+                   "dtype": str(s.dtype).replace("torch.", ""), "mask": s.mask, "rewritten": s.rewritable,
+                   "why": s.reason} for s in rec.sites],
+        "code": rec.code_after,
+        "stats": {sp.name: dict(sp.stats) for sp in rec.specs},
+    }
+
+
+def save_report(path: str, records, plans: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump({"graphs": [record_json(r) for r in records], "plans": plans}, fh, indent=1, default=str)
+
+
+def render_saved(path: str, console: Console | None = None) -> None:
+    """Print a report saved with ``options={"report_file": path}``."""
+    from rich.syntax import Syntax
+    from rich.table import Table
+
+    from ultraattn.report import render
+
+    console = console or Console()
+    with open(path) as fh:
+        data = json.load(fh)
+    for g in data["graphs"]:
+        t = Table(title=f"graph {g['graph']}: attention sites (world size {g['world_size']})", title_justify="left")
+        for col in ("site", "op", "q shape", "k/v shape", "dtype", "mask", "rewritten", "why"):
+            t.add_column(col)
+        for s in g["sites"]:
+            t.add_row(s["site"], s["op"], str(tuple(s["q_shape"])), str(tuple(s["kv_shape"])), s["dtype"], s["mask"],
+                      "[green]yes[/green]" if s["rewritten"] else "[red]no[/red]", s["why"])
+        console.print(t)
+        lines = {i + 1 for i, ln in enumerate(g["code"].strip().splitlines()) if "ultraattn" in ln}
+        console.print(Syntax(g["code"].strip(), "python", line_numbers=True, highlight_lines=lines, word_wrap=True))
+    for site, p in data.get("plans", {}).items():
+        console.print(f"[bold]{site}[/bold]: planned in {p['seconds']:.2f} s, plan {p['hash']}, "
+                      f"{p['world']} ranks, structure {p.get('structure')}")
+        if p.get("comparison"):
+            console.print(render.comparison_table(p["comparison"], title=f"{site}: modeled time against the baselines"))
