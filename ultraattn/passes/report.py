@@ -37,12 +37,18 @@ def graph_code(rec) -> Syntax:
 
 def render_graph_report(rec, *, full: bool = False):
     parts = [sites_table(rec)]
-    if rec.specs:
+    if any(sp.stats["calls"] for sp in rec.specs):  # at compile time nothing has run yet
         parts.append(plans_table(rec.specs))
     if full:
         parts.append(Panel(graph_code(rec), title="rewritten graph (ultraattn nodes highlighted)"))
     return Group(*parts)
 
 
+def report_console() -> Console:
+    """A console for reports: the terminal's width, or 120 columns when output is a file or pipe."""
+    c = Console()
+    return c if c.is_terminal else Console(width=120)
+
+
 def print_graph_report(rec, *, full: bool = False, console: Console | None = None) -> None:
-    (console or Console()).print(render_graph_report(rec, full=full))
+    (console or report_console()).print(render_graph_report(rec, full=full))

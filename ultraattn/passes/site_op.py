@@ -209,9 +209,9 @@ def _report_plan(spec: SiteSpec, runner, seconds: float) -> None:
         info.update(hash="kernels", structure=repr(obj))
     PLANS[spec.name] = info
     if opts.report != "off":
-        from rich.console import Console
+        from ultraattn.passes.report import report_console
 
-        console = Console()
+        console = report_console()
         console.print(f"[bold]ultraattn[/bold] {spec.name}: planned in {seconds:.2f} s "
                       f"({info['structure']}, plan {info['hash']}, {opts.world_size} ranks)")
         if opts.report == "full" and kind == "plan" and obj.planner_result is not None:
