@@ -273,3 +273,12 @@ def test_report_file_and_cli(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "sdpa#0" in out.stdout and "rewritten (causal)" in out.stdout and "planned in" in out.stdout
     assert main(["report", str(tmp_path / "missing.json")]) == 2
+
+
+def test_main_example_runs_and_matches_a_single_process():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "examples", "train_cp.py"), "--nproc", "2", "--steps", "2",
+                          "--seqlen", "256", "--layers", "1", "--mask", "document"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "(tolerance 0.0001): OK" in out.stdout and "per rank: 1/1, 1/1" in out.stdout, out.stdout[-2000:]
