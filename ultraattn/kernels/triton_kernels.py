@@ -53,6 +53,27 @@ def _load_bits_t(BITS, tile, rows_in, cols_in, QB: tl.constexpr, KB: tl.constexp
 
 
 @triton.jit
+def _row_program(PAT, H, GROUP: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Who a row program is: (b*H+h, b, h, kv head, pattern, Q block, row offset in it, row ids, dim ids)."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    row0 = tl.program_id(0) * BLOCK_M
+    u = tl.load(PAT + bh)
+    return bh, b, h, h // GROUP, u, row0 // QB, row0 % QB, row0 + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+
+
+@triton.jit
+def _load_rows(PTR, b, h, sb, sh, sm, sd, offs_m, offs_d, q_len, D: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows ``offs_m`` of head ``h`` of batch ``b`` of a [B, H, S, D] tensor (0 past q_len or D; fp32 if UPCAST)."""
+    x = tl.load(PTR + b.to(tl.int64) * sb + h.to(tl.int64) * sh + offs_m[:, None].to(tl.int64) * sm
+                + offs_d[None, :] * sd, mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < D), other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile, start, sub_in, r_in, kv_len,
                qk_scale, offs_d, D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, IS_PARTIAL: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr,
@@ -99,22 +120,9 @@ def bsa_fwd_kernel(Q, K, V, O, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX,
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
                    UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     EVEN_D: tl.constexpr = D == BLOCK_D
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kh = h // GROUP
-    u = tl.load(PAT + bh)
-    row0 = pid_m * BLOCK_M
-    i = row0 // QB
-    r_in = row0 % QB
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    bh, b, h, kh, u, i, r_in, offs_m, offs_d = _row_program(PAT, H, GROUP, QB, BLOCK_M, BLOCK_D)
     dmask = offs_d < D
-    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm
-                + offs_d[None, :] * sqd, mask=(offs_m[:, None] < q_len) & dmask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = _load_rows(Q, b, h, sqb, sqh, sqm, sqd, offs_m, offs_d, q_len, D, UPCAST)
     K_base = K + b.to(tl.int64) * skb + kh.to(tl.int64) * skh
     V_base = V + b.to(tl.int64) * svb + kh.to(tl.int64) * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -188,27 +196,11 @@ def bsa_bwd_dq_kernel(Q, K, V, DO, LSE, DD, DLSE, DQ, PAT, FULL_CNT, FULL_IDX, P
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ for BLOCK_M rows of one (b, h). DQ has Q's strides; DO is contiguous like Q (sd*)."""
     EVEN_D: tl.constexpr = D == BLOCK_D
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kh = h // GROUP
-    u = tl.load(PAT + bh)
-    row0 = pid_m * BLOCK_M
-    i = row0 // QB
-    r_in = row0 % QB
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
+    bh, b, h, kh, u, i, r_in, offs_m, offs_d = _row_program(PAT, H, GROUP, QB, BLOCK_M, BLOCK_D)
     mmask = offs_m < q_len
-    qmask = mmask[:, None] & dmask[None, :]
-    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm
-                + offs_d[None, :] * sqd, mask=qmask, other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None].to(tl.int64) * sdm
-                 + offs_d[None, :] * sdd, mask=qmask, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    qmask = mmask[:, None] & (offs_d < D)[None, :]
+    q = _load_rows(Q, b, h, sqb, sqh, sqm, sqd, offs_m, offs_d, q_len, D, UPCAST)
+    do = _load_rows(DO, b, h, sdb, sdh, sdm, sdd, offs_m, offs_d, q_len, D, UPCAST)
     lse = tl.load(LSE + bh.to(tl.int64) * q_len + offs_m, mask=mmask, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     dd = tl.load(DD + bh.to(tl.int64) * q_len + offs_m, mask=mmask, other=0.0)
