@@ -282,3 +282,14 @@ def test_main_example_runs_and_matches_a_single_process():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "(tolerance 0.0001): OK" in out.stdout and "per rank: 1/1, 1/1" in out.stdout, out.stdout[-2000:]
+
+
+def test_flex_cpu_backward_shim_is_narrow():
+    """Loading the backend lets Dynamo trace CPU flex training, but eager flex backward on CPU is still refused."""
+    import ultraattn.passes.backend as B
+    from torch.nn.attention.flex_attention import flex_attention
+
+    assert B.SHIM_INSTALLED or getattr(torch.nn.attention.flex_attention._validate_device, "_ultraattn_shim", False)
+    q = torch.randn(1, 2, 128, 16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
+        flex_attention(q, q, q)
