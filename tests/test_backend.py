@@ -293,3 +293,21 @@ def test_flex_cpu_backward_shim_is_narrow():
     q = torch.randn(1, 2, 128, 16, requires_grad=True)
     with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
         flex_attention(q, q, q)
+
+
+def test_guards_are_dynamos_own_and_masks_do_not_add_cache_entries():
+    """Two document masks, one cache entry; ultraattn adds no guards beyond what the eager backend has."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    tokens = torch.randint(0, 64, (1, 160))
+    lines = {}
+    for be in ("ultraattn", "eager"):
+        torch._dynamo.reset()
+        model = build({"attn": "flex"})
+        cm = torch.compile(model, backend=be)
+        for lengths in ([50, 70, 40], [100, 60]):
+            step(cm, tokens, make_masks("document", 160, lengths=lengths)[0])
+        entries = _debug_get_cache_entry_list(model.forward.__code__)
+        assert len(entries) == 1, be
+        lines[be] = len(str(entries[0].guard_manager).splitlines())
+    assert abs(lines["ultraattn"] - lines["eager"]) <= 2, lines
