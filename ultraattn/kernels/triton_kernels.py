@@ -129,21 +129,18 @@ def bsa_fwd_kernel(Q, K, V, O, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row = u.to(tl.int64) * NQ + i
-    n_full = tl.load(FULL_CNT + row)
-    for t in range(0, n_full):
-        j = tl.load(FULL_IDX + row * NK + t)
-        for sub in tl.static_range(KB // BLOCK_N):
-            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, 0,
-                                       j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
-                                       D, QB, KB, BLOCK_M, BLOCK_N, False, EVEN_D, UPCAST, PREC)
-    n_part = tl.load(PART_CNT + row)
-    for t in range(0, n_part):
-        j = tl.load(PART_IDX + row * NK + t)
-        tile = tl.load(PART_TILE + row * NK + t)
-        for sub in tl.static_range(KB // BLOCK_N):
-            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile,
-                                       j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
-                                       D, QB, KB, BLOCK_M, BLOCK_N, True, EVEN_D, UPCAST, PREC)
+    for partial in tl.static_range(2):  # FULL blocks (no mask code), then PARTIAL blocks (bit tiles)
+        if partial == 0:
+            CNT, IDX = FULL_CNT, FULL_IDX
+        else:
+            CNT, IDX = PART_CNT, PART_IDX
+        for t in range(0, tl.load(CNT + row)):
+            j = tl.load(IDX + row * NK + t)
+            tile = tl.load(PART_TILE + row * NK + t) if partial == 1 else 0
+            for sub in tl.static_range(KB // BLOCK_N):
+                acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile,
+                                           j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
+                                           D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -210,21 +207,18 @@ def bsa_bwd_dq_kernel(Q, K, V, DO, LSE, DD, DLSE, DQ, PAT, FULL_CNT, FULL_IDX, P
     V_base = V + b.to(tl.int64) * svb + kh.to(tl.int64) * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row = u.to(tl.int64) * NQ + i
-    n_full = tl.load(FULL_CNT + row)
-    for t in range(0, n_full):
-        j = tl.load(FULL_IDX + row * NK + t)
-        for sub in tl.static_range(KB // BLOCK_N):
-            dq = _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS, 0,
-                               j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
-                               D, QB, KB, BLOCK_M, BLOCK_N, False, EVEN_D, UPCAST, PREC)
-    n_part = tl.load(PART_CNT + row)
-    for t in range(0, n_part):
-        j = tl.load(PART_IDX + row * NK + t)
-        tile = tl.load(PART_TILE + row * NK + t)
-        for sub in tl.static_range(KB // BLOCK_N):
-            dq = _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS, tile,
-                               j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
-                               D, QB, KB, BLOCK_M, BLOCK_N, True, EVEN_D, UPCAST, PREC)
+    for partial in tl.static_range(2):
+        if partial == 0:
+            CNT, IDX = FULL_CNT, FULL_IDX
+        else:
+            CNT, IDX = PART_CNT, PART_IDX
+        for t in range(0, tl.load(CNT + row)):
+            j = tl.load(IDX + row * NK + t)
+            tile = tl.load(PART_TILE + row * NK + t) if partial == 1 else 0
+            for sub in tl.static_range(KB // BLOCK_N):
+                dq = _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS, tile,
+                                   j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
+                                   D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC)
     tl.store(DQ + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm
              + offs_d[None, :] * sqd, (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
 
@@ -301,21 +295,19 @@ def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE, DD, DLSE, DK, DV, PAT, FULL_Q_CNT, FULL
         DD_row = DD + bh.to(tl.int64) * q_len
         DLSE_row = DLSE + bh.to(tl.int64) * q_len
         col = u.to(tl.int64) * NK + j
-        n_full = tl.load(FULL_Q_CNT + col)
-        for t in range(0, n_full):
-            i = tl.load(FULL_Q_IDX + col * NQ + t)
-            for sub in tl.static_range(QB // BLOCK_M):
-                dk, dv = _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm, sqd, sdm, sdd, BITS,
-                                       0, i * QB + sub * BLOCK_M, sub * BLOCK_M, c_in, q_len, qk_scale, offs_d,
-                                       D, QB, KB, BLOCK_M, BLOCK_N, False, EVEN_D, UPCAST, PREC, HAS_DLSE)
-        n_part = tl.load(PART_Q_CNT + col)
-        for t in range(0, n_part):
-            i = tl.load(PART_Q_IDX + col * NQ + t)
-            tile = tl.load(PART_Q_TILE + col * NQ + t)
-            for sub in tl.static_range(QB // BLOCK_M):
-                dk, dv = _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm, sqd, sdm, sdd, BITS,
-                                       tile, i * QB + sub * BLOCK_M, sub * BLOCK_M, c_in, q_len, qk_scale, offs_d,
-                                       D, QB, KB, BLOCK_M, BLOCK_N, True, EVEN_D, UPCAST, PREC, HAS_DLSE)
+        for partial in tl.static_range(2):
+            if partial == 0:
+                CNT, IDX = FULL_Q_CNT, FULL_Q_IDX
+            else:
+                CNT, IDX = PART_Q_CNT, PART_Q_IDX
+            for t in range(0, tl.load(CNT + col)):
+                i = tl.load(IDX + col * NQ + t)
+                tile = tl.load(PART_Q_TILE + col * NQ + t) if partial == 1 else 0
+                for sub in tl.static_range(QB // BLOCK_M):
+                    dk, dv = _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm, sqd, sdm,
+                                           sdd, BITS, tile, i * QB + sub * BLOCK_M, sub * BLOCK_M, c_in, q_len,
+                                           qk_scale, offs_d, D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D,
+                                           UPCAST, PREC, HAS_DLSE)
     tl.store(DK + k_off, (dk * scale).to(DK.dtype.element_ty), mask=kmask)
     tl.store(DV + v_off, dv.to(DV.dtype.element_ty), mask=kmask)
 
