@@ -9,6 +9,7 @@ transfers touching that rank, message by message.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from runtime_cases import (
     LIB,
@@ -40,8 +41,8 @@ def check_bytes(results: list[dict]) -> list[str]:
     return bad
 
 
-def run_and_check(cases: list[Case], world: int, timeout: float = 420.0) -> None:
-    per_rank = run_ranks(cases_worker, world, args=(cases,), timeout=timeout)
+def run_and_check(cases: list[Case], world: int, timeout: float = 420.0, env: dict | None = None) -> None:
+    per_rank = run_ranks(cases_worker, world, args=(cases,), timeout=timeout, env=env)
     problems = []
     for n, case in enumerate(cases):
         results = [per_rank[r][n] for r in range(world)]
@@ -139,3 +140,18 @@ def _fail_on_rank1(rank: int, world: int) -> int:
     if rank == 1:
         raise RuntimeError("boom")
     return rank
+
+
+# ----------------------------------------------------------------------------- the Triton tile kernels
+@pytest.mark.parametrize("world", [2, 4])
+def test_runtime_on_the_triton_kernels(world):
+    """The GPU tile path (the block-sparse Triton kernels, fp32 partials) run by Triton's interpreter on CPU."""
+    import os
+
+    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it) or a GPU")
+    cases = [Case(mask="causal", seqlen=200, heads=4, kv_heads=2, batch=2),
+             Case(mask="document", kwargs=(("lengths", (50, 90, 60)),), seqlen=200, heads=4, kv_heads=1),
+             Case(mask="random", seqlen=200, seed=2),
+             Case(mask="strided", kwargs=(("block", 32),), seqlen=256, dtype="bf16")]
+    run_and_check(cases if world == 2 else cases[:2], world, env={"ULTRAATTN_KERNELS": "triton"})

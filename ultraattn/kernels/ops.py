@@ -61,30 +61,34 @@ def _use_triton(t: Tensor) -> bool:
 @custom_op("ultraattn::bsa_fwd_ref", mutates_args=())
 def bsa_fwd_ref(q: Tensor, k: Tensor, v: Tensor, pattern_of: Tensor, full_cnt: Tensor, full_idx: Tensor,
                 part_cnt: Tensor, part_idx: Tensor, part_tile: Tensor, bits: Tensor, q_block: int, kv_block: int,
-                scale: float) -> tuple[Tensor, Tensor]:
-    return reference_fwd(q, k, v, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, q_block,
-                         kv_block, scale)
+                scale: float, fp32_out: bool = False) -> tuple[Tensor, Tensor]:
+    out, lse = reference_fwd(q, k, v, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, q_block,
+                             kv_block, scale, out_dtype=torch.float32 if fp32_out else None)
+    return out, lse
 
 
 @bsa_fwd_ref.register_fake
-def _(q, k, v, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, q_block, kv_block, scale):
+def _(q, k, v, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, q_block, kv_block, scale,
+      fp32_out=False):
     B, H, S, _ = q.shape
-    return q.new_empty(B, H, S, v.shape[-1]), q.new_empty(B, H, S, dtype=torch.float32)
+    return (q.new_empty(B, H, S, v.shape[-1], dtype=torch.float32 if fp32_out else q.dtype),
+            q.new_empty(B, H, S, dtype=torch.float32))
 
 
 @custom_op("ultraattn::bsa_bwd_ref", mutates_args=())
 def bsa_bwd_ref(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, dlse: Tensor | None,
                 pattern_of: Tensor, full_cnt: Tensor, full_idx: Tensor, part_cnt: Tensor, part_idx: Tensor,
                 part_tile: Tensor, bits: Tensor, q_block: int, kv_block: int,
-                scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                scale: float, fp32_grads: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     return reference_bwd(q, k, v, do, lse, delta, dlse, pattern_of, full_cnt, full_idx, part_cnt, part_idx,
-                         part_tile, bits, q_block, kv_block, scale)
+                         part_tile, bits, q_block, kv_block, scale, fp32=fp32_grads)
 
 
 @bsa_bwd_ref.register_fake
 def _(q, k, v, do, lse, delta, dlse, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, q_block,
-      kv_block, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+      kv_block, scale, fp32_grads=False):
+    dt = (lambda x: torch.float32) if fp32_grads else (lambda x: x.dtype)
+    return (torch.empty_like(q, dtype=dt(q)), torch.empty_like(k, dtype=dt(k)), torch.empty_like(v, dtype=dt(v)))
 
 
 # ----------------------------------------------------------------------------- triton ops
@@ -102,18 +106,19 @@ def _launch_args(q: Tensor, k: Tensor, v: Tensor, q_block: int, kv_block: int, n
 def bsa_fwd(q: Tensor, k: Tensor, v: Tensor, pattern_of: Tensor, full_cnt: Tensor, full_idx: Tensor,
             part_cnt: Tensor, part_idx: Tensor, part_tile: Tensor, bits: Tensor, full_q_cnt: Tensor,
             full_q_idx: Tensor, part_q_cnt: Tensor, part_q_idx: Tensor, part_q_tile: Tensor, q_block: int,
-            kv_block: int, scale: float) -> tuple[Tensor, Tensor]:
-    """Block-sparse attention forward: (out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] fp32)."""
+            kv_block: int, scale: float, fp32_out: bool = False) -> tuple[Tensor, Tensor]:
+    """Block-sparse attention forward: (out [B, H, Sq, D] in q's dtype, or fp32 with ``fp32_out``
+    (partial results that are merged later), lse [B, H, Sq] fp32)."""
     if not _use_triton(q):
         return torch.ops.ultraattn.bsa_fwd_ref(q, k, v, pattern_of, full_cnt, full_idx, part_cnt, part_idx,
-                                              part_tile, bits, q_block, kv_block, scale)
+                                              part_tile, bits, q_block, kv_block, scale, fp32_out)
     from ultraattn.kernels import triton_kernels as tk
 
     pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits = (
         t.contiguous() for t in (pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits))
     nq, nk = full_idx.shape[1], full_idx.shape[2]
     B, H, Hk, Sq, Sk, const = _launch_args(q, k, v, q_block, kv_block, nq, nk)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=torch.float32 if fp32_out else q.dtype)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     rows = nq * q_block
     kernel = tk.fwd_kernel(q_block, kv_block)
@@ -132,11 +137,13 @@ def bsa_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Ten
             pattern_of: Tensor, full_cnt: Tensor, full_idx: Tensor, part_cnt: Tensor, part_idx: Tensor,
             part_tile: Tensor, bits: Tensor, full_q_cnt: Tensor, full_q_idx: Tensor, part_q_cnt: Tensor,
             part_q_idx: Tensor, part_q_tile: Tensor, q_block: int, kv_block: int,
-            scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Block-sparse attention backward from the GLOBAL lse and delta = rowsum(dO * O) (minus dlse if given)."""
+            scale: float, fp32_grads: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Block-sparse attention backward from the GLOBAL lse and delta = rowsum(dO * O) (minus dlse if given);
+    gradients in the inputs' dtypes, or fp32 with ``fp32_grads`` (partial gradients summed later)."""
     if not _use_triton(q):
         return torch.ops.ultraattn.bsa_bwd_ref(q, k, v, do, lse, delta, dlse, pattern_of, full_cnt, full_idx,
-                                              part_cnt, part_idx, part_tile, bits, q_block, kv_block, scale)
+                                              part_cnt, part_idx, part_tile, bits, q_block, kv_block, scale,
+                                              fp32_grads)
     from ultraattn.kernels import triton_kernels as tk
 
     (pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, full_q_cnt, full_q_idx, part_q_cnt,
@@ -145,13 +152,14 @@ def bsa_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Ten
                                                             part_q_idx, part_q_tile))
     nq, nk = full_idx.shape[1], full_idx.shape[2]
     B, H, Hk, Sq, Sk, const = _launch_args(q, k, v, q_block, kv_block, nq, nk)
+    do = do.to(q.dtype)  # the kernels' dots take one input dtype (an fp32 dO of an fp32_out forward)
+    # dQ is written with q's strides and dK/dV with k's/v's: give them layouts empty_like reproduces
+    q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
     lse = lse.contiguous()
     delta = delta.contiguous()
     has_dlse = dlse is not None
     dl = dlse.contiguous() if has_dlse else delta
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq, dk, dv = (torch.empty_like(x, dtype=torch.float32 if fp32_grads else x.dtype) for x in (q, k, v))
     tiles = {}
     if config.interpret():
         tiles = dict(zip(("BLOCK_M", "BLOCK_N"), config.interpret_blocks(q_block, kv_block)))
@@ -174,7 +182,7 @@ _N_LAYOUT = 12  # layout tensors passed to bsa_fwd
 def _setup_context(ctx, inputs, output):
     q, k, v = inputs[:3]
     lay = inputs[3:3 + _N_LAYOUT]
-    ctx.q_block, ctx.kv_block, ctx.scale = inputs[3 + _N_LAYOUT:]
+    ctx.q_block, ctx.kv_block, ctx.scale, ctx.fp32_out = inputs[3 + _N_LAYOUT:]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *lay)
 
@@ -184,7 +192,7 @@ def _backward(ctx, dout, dlse):
     delta = (dout.float() * out.float()).sum(-1)
     # A zero dlse (lse unused) would be materialised by autograd anyway; pass it on unchanged.
     dq, dk, dv = bsa_bwd(q, k, v, dout, lse, delta, dlse, *lay, ctx.q_block, ctx.kv_block, ctx.scale)
-    return (dq, dk, dv) + (None,) * (_N_LAYOUT + 3)
+    return (dq, dk, dv) + (None,) * (_N_LAYOUT + 4)
 
 
 bsa_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -59,7 +59,7 @@ def _work(q: Tensor, k: Tensor, pattern_of, full_cnt, full_idx, part_cnt, part_i
 
 def reference_fwd(q: Tensor, k: Tensor, v: Tensor, pattern_of: Tensor, full_cnt: Tensor, full_idx: Tensor,
                   part_cnt: Tensor, part_idx: Tensor, part_tile: Tensor, bits: Tensor, q_block: int, kv_block: int,
-                  scale: float) -> tuple[Tensor, Tensor]:
+                  scale: float, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     B, H, Sq, D = q.shape
     out = torch.zeros(B, H, Sq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -78,13 +78,13 @@ def reference_fwd(q: Tensor, k: Tensor, v: Tensor, pattern_of: Tensor, full_cnt:
         empty = lsum == 0
         out[bs, hs, r0:r1] = torch.matmul(p, vs) / torch.where(empty, torch.ones_like(lsum), lsum)
         lse[bs, hs, r0:r1] = torch.where(empty, float("-inf"), m + torch.log(lsum)).squeeze(-1)
-    return out.to(q.dtype), lse
+    return out.to(out_dtype or q.dtype), lse
 
 
 def reference_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, dlse: Tensor | None,
                   pattern_of: Tensor, full_cnt: Tensor, full_idx: Tensor, part_cnt: Tensor, part_idx: Tensor,
                   part_tile: Tensor, bits: Tensor, q_block: int, kv_block: int,
-                  scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                  scale: float, fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     B, H, Sq, D = q.shape
     dq = torch.zeros(B, H, Sq, D, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
@@ -107,4 +107,6 @@ def reference_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delt
         dq[bs, hs, r0:r1] = torch.matmul(ds, ks) * scale
         dk.index_put_(idx, torch.matmul(ds.transpose(-1, -2), qs) * scale, accumulate=True)
         dv.index_put_(idx, torch.matmul(p.transpose(-1, -2), dos), accumulate=True)
+    if fp32:
+        return dq, dk, dv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -10,6 +10,10 @@ head group, as ONE softmax over the KV blocks the row's cells need:
 * arithmetic is fp32 whatever the input dtype; the partial result is ``(o, lse)`` with
   ``o`` already normalised by its own sum (merging is done with the LSE, runtime/merge).
 
+On CUDA (or with ``ULTRAATTN_KERNELS=triton`` under Triton's interpreter) a row runs the
+block-sparse Triton kernels instead (``kernel_layout``): the row's cells become a kernel
+layout in the row's own coordinates, with fp32 partial outputs and gradients.
+
 GQA: Q heads are viewed as ``[B, Hk, r, L, D]`` against K/V ``[B, Hk, 1, L, D]``: K/V are
 never repeated.
 
@@ -161,6 +165,48 @@ class TileGeometry:
         return m5
 
 
+def _kernels_on(t: Tensor) -> bool:
+    from ..kernels.ops import _use_triton
+
+    return _use_triton(t)
+
+
+def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: torch.device):
+    """The kernels' layout of row ``i`` (head group ``g``) against the concatenated KV chunks ``cols`` (cached).
+
+    Coordinates are the row's: queries ``0..chunk``, keys ``0..len(cols)*chunk`` in column order.
+    Cells touching the padded tail are PARTIAL so their bits exclude the padding.
+    """
+    key = ("kernel", g, i, tuple(cols), str(device))
+    hit = geo.mask_cache.get(key)
+    if hit is not None:
+        return hit
+    from ..kernels.layout import layout_from_pattern
+
+    c, bq, bk, s = geo.chunk, geo.q_block, geo.kv_block, geo.seq_len
+    nqb, nbk = c // bq, c // bk
+    kv_ids = torch.cat([j * nbk + torch.arange(nbk) for j in cols])
+    kinds = geo.kind_gQK[g][i * nqb:(i + 1) * nqb][:, kv_ids].clone()
+    touch = ((i * nqb + torch.arange(nqb) + 1) * bq > s)[:, None] | ((kv_ids + 1) * bk > s)[None, :]
+    kinds[(kinds == FULL) & touch] = PARTIAL
+    kv_pos = (kv_ids[:, None] * bk + torch.arange(bk)).flatten()
+    mask_mod, h0 = geo.mask_mod, g * geo.hq
+
+    def row_mask(b, h, q_local, kv_local):
+        gq, gk = i * c + q_local, kv_pos[kv_local]
+        ok = (gq < s) & (gk < s)
+        if mask_mod is None:
+            return ok
+        return ok & _eval_mask(mask_mod, b, h + h0, gq.clamp(max=s - 1), gk.clamp(max=s - 1))
+
+    pattern = BlockPattern(kind_BGQK=kinds[None, None].to(torch.int8),
+                           count_BGQK=torch.zeros((1, 1, *kinds.shape), dtype=torch.int64),
+                           q_len=c, kv_len=kv_ids.numel() * bk, q_block=bq, kv_block=bk, name="row")
+    lay = layout_from_pattern(pattern, row_mask, batch=geo.batch, num_heads=geo.hq, device=device)
+    geo.mask_cache[key] = lay
+    return lay
+
+
 def _view5(x: Tensor, hk: int) -> Tensor:
     """[B, Hq, L, D] -> [B, Hk, r, L, D] (a view)."""
     b, hq, ln, d = x.shape
@@ -179,6 +225,12 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
         o fp32 [B, hq, C, D] (normalised) and lse fp32 [B, hq, C]; rows that attend nothing get
         o = 0 and lse = -inf.
     """
+    if _kernels_on(q):
+        lay = kernel_layout(geo, g, i, cols, q.device)
+        k_cat = torch.cat([k for k, _ in kvs], dim=2).to(q.dtype)
+        v_cat = torch.cat([v for _, v in kvs], dim=2).to(q.dtype)
+        return torch.ops.ultraattn.bsa_fwd(q, k_cat, v_cat, *lay.bwd_tensors(), lay.q_block, lay.kv_block, scale,
+                                           True)
     c, bq, bk, hk = geo.chunk, geo.q_block, geo.kv_block, geo.hk
     bsz, hq, _, d = q.shape
     r = hq // hk
@@ -218,6 +270,13 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
     ``lse`` is the GLOBAL log-sum-exp of the row and ``delta = rowsum(dO * O) - dLSE`` (fp32 [B, hq, C]).
     """
     c, bq, bk, hk = geo.chunk, geo.q_block, geo.kv_block, geo.hk
+    if _kernels_on(q):
+        lay = kernel_layout(geo, g, i, cols, q.device)
+        k_cat = torch.cat([k for k, _ in kvs], dim=2).to(q.dtype)
+        v_cat = torch.cat([v for _, v in kvs], dim=2).to(q.dtype)
+        dq, dk_cat, dv_cat = torch.ops.ultraattn.bsa_bwd(q, k_cat, v_cat, do, lse, delta, None, *lay.bwd_tensors(),
+                                                         lay.q_block, lay.kv_block, scale, True)
+        return dq, [(dk_cat[:, :, n * c:(n + 1) * c], dv_cat[:, :, n * c:(n + 1) * c]) for n in range(len(cols))]
     bsz, hq, _, d = q.shape
     r = hq // hk
     k_cat = torch.cat([k for k, _ in kvs], dim=2).float()
