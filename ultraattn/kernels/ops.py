@@ -87,8 +87,8 @@ def bsa_bwd_ref(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta:
 @bsa_bwd_ref.register_fake
 def _(q, k, v, do, lse, delta, dlse, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, q_block,
       kv_block, scale, fp32_grads=False):
-    dt = (lambda x: torch.float32) if fp32_grads else (lambda x: x.dtype)
-    return (torch.empty_like(q, dtype=dt(q)), torch.empty_like(k, dtype=dt(k)), torch.empty_like(v, dtype=dt(v)))
+    # contiguous, like reference_bwd's results
+    return tuple(x.new_empty(x.shape, dtype=torch.float32 if fp32_grads else x.dtype) for x in (q, k, v))
 
 
 # ----------------------------------------------------------------------------- triton ops
