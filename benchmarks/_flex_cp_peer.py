@@ -71,10 +71,10 @@ def _import_private_api():
     if not dist.is_available():
         raise RuntimeError("flex CP peer: torch.distributed is not available in this torch build")
     try:
+        import torch.nn.attention.flex_attention as fa
+        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor.experimental import _context_parallel as cp
         from torch.distributed.tensor.parallel import parallelize_module
-        from torch.distributed.device_mesh import DeviceMesh
-        import torch.nn.attention.flex_attention as fa
     except Exception as exc:
         raise RuntimeError(
             "flex CP peer: cannot import torch's private context-parallel / flex_attention "

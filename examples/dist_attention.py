@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ultraattn
-from ultraattn.masks import generate_sliding_window, or_masks, generate_global_local
+from ultraattn.masks import generate_global_local, generate_sliding_window, or_masks
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from backend_models import Tiny, build, compiled_worker, inputs, make_masks, oracle, step
 
 import ultraattn.passes as P
-from backend_models import Tiny, build, compiled_worker, inputs, make_masks, oracle, step
 from ultraattn.testing import run_ranks
 
 FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 60.0}
@@ -286,8 +286,9 @@ def test_main_example_runs_and_matches_a_single_process():
 
 def test_flex_cpu_backward_shim_is_narrow():
     """Loading the backend lets Dynamo trace CPU flex training, but eager flex backward on CPU is still refused."""
-    import ultraattn.passes.backend as B
     from torch.nn.attention.flex_attention import flex_attention
+
+    import ultraattn.passes.backend as B
 
     assert B.SHIM_INSTALLED or getattr(torch.nn.attention.flex_attention._validate_device, "_ultraattn_shim", False)
     q = torch.randn(1, 2, 128, 16, requires_grad=True)

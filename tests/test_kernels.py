@@ -12,10 +12,10 @@ import math
 
 import pytest
 import torch
+from runtime_cases import LIB, Case, check_numerics, dense_mask, inputs, mask_mod_of, plan_mask
 from torch.nn.attention.flex_attention import create_block_mask
 
 import ultraattn.kernels as K
-from runtime_cases import LIB, Case, check_numerics, dense_mask, inputs, mask_mod_of, plan_mask
 from ultraattn.kernels import config
 from ultraattn.masks import generate_document, pattern_from_mask_mod
 

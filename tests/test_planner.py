@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from ultraattn.masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
-from ultraattn.planner.api import baseline_plan, evaluate, plan, rank_bytes, workload
+from ultraattn.planner.api import baseline_plan, plan, rank_bytes, workload
 from ultraattn.planner.baselines import NotApplicable
-from ultraattn.planner.partition import Level, evaluate as level_eval, heuristic, solve_ilp
+from ultraattn.planner.partition import Level, heuristic, solve_ilp
+from ultraattn.planner.partition import evaluate as level_eval
 from ultraattn.planner.plan import AttnShape, Mesh, TilePlan
 from ultraattn.planner.schedule import Graph, Task, simulate
 from ultraattn.planner.tiling import PlannerOptions

@@ -12,7 +12,9 @@ import sys
 
 import pytest
 import torch
+from rich.console import Console
 
+from ultraattn.report import png as report_png
 from ultraattn.report.render import (
     assignment_heatmap,
     comparison_table,
@@ -23,8 +25,6 @@ from ultraattn.report.render import (
     rank_table,
     solver_panel,
 )
-from ultraattn.report import png as report_png
-from rich.console import Console
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 

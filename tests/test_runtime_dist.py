@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from runtime_cases import (
     LIB,
     Case,
-    check_numerics,
     absent_worker,
     cases_worker,
+    check_numerics,
     group_errors_worker,
     mismatch_worker,
     run_case,
 )
+
 from ultraattn.testing import RankFailure, run_ranks
+
 
 def check_bytes(results: list[dict]) -> list[str]:
     """Per rank: the messages moved == the plan's transfers touching that rank (exact, with byte counts)."""

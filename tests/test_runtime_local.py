@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ultraattn
-from ultraattn.masks import pattern_from_mask_mod, generate_sliding_window
+from ultraattn.masks import generate_sliding_window, pattern_from_mask_mod
 from ultraattn.planner.api import baseline_plan
 from ultraattn.planner.plan import AttnShape, Kernel, Mesh, TilePlan, Transfer
 from ultraattn.runtime.comm import pack, spec_bytes, unpack

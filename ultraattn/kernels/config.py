@@ -6,7 +6,6 @@ import importlib.util
 import os
 
 
-
 def interpret() -> bool:
     """Triton runs kernels in its Python interpreter (``TRITON_INTERPRET=1``, the CPU test path).
 

@@ -114,7 +114,7 @@ def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile,
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def bsa_fwd_kernel(Q, K, V, O, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, PART_TILE, BITS,
+def bsa_fwd_kernel(Q, K, V, OUT, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, PART_TILE, BITS,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                    H, q_len, kv_len, NQ, NK, qk_scale,
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
@@ -146,8 +146,8 @@ def bsa_fwd_kernel(Q, K, V, O, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX,
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     omask = (offs_m[:, None] < q_len) & dmask[None, :]
-    tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None].to(tl.int64) * som
-             + offs_d[None, :] * sod, out.to(O.dtype.element_ty), mask=omask)
+    tl.store(OUT + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None].to(tl.int64) * som
+             + offs_d[None, :] * sod, out.to(OUT.dtype.element_ty), mask=omask)
     tl.store(LSE + bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from .plan import AttnShape, Kernel, Mesh, TilePlan, Transfer
 
+
 def _unit_flows(backward: bool) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]:
     """(input tensor, partial tensor, phase) triples moved for rows and for columns."""
     rows = [("q", "o", "fwd")]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cost import CostModel, block_flops
-from .plan import COL_TENSORS, PARTIAL_TENSORS, ROW_TENSORS, TENSOR_PHASE, TilePlan
+from .plan import PARTIAL_TENSORS, ROW_TENSORS, TilePlan
 
 INPUT_TENSORS = {"fwd": ("q", "kv"), "bwd": ("qdo", "do", "kv")}
 FINAL_TENSORS = frozenset({"out", "dq_out", "dkv_out"})
