@@ -248,16 +248,35 @@ def test_explain_plans_and_prints_without_running(capsys):
     spec = {"attn": "flex", "mask": "document", "lengths": [300, 500, 224], "seqlen": 1024}
     tokens, bm, _ = inputs(spec)
     model = build(spec)
-    calls = []
-    model.register_forward_hook(lambda *a: calls.append(1))
     buf = io.StringIO()
     res = ultraattn.explain(model, tokens, bm, world_size=4, options=FAST, console=Console(file=buf, width=120))
     text = buf.getvalue()
-    assert set(res.plans) == {"flex#0", "flex#1"} and not calls
+    assert set(res.plans) == {"graph0/flex#0", "graph0/flex#1"}
+    assert all(sp.stats["calls"] == 0 for sp in res.records[0].specs)  # planned, never run
     assert "modeled time against the baselines" in text and "torch.ops.ultraattn.site_attention" in text
-    assert res.plans["flex#0"].plan.world == 4
+    assert res.plans["graph0/flex#0"].plan.world == 4
     one = ultraattn.explain(model, tokens, bm, world_size=1, console=Console(file=io.StringIO()))
-    assert one.plans["flex#0"].attended_pairs() == int(inputs(spec)[2].sum()) * 4  # 4 heads, batch 1
+    assert one.plans["graph0/flex#0"].attended_pairs() == int(inputs(spec)[2].sum()) * 4  # 4 heads, batch 1
+
+
+def test_explain_reaches_the_graphs_after_a_break():
+    import io
+
+    from rich.console import Console
+
+    import ultraattn
+
+    model = build({"attn": "causal"})
+
+    def forward(tokens):
+        x = model.blocks[0](model.emb(tokens))
+        torch._dynamo.graph_break()
+        return model.head(model.blocks[1](x)).sum()
+
+    res = ultraattn.explain(forward, torch.randint(0, 64, (1, 256)), world_size=2, options=FAST,
+                            console=Console(file=io.StringIO(), width=120))
+    assert len(res.records) == 2 and set(res.plans) == {"graph0/sdpa#0", "graph1/sdpa#0"}
+    assert all(p.plan.world == 2 for p in res.plans.values())
 
 
 def test_report_file_and_cli(tmp_path):

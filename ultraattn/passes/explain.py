@@ -1,10 +1,11 @@
 """``ultraattn.explain(model, *inputs)``: what the backend would do, planned and printed, without a step.
 
-Dynamo traces ``model(*inputs)`` and hands its first graph to a backend that captures and
-rewrites the attention sites exactly as ``backend="ultraattn"`` does, plans every rewritten
-site for ``world_size`` ranks (no process group needed: planning is pure) with the example
-inputs' masks, prints the report and stops before anything runs. Graphs after a graph break
-are not reached (the report says so).
+Dynamo traces ``model(*inputs)`` and hands each graph to a backend that captures and rewrites
+the attention sites exactly as ``backend="ultraattn"`` does, plans every rewritten site for
+``world_size`` ranks (no process group needed: planning is pure) with the example inputs'
+masks, and prints the report. No graph runs: each compiled graph returns zeros of its outputs'
+shapes, so Dynamo goes on to the graphs after a graph break (the Python between graphs runs on
+those zeros; a model whose control flow depends on tensor values may take another path).
 """
 
 from __future__ import annotations
@@ -24,15 +25,24 @@ from ultraattn.passes.report import render_graph_report
 from ultraattn.passes.rewrite import rewrite_sites
 
 
-class _Stop(Exception):
-    pass
+def _zeros_like_outputs(gm: fx.GraphModule):
+    """A stand-in for the compiled graph: zeros shaped like its outputs (from Dynamo's example values)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = fx.node.map_arg(out.args[0], lambda n: n.meta.get("example_value", n.meta.get("val")))
+
+    def run(*args):
+        return fx.node.map_aggregate(vals, lambda v: torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+                                     if isinstance(v, torch.Tensor) else v)
+
+    return run
 
 
 @dataclass
 class Explanation:
-    record: GraphRecord | None = None
+    records: list = field(default_factory=list)
+    """One GraphRecord per graph Dynamo produced."""
     plans: dict = field(default_factory=dict)
-    """site name -> PlanResult (world > 1), BlockSparseLayout (world 1) or a string saying why not planned."""
+    """"graph<i>/<site>" -> PlanResult (world > 1), BlockSparseLayout (world 1) or a string saying why not planned."""
 
 
 def _site_inputs(gm: fx.GraphModule, example_inputs) -> dict:
@@ -79,45 +89,41 @@ def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict |
         before = gm.code
         values = _site_inputs(gm, example_inputs)
         sites = find_sites(gm, world_size)
-        specs = rewrite_sites(gm, sites, opts)
-        rec = GraphRecord(index=0, sites=sites, specs=specs, options=opts, code_before=before, code_after=gm.code,
-                          world_size=world_size)
-        result.record = rec
+        specs = rewrite_sites(gm, sites, opts, graph_index=len(result.records))
+        rec = GraphRecord(index=len(result.records), sites=sites, specs=specs, options=opts, code_before=before,
+                          code_after=gm.code, world_size=world_size)
+        result.records.append(rec)
         console.print(render_graph_report(rec, full=True))
         site_nodes = {n.args[4]: n for mod in gm.modules() if isinstance(mod, fx.GraphModule)
                       for n in mod.graph.nodes if n.target is torch.ops.ultraattn.site_attention.default}
         for spec in specs:
             node = site_nodes[spec.key]
             tensors = [values.get(m) for m in node.args[3]]
+            name = f"graph{rec.index}/{spec.name}"
             if any(t is None for t in tensors):
-                result.plans[spec.name] = "the mask is computed inside the graph: planned at run time"
-                console.print(f"[yellow]{spec.name}: {result.plans[spec.name]}[/yellow]")
+                result.plans[name] = "the mask is computed inside the graph: planned at run time"
+                console.print(f"[yellow]{name}: {result.plans[name]}[/yellow]")
                 continue
             res = plan_site(spec, tensors, nodes=nodes, devices=world_size // nodes)
-            result.plans[spec.name] = res
+            result.plans[name] = res
             if world_size == 1:
                 density = res.attended_pairs() / (math.prod(spec.q_shape[:3]) * spec.kv_shape[2])
-                console.print(f"{spec.name}: block-sparse kernels, {res!r}, density {density:.3f}")
+                console.print(f"{name}: block-sparse kernels, {res!r}, density {density:.3f}")
             else:
                 from ultraattn.planner.plan import Mesh
                 from ultraattn.report.plan_report import print_plan_result
 
                 print_plan_result(console, res, Mesh(nodes=nodes, devices=world_size // nodes),
-                                  title=f"{spec.name} · {res.pattern.name} · S={spec.q_shape[2]} · {world_size} ranks")
-        raise _Stop
+                                  title=f"{name} · {res.pattern.name} · S={spec.q_shape[2]} · {world_size} ranks")
+        return _zeros_like_outputs(gm)
 
     torch._dynamo.reset()
     try:
-        torch.compile(model, backend=backend)(*inputs, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - our stop signal arrives wrapped by Dynamo
-        inner = exc
-        while inner is not None and not isinstance(inner, _Stop):
-            inner = getattr(inner, "inner_exception", None) or inner.__cause__
-        if inner is None:
-            raise
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(*inputs, **kwargs)
     finally:
         torch._dynamo.reset()
-    if result.record is None:
+    if not result.records:
         console.print("[yellow]Dynamo produced no graph: nothing to explain[/yellow]")
     return result
 
