@@ -122,6 +122,10 @@ def test_must_fire(attn):
     assert P.COUNTERS["rewritten"] == 1 and rec.rewritten == 1, [s.reason for s in rec.sites]
     assert "torch.ops.ultraattn.site_attention" in rec.code_after
     assert "scaled_dot_product_attention" not in rec.code_after and "flex_attention(" not in rec.code_after
+    want = {"causal": sum(range(1, S + 1)) / S**2, "gqa": sum(range(1, S + 1)) / S**2,
+            "bool_mask": float(dense.float().mean()) if attn == "bool_mask" else None,
+            "flex": 3 / 4}[attn]  # 2 x 2 blocks of 64: doc [40, 88] blocks (0,0), (1,0), (1,1) non-empty
+    assert abs(rec.sites[0].density - want) < 1e-9, (rec.sites[0].density, want)
 
 
 @pytest.mark.parametrize("attn,why", [("float_mask", "additive float mask"), ("dropout", "dropout_p=0.5"),

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ultraattn.passes.capture import Site, find_sites
+from ultraattn.passes.capture import Site, estimate_density, find_sites
 from ultraattn.passes.options import BackendOptions, parse_options
 from ultraattn.passes.rewrite import rewrite_sites
 from ultraattn.passes.site_op import SiteSpec
@@ -68,6 +68,12 @@ def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     opts = parse_options(options)
     before = gm.code
     sites = find_sites(gm, opts.world_size)
+    values = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs))
+    for s in sites:
+        try:
+            s.density = estimate_density(s, values)
+        except Exception:  # noqa: BLE001 - fake example inputs (no data): the report shows "?"
+            s.density = None
     specs = rewrite_sites(gm, sites, opts, graph_index=COUNTERS["graphs"])
     rec = GraphRecord(index=COUNTERS["graphs"], sites=sites, specs=specs, options=opts, code_before=before,
                       code_after=gm.code, world_size=opts.world_size)

@@ -64,6 +64,8 @@ class Site:
     full_kv_indices as nodes or None), mask_mod (GraphModule), buffers (nodes)."""
     rewritable: bool = True
     reason: str = ""
+    density: float | None = None
+    """Fraction of (q, kv) pairs that attend (SDPA) or of non-empty blocks (BlockMask), when known."""
 
     @property
     def name(self) -> str:
@@ -199,6 +201,30 @@ def _flex_site(index: int, node: fx.Node, world: int) -> Site:
         return s
     s.reason = "rewritten (BlockMask)"
     return s
+
+
+def estimate_density(site: Site, values: dict) -> float | None:
+    """The site's mask density from the graph's example inputs (``values``: placeholder node -> tensor)."""
+    if site.mask == "full":
+        return 1.0
+    if site.mask == "causal" and site.q_shape:
+        sq, sk = site.q_shape[2], site.kv_shape[2]
+        if not isinstance(sq, int) or not isinstance(sk, int):
+            return None
+        return sum(min(i + 1, sk) for i in range(sq)) / (sq * sk)
+    if site.mask == "bool_mask":
+        m = values.get(site.mask_node)
+        return float(m.float().mean()) if isinstance(m, torch.Tensor) else None
+    if site.mask == "block_mask":
+        kvn, _, fkn, _ = site.block_mask["tensors"]
+        parts = [values.get(n) for n in (kvn, fkn) if isinstance(n, fx.Node)]
+        if not parts or any(p is None for p in parts):
+            return None
+        bm = site.block_mask
+        nk = -(-bm["kv_len"] // bm["kv_block"])
+        nonempty = sum(p.sum() for p in parts)
+        return float(nonempty) / (parts[0].numel() * nk)
+    return None
 
 
 def find_sites(gm: fx.GraphModule, world: int = 1) -> list[Site]:

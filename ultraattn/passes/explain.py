@@ -19,7 +19,7 @@ import torch.fx as fx
 from rich.console import Console
 
 from ultraattn.passes.backend import GraphRecord
-from ultraattn.passes.capture import find_sites
+from ultraattn.passes.capture import estimate_density, find_sites
 from ultraattn.passes.options import parse_options
 from ultraattn.passes.report import render_graph_report
 from ultraattn.passes.rewrite import rewrite_sites
@@ -89,6 +89,8 @@ def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict |
         before = gm.code
         values = _site_inputs(gm, example_inputs)
         sites = find_sites(gm, world_size)
+        for s in sites:
+            s.density = estimate_density(s, values)
         specs = rewrite_sites(gm, sites, opts, graph_index=len(result.records))
         rec = GraphRecord(index=len(result.records), sites=sites, specs=specs, options=opts, code_before=before,
                           code_after=gm.code, world_size=world_size)
@@ -133,7 +135,7 @@ def record_json(rec: GraphRecord) -> dict:
     return {
         "graph": rec.index, "world_size": rec.world_size,
         "sites": [{"site": s.name, "op": s.op, "q_shape": list(s.q_shape), "kv_shape": list(s.kv_shape),
-                   "dtype": str(s.dtype).replace("torch.", ""), "mask": s.mask, "rewritten": s.rewritable,
+                   "dtype": str(s.dtype).replace("torch.", ""), "mask": s.mask, "density": s.density, "rewritten": s.rewritable,
                    "why": s.reason} for s in rec.sites],
         "code": rec.code_after,
         "stats": {sp.name: dict(sp.stats) for sp in rec.specs},
@@ -157,11 +159,13 @@ def render_saved(path: str, console: Console | None = None) -> None:
         data = json.load(fh)
     for g in data["graphs"]:
         t = Table(title=f"graph {g['graph']}: attention sites (world size {g['world_size']})", title_justify="left")
-        for col in ("site", "op", "q shape", "k/v shape", "dtype", "mask", "rewritten", "why"):
+        for col in ("site", "op", "q shape", "k/v shape", "dtype", "mask", "density", "rewritten", "why"):
             t.add_column(col)
         for s in g["sites"]:
+            d = s.get("density")
             t.add_row(s["site"], s["op"], str(tuple(s["q_shape"])), str(tuple(s["kv_shape"])), s["dtype"], s["mask"],
-                      "[green]yes[/green]" if s["rewritten"] else "[red]no[/red]", s["why"])
+                      "?" if d is None else f"{d:.3f}", "[green]yes[/green]" if s["rewritten"] else "[red]no[/red]",
+                      s["why"])
         console.print(t)
         lines = {i + 1 for i, ln in enumerate(g["code"].strip().splitlines()) if "ultraattn" in ln}
         console.print(Syntax(g["code"].strip(), "python", line_numbers=True, highlight_lines=lines, word_wrap=True))

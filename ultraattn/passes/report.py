@@ -11,10 +11,11 @@ from rich.text import Text
 
 def sites_table(rec) -> Table:
     t = Table(title=f"graph {rec.index}: attention sites (world size {rec.world_size})", title_justify="left")
-    for col in ("site", "op", "q shape", "k/v shape", "dtype", "mask", "rewritten", "why"):
+    for col in ("site", "op", "q shape", "k/v shape", "dtype", "mask", "density", "rewritten", "why"):
         t.add_column(col)
     for s in rec.sites:
         t.add_row(s.name, s.op, str(s.q_shape), str(s.kv_shape), str(s.dtype).replace("torch.", ""), s.mask,
+                  "?" if s.density is None else f"{s.density:.3f}",
                   Text("yes", style="bold green") if s.rewritable else Text("no", style="bold red"), s.reason)
     return t
 
