@@ -92,13 +92,17 @@ def _(q, k, v, do, lse, delta, dlse, pattern_of, full_cnt, full_idx, part_cnt, p
 
 
 # ----------------------------------------------------------------------------- triton ops
-def _launch_args(q: Tensor, k: Tensor, v: Tensor, q_block: int, kv_block: int, nq: int, nk: int):
+def _launch_args(q: Tensor, k: Tensor, q_block: int, kv_block: int):
+    """(B, H, Hk, Sq, Sk, keyword arguments every kernel takes: constexprs, and the tile shape under the
+    interpreter, where kernels are not autotuned)."""
     B, H, Sq, D = q.shape
     Hk, Sk = k.shape[1], k.shape[2]
     block_d = max(16, 1 << (D - 1).bit_length())
     upcast = config.interpret() or q.dtype == torch.float32
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     const = dict(GROUP=H // Hk, D=D, BLOCK_D=block_d, QB=q_block, KB=kv_block, UPCAST=upcast, PREC=prec)
+    if config.interpret():
+        const.update(zip(("BLOCK_M", "BLOCK_N"), config.interpret_blocks(q_block, kv_block)))
     return B, H, Hk, Sq, Sk, const
 
 
@@ -117,18 +121,14 @@ def bsa_fwd(q: Tensor, k: Tensor, v: Tensor, pattern_of: Tensor, full_cnt: Tenso
     pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits = (
         t.contiguous() for t in (pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits))
     nq, nk = full_idx.shape[1], full_idx.shape[2]
-    B, H, Hk, Sq, Sk, const = _launch_args(q, k, v, q_block, kv_block, nq, nk)
+    B, H, Hk, Sq, Sk, const = _launch_args(q, k, q_block, kv_block)
     out = torch.empty_like(q, dtype=torch.float32 if fp32_out else q.dtype)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     rows = nq * q_block
-    kernel = tk.fwd_kernel(q_block, kv_block)
-    tiles = {}
-    if config.interpret():
-        tiles = dict(zip(("BLOCK_M", "BLOCK_N"), config.interpret_blocks(q_block, kv_block)))
-    wrap_triton(kernel)[lambda meta: (rows // meta["BLOCK_M"], B * H)](
+    wrap_triton(tk.fwd_kernel(q_block, kv_block))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
         q, k, v, out, lse, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        H, Sq, Sk, nq, nk, scale * _LOG2E, **const, **tiles)
+        H, Sq, Sk, nq, nk, scale * _LOG2E, **const)
     return out, lse
 
 
@@ -151,28 +151,24 @@ def bsa_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Ten
                                                             part_tile, bits, full_q_cnt, full_q_idx, part_q_cnt,
                                                             part_q_idx, part_q_tile))
     nq, nk = full_idx.shape[1], full_idx.shape[2]
-    B, H, Hk, Sq, Sk, const = _launch_args(q, k, v, q_block, kv_block, nq, nk)
+    B, H, Hk, Sq, Sk, const = _launch_args(q, k, q_block, kv_block)
     do = do.to(q.dtype)  # the kernels' dots take one input dtype (an fp32 dO of an fp32_out forward)
-    # dQ is written with q's strides and dK/dV with k's/v's: give them layouts empty_like reproduces
-    q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
     lse = lse.contiguous()
     delta = delta.contiguous()
     has_dlse = dlse is not None
     dl = dlse.contiguous() if has_dlse else delta
+    # (gradients get their own strides: empty_like of a non-dense input, e.g. a head slice, is dense)
     dq, dk, dv = (torch.empty_like(x, dtype=torch.float32 if fp32_grads else x.dtype) for x in (q, k, v))
-    tiles = {}
-    if config.interpret():
-        tiles = dict(zip(("BLOCK_M", "BLOCK_N"), config.interpret_blocks(q_block, kv_block)))
     rows, cols = nq * q_block, nk * kv_block
     wrap_triton(tk.dq_kernel(q_block, kv_block))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
         q, k, v, do, lse, delta, dl, dq, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        H, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const, HAS_DLSE=has_dlse, **tiles)
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        H, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const, HAS_DLSE=has_dlse)
     wrap_triton(tk.dkv_kernel(q_block, kv_block))[lambda meta: (cols // meta["BLOCK_N"], B * Hk)](
         q, k, v, do, lse, delta, dl, dk, dv, pattern_of, full_q_cnt, full_q_idx, part_q_cnt, part_q_idx,
         part_q_tile, bits,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        H, Hk, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const, HAS_DLSE=has_dlse, **tiles)
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        H, Hk, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const, HAS_DLSE=has_dlse)
     return dq, dk, dv
 
 

@@ -29,9 +29,6 @@ import triton.language as tl
 
 from ultraattn.kernels.config import bwd_configs, fwd_configs, interpret
 
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
-
 # Runtime-sized integer arguments that must not trigger a recompile when they change.
 _NO_SPEC = ["q_len", "kv_len", "NQ", "NK"]
 
@@ -187,11 +184,11 @@ def _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS,
 @triton.jit(do_not_specialize=_NO_SPEC)
 def bsa_bwd_dq_kernel(Q, K, V, DO, LSE, DD, DLSE, DQ, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, PART_TILE, BITS,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                      H, q_len, kv_len, NQ, NK, qk_scale, scale,
+                      sgb, sgh, sgm, sgd, H, q_len, kv_len, NQ, NK, qk_scale, scale,
                       GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr,
                       KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_DLSE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dQ for BLOCK_M rows of one (b, h). DQ has Q's strides; DO is contiguous like Q (sd*)."""
+    """dQ for BLOCK_M rows of one (b, h); strides: DO sd*, DQ sg*."""
     EVEN_D: tl.constexpr = D == BLOCK_D
     bh, b, h, kh, u, i, r_in, offs_m, offs_d = _row_program(PAT, H, GROUP, QB, BLOCK_M, BLOCK_D)
     mmask = offs_m < q_len
@@ -219,8 +216,8 @@ def bsa_bwd_dq_kernel(Q, K, V, DO, LSE, DD, DLSE, DQ, PAT, FULL_CNT, FULL_IDX, P
                 dq = _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS, tile,
                                    j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
                                    D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC)
-    tl.store(DQ + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm
-             + offs_d[None, :] * sqd, (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
+    tl.store(DQ + b.to(tl.int64) * sgb + h.to(tl.int64) * sgh + offs_m[:, None].to(tl.int64) * sgm
+             + offs_d[None, :] * sgd, (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
 
 
 @triton.jit
@@ -259,11 +256,11 @@ def _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm,
 def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE, DD, DLSE, DK, DV, PAT, FULL_Q_CNT, FULL_Q_IDX, PART_Q_CNT, PART_Q_IDX,
                        PART_Q_TILE, BITS,
                        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                       H, HK, q_len, kv_len, NQ, NK, qk_scale, scale,
+                       sgkb, sgkh, sgkn, sgkd, sgvb, sgvh, sgvn, sgvd, H, HK, q_len, kv_len, NQ, NK, qk_scale, scale,
                        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr,
                        KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_DLSE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dK, dV for BLOCK_N keys of one (b, kv head), summed over its GROUP query heads. DK/DV have K/V's strides."""
+    """dK, dV for BLOCK_N keys of one (b, kv head), summed over its GROUP query heads; strides: DK sgk*, DV sgv*."""
     EVEN_D: tl.constexpr = D == BLOCK_D
     pid_n = tl.program_id(0)
     bkh = tl.program_id(1)
@@ -308,8 +305,11 @@ def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE, DD, DLSE, DK, DV, PAT, FULL_Q_CNT, FULL
                                            sdd, BITS, tile, i * QB + sub * BLOCK_M, sub * BLOCK_M, c_in, q_len,
                                            qk_scale, offs_d, D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D,
                                            UPCAST, PREC, HAS_DLSE)
-    tl.store(DK + k_off, (dk * scale).to(DK.dtype.element_ty), mask=kmask)
-    tl.store(DV + v_off, dv.to(DV.dtype.element_ty), mask=kmask)
+    b64, kh64, n64 = b.to(tl.int64), kh.to(tl.int64), offs_n[:, None].to(tl.int64)
+    dk_off = b64 * sgkb + kh64 * sgkh + n64 * sgkn + offs_d[None, :] * sgkd
+    dv_off = b64 * sgvb + kh64 * sgvh + n64 * sgvn + offs_d[None, :] * sgvd
+    tl.store(DK + dk_off, (dk * scale).to(DK.dtype.element_ty), mask=kmask)
+    tl.store(DV + dv_off, dv.to(DV.dtype.element_ty), mask=kmask)
 
 
 def _tuned(kernel, configs, key):
