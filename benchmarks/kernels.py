@@ -57,26 +57,31 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def time_once(fn, device: str) -> float:
+    """Seconds of one call of ``fn`` (CUDA events on GPU, wall clock on CPU)."""
+    if device == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _median(times: list[float]) -> float:
+    times = sorted(times)
+    return times[len(times) // 2]
+
+
 def timeit(fn, device: str, reps: int, warmup: int = 2) -> float:
     """Median seconds per call."""
     for _ in range(warmup):
         fn()
     _sync(device)
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    return _median([time_once(fn, device) for _ in range(reps)])
 
 
 def fwd_time(attn, q, k, v, device: str, reps: int) -> float:
@@ -92,26 +97,16 @@ def fwd_time(attn, q, k, v, device: str, reps: int) -> float:
 
 
 def bwd_time(attn, q, k, v, device: str, reps: int) -> float:
-    """Median seconds of the backward alone (the forward that builds its graph is not timed)."""
+    """Median seconds of the backward alone (the forward that builds its graph is not timed; the first
+    backward is a warm-up)."""
     go = torch.randn_like(q)
     times = []
     for _ in range(reps + 1):
         out = attn(q, k, v)
         _sync(device)
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            out.backward(go)
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            out.backward(go)
-            times.append(time.perf_counter() - t0)
+        times.append(time_once(lambda: out.backward(go), device))  # noqa: B023 - called at once
         q.grad = k.grad = v.grad = None
-    times = sorted(times[1:])
-    return times[len(times) // 2]
+    return _median(times[1:])
 
 
 def run(args) -> dict:

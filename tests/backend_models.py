@@ -167,10 +167,8 @@ def local_world_worker(rank: int, world: int) -> dict:
     from ultraattn.passes.site_op import SITES
 
     spec = {"attn": "causal", "seqlen": 128}
-    tokens, _, _ = inputs(spec)
     res = compiled_worker(rank, world, spec, {"ilp_time_limit": 1.0, "time_budget": 2.0})
-    meshes = {tuple(r[1].tile_plan.mesh.__dict__.values()) if hasattr(r[1].tile_plan.mesh, "__dict__")
-              else (r[1].tile_plan.mesh.nodes, r[1].tile_plan.mesh.devices)
-              for sp in SITES.values() for r in sp.plans.values()}
+    meshes = {(plan.tile_plan.mesh.nodes, plan.tile_plan.mesh.devices)
+              for sp in SITES.values() for _, plan in sp.plans.values()}
     res["meshes"] = sorted(meshes)
     return res

@@ -240,7 +240,7 @@ def cmd_plan(args) -> int:
 def cmd_report(args) -> int:
     import json
 
-    from .passes.explain import render_saved
+    from .passes.report import render_saved
 
     try:
         render_saved(args.file)

@@ -265,7 +265,7 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
     kind_u = torch.stack(u_kinds)  # [U, NQ, NK]
     tile_grid = torch.full(kind_u.shape, -1, dtype=torch.int32)
     offset = 0
-    for u, bits in enumerate(u_bits):
+    for u in range(len(u_kinds)):  # tile ids in the order the bits were evaluated (row-major cells)
         cells = (kind_u[u] == PARTIAL).nonzero()
         tile_grid[u, cells[:, 0], cells[:, 1]] = torch.arange(offset, offset + len(cells), dtype=torch.int32)
         offset += len(cells)

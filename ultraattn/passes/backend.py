@@ -88,10 +88,9 @@ def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
 
         print_graph_report(rec, full=opts.report == "full")
     if opts.report_file and rank0:
-        from ultraattn.passes.explain import save_report
-        from ultraattn.passes.site_op import PLANS
+        from ultraattn.passes.report import save_report
 
-        save_report(opts.report_file, [r for r in RECORDS if r.options.report_file == opts.report_file], PLANS)
+        save_report(opts.report_file)
     if opts.compiler == "eager":
         return gm.forward
     if opts.compiler == "aot_eager":

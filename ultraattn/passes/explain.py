@@ -10,7 +10,6 @@ those zeros; a model whose control flow depends on tensor values may take anothe
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 
@@ -128,49 +127,3 @@ def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict |
     if not result.records:
         console.print("[yellow]Dynamo produced no graph: nothing to explain[/yellow]")
     return result
-
-
-# ----------------------------------------------------------------------------- saved reports
-def record_json(rec: GraphRecord) -> dict:
-    return {
-        "graph": rec.index, "world_size": rec.world_size,
-        "sites": [{"site": s.name, "op": s.op, "q_shape": list(s.q_shape), "kv_shape": list(s.kv_shape),
-                   "dtype": str(s.dtype).replace("torch.", ""), "mask": s.mask, "density": s.density, "rewritten": s.rewritable,
-                   "why": s.reason} for s in rec.sites],
-        "code": rec.code_after,
-        "stats": {sp.name: dict(sp.stats) for sp in rec.specs},
-    }
-
-
-def save_report(path: str, records, plans: dict) -> None:
-    with open(path, "w") as fh:
-        json.dump({"graphs": [record_json(r) for r in records], "plans": plans}, fh, indent=1, default=str)
-
-
-def render_saved(path: str, console: Console | None = None) -> None:
-    """Print a report saved with ``options={"report_file": path}``."""
-    from rich.syntax import Syntax
-    from rich.table import Table
-
-    from ultraattn.report import render
-
-    console = console or Console()
-    with open(path) as fh:
-        data = json.load(fh)
-    for g in data["graphs"]:
-        t = Table(title=f"graph {g['graph']}: attention sites (world size {g['world_size']})", title_justify="left")
-        for col in ("site", "op", "q shape", "k/v shape", "dtype", "mask", "density", "rewritten", "why"):
-            t.add_column(col)
-        for s in g["sites"]:
-            d = s.get("density")
-            t.add_row(s["site"], s["op"], str(tuple(s["q_shape"])), str(tuple(s["kv_shape"])), s["dtype"], s["mask"],
-                      "?" if d is None else f"{d:.3f}", "[green]yes[/green]" if s["rewritten"] else "[red]no[/red]",
-                      s["why"])
-        console.print(t)
-        lines = {i + 1 for i, ln in enumerate(g["code"].strip().splitlines()) if "ultraattn" in ln}
-        console.print(Syntax(g["code"].strip(), "python", line_numbers=True, highlight_lines=lines, word_wrap=True))
-    for site, p in data.get("plans", {}).items():
-        console.print(f"[bold]{site}[/bold]: planned in {p['seconds']:.2f} s, plan {p['hash']}, "
-                      f"{p['world']} ranks, structure {p.get('structure')}")
-        if p.get("comparison"):
-            console.print(render.comparison_table(p["comparison"], title=f"{site}: modeled time against the baselines"))

@@ -1,6 +1,12 @@
-"""Rich reports of what the backend did to a graph: sites, reasons, the rewritten graph, plans made so far."""
+"""Rich reports of what the backend did to a graph: sites, reasons, the rewritten graph, plans made so far.
+
+The live report (at compile time) and a saved one (``options={"report_file": ...}``, rendered by
+``ultraattn report FILE``) draw the same tables from the same json-able record.
+"""
 
 from __future__ import annotations
+
+import json
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -9,14 +15,28 @@ from rich.table import Table
 from rich.text import Text
 
 
-def sites_table(rec) -> Table:
-    t = Table(title=f"graph {rec.index}: attention sites (world size {rec.world_size})", title_justify="left")
+def record_json(rec) -> dict:
+    """A GraphRecord as plain data (what the reports draw and report files hold)."""
+    return {
+        "graph": rec.index, "world_size": rec.world_size,
+        "sites": [{"site": s.name, "op": s.op, "q_shape": list(s.q_shape), "kv_shape": list(s.kv_shape),
+                   "dtype": str(s.dtype).replace("torch.", ""), "mask": s.mask, "density": s.density,
+                   "rewritten": s.rewritable, "why": s.reason} for s in rec.sites],
+        "code": rec.code_after,
+        "stats": {sp.name: dict(sp.stats) for sp in rec.specs},
+    }
+
+
+def sites_table(graph: dict) -> Table:
+    t = Table(title=f"graph {graph['graph']}: attention sites (world size {graph['world_size']})",
+              title_justify="left")
     for col in ("site", "op", "q shape", "k/v shape", "dtype", "mask", "density", "rewritten", "why"):
         t.add_column(col)
-    for s in rec.sites:
-        t.add_row(s.name, s.op, str(s.q_shape), str(s.kv_shape), str(s.dtype).replace("torch.", ""), s.mask,
-                  "?" if s.density is None else f"{s.density:.3f}",
-                  Text("yes", style="bold green") if s.rewritable else Text("no", style="bold red"), s.reason)
+    for s in graph["sites"]:
+        d = s["density"]
+        t.add_row(s["site"], s["op"], str(tuple(s["q_shape"])), str(tuple(s["kv_shape"])), s["dtype"], s["mask"],
+                  "?" if d is None else f"{d:.3f}",
+                  Text("yes", style="bold green") if s["rewritten"] else Text("no", style="bold red"), s["why"])
     return t
 
 
@@ -30,18 +50,18 @@ def plans_table(specs) -> Table:
     return t
 
 
-def graph_code(rec) -> Syntax:
-    code = rec.code_after.strip()
-    lines = [i + 1 for i, ln in enumerate(code.splitlines()) if "ultraattn" in ln]
-    return Syntax(code, "python", line_numbers=True, highlight_lines=set(lines), word_wrap=True)
+def graph_code(code: str) -> Syntax:
+    code = code.strip()
+    lines = {i + 1 for i, ln in enumerate(code.splitlines()) if "ultraattn" in ln}
+    return Syntax(code, "python", line_numbers=True, highlight_lines=lines, word_wrap=True)
 
 
 def render_graph_report(rec, *, full: bool = False):
-    parts = [sites_table(rec)]
+    parts = [sites_table(record_json(rec))]
     if any(sp.stats["calls"] for sp in rec.specs):  # at compile time nothing has run yet
         parts.append(plans_table(rec.specs))
     if full:
-        parts.append(Panel(graph_code(rec), title="rewritten graph (ultraattn nodes highlighted)"))
+        parts.append(Panel(graph_code(rec.code_after), title="rewritten graph (ultraattn nodes highlighted)"))
     return Group(*parts)
 
 
@@ -53,3 +73,31 @@ def report_console() -> Console:
 
 def print_graph_report(rec, *, full: bool = False, console: Console | None = None) -> None:
     (console or report_console()).print(render_graph_report(rec, full=full))
+
+
+# ----------------------------------------------------------------------------- report files
+def save_report(path: str) -> None:
+    """Write every graph compiled with ``report_file=path`` and the plans made so far (rank 0 calls this)."""
+    from ultraattn.passes.backend import RECORDS
+    from ultraattn.passes.site_op import PLANS
+
+    graphs = [record_json(r) for r in RECORDS if r.options.report_file == path]
+    with open(path, "w") as fh:
+        json.dump({"graphs": graphs, "plans": PLANS}, fh, indent=1, default=str)
+
+
+def render_saved(path: str, console: Console | None = None) -> None:
+    """Print a report saved with ``options={"report_file": path}``."""
+    from ultraattn.report import render
+
+    console = console or Console()
+    with open(path) as fh:
+        data = json.load(fh)
+    for g in data["graphs"]:
+        console.print(sites_table(g))
+        console.print(graph_code(g["code"]))
+    for site, p in data.get("plans", {}).items():
+        console.print(f"[bold]{site}[/bold]: planned in {p['seconds']:.2f} s, plan {p['hash']}, "
+                      f"{p['world']} ranks, structure {p.get('structure')}")
+        if p.get("comparison"):
+            console.print(render.comparison_table(p["comparison"], title=f"{site}: modeled time against the baselines"))

@@ -38,7 +38,7 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions
             has_full = isinstance(fkn, fx.Node) and isinstance(fki, fx.Node)
             mask_nodes = [kvn, kvi] + ([fkn, fki] if has_full else []) + list(bm["buffers"])
             info = {"q_len": bm["q_len"], "kv_len": bm["kv_len"], "q_block": bm["q_block"], "kv_block": bm["kv_block"],
-                    "has_full": has_full, "mask_mod": bm["mask_mod"], "n_buffers": len(bm["buffers"])}
+                    "has_full": has_full, "mask_mod": bm["mask_mod"]}
         spec = SiteSpec(key=f"{s.name}-{uuid.uuid4().hex[:12]}", name=s.name, op=s.op, mask=s.mask,
                         q_shape=s.q_shape, kv_shape=s.kv_shape, dtype=s.dtype, scale=scale, options=options,
                         block_mask=info, sync_key=f"g{graph_index}-{s.name}")

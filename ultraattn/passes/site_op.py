@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -35,7 +34,6 @@ from torch.library import custom_op
 
 from ultraattn.passes.options import BackendOptions
 
-_LN2 = math.log(2.0)
 MAX_PENDING = 8
 """Forwards of one site that may await their backward (gradient accumulation, checkpointing)."""
 
@@ -54,7 +52,7 @@ class SiteSpec:
     sync_key: str = ""
     """Identical on every rank (graph index and site name), for store exchanges; ``key`` is process-unique."""
     block_mask: dict = field(default_factory=dict)
-    """flex: q_len, kv_len, q_block, kv_block, has_full (bool), mask_mod (GraphModule), n_buffers."""
+    """flex: q_len, kv_len, q_block, kv_block, has_full (bool), mask_mod (GraphModule)."""
     plans: OrderedDict = field(default_factory=OrderedDict)
     pending: dict = field(default_factory=dict)
     order: deque = field(default_factory=deque)
@@ -222,10 +220,9 @@ def _report_plan(spec: SiteSpec, runner, seconds: float) -> None:
             print_plan_result(console, obj.planner_result, Mesh(nodes=m.nodes, devices=m.devices),
                               title=f"{spec.name} · run-time plan")
     if opts.report_file:
-        from ultraattn.passes.backend import RECORDS
-        from ultraattn.passes.explain import save_report
+        from ultraattn.passes.report import save_report
 
-        save_report(opts.report_file, [r for r in RECORDS if r.options.report_file == opts.report_file], PLANS)
+        save_report(opts.report_file)
 
 
 def _put(spec: SiteSpec, state) -> int:
