@@ -219,8 +219,73 @@ def layout(tensor: str, geo: TileGeometry, dtype: torch.dtype) -> list[tuple[tup
     }[tensor]
 
 
+class EagerIO:
+    """The executor's message and tile primitives, run directly (``dist_attention`` and opaque sites).
+
+    ``ultraattn.passes.explicit`` swaps in an IO whose primitives are graph nodes; the executor's
+    schedule code is shared by both.
+    """
+
+    def __init__(self, ex: "Executor"):
+        self.ex = ex
+        self.sends: list = []
+
+    def begin(self, phase: str) -> None:
+        if self.ex.comm is not None:
+            self.ex.comm.log = CommLog()
+
+    def start(self, phase: str, sends: list[tuple[int, Transfer, list[Tensor]]], recvs: list[Step], device):
+        """Post this stage's sends and receives (nothing waits)."""
+        ex = self.ex
+        for idx, t, pieces in sends:
+            buf = pack(pieces)
+            if buf.numel() != t.nbytes:
+                raise PlanExecutionError(
+                    f"{t.phase} {t.tensor} chunk {t.chunk}: the message holds {buf.numel()} bytes, the plan says "
+                    f"{t.nbytes}; plan and runtime disagree on the byte table"
+                )
+            work = ex.comm.isend(buf, dst=t.dst, tag=idx,
+                                 record=(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst))
+            self.sends.append((work, buf, t))
+        out = []
+        for idx, t in recvs:
+            spec = layout(t.tensor, ex.geo, ex.dtype)
+            buf, work = ex.comm.irecv(spec_bytes(spec), src=t.src, tag=idx, device=device,
+                                      record=(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst))
+            out.append((t, buf, work, spec))
+        return out
+
+    def wait(self, handle) -> list[tuple[Transfer, list[Tensor]]]:
+        """Wait for a stage's receives: (transfer, pieces) in posting order."""
+        got = []
+        for t, buf, work, spec in handle:
+            self.ex.comm.wait(work, peer=t.src,
+                              what=f"{t.phase} {t.tensor} message for chunk {t.chunk} group {t.head_group}")
+            got.append((t, unpack(buf, spec)))
+        return got
+
+    def finish(self, phase: str) -> None:
+        """Wait for every send of the phase, then keep its message log."""
+        ex = self.ex
+        for work, _buf, t in self.sends:
+            ex.comm.wait(work, peer=t.dst, what=f"receipt of {t.phase} {t.tensor} chunk {t.chunk}")
+        self.sends.clear()
+        ex.log[phase] = ex.comm.log if ex.comm is not None else CommLog()
+
+    def tile_fwd(self, g: int, i: int, js: list[int], q: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float):
+        return row_forward(self.ex.geo, g, i, js, q, kvs, scale)
+
+    def tile_bwd(self, g: int, i: int, js: list[int], q, do, lse, delta, kvs, scale: float):
+        return row_backward(self.ex.geo, g, i, js, q, do, lse, delta, kvs, scale)
+
+
 class Executor:
-    """Runs one plan on one rank (module docstring). ``log`` holds the last call's messages per phase."""
+    """Runs one plan on one rank (module docstring). ``log`` holds the last call's messages per phase.
+
+    The schedule (which messages leave at which stage, which tiles run between a stage's posts and
+    its waits, how partials merge) is plain Python over the static ``RankProgram``; the data moves
+    through ``self.io`` (``EagerIO``, or the graph-building IO of ``ultraattn.passes.explicit``).
+    """
 
     def __init__(self, plan: TilePlan, rank: int, geo: TileGeometry, comm: Comm | None, dtype: torch.dtype):
         self.plan = plan
@@ -232,55 +297,27 @@ class Executor:
         self.local_chunks = plan.local_chunks(rank)
         self.local_pos = {c: n for n, c in enumerate(self.local_chunks)}
         self.log: dict[str, CommLog] = {}
+        self.io = EagerIO(self)
 
     # -- helpers ---------------------------------------------------------------------------
     def _row_slice(self, x: Tensor, c: int, g: int, heads: int) -> Tensor:
         n, cs = self.local_pos[c], self.geo.chunk
         return x[:, g * heads:(g + 1) * heads, n * cs:(n + 1) * cs]
 
-    def _send(self, pending: list, t: Transfer, idx: int, pieces: list[Tensor]) -> None:
-        buf = pack(pieces)
-        if buf.numel() != t.nbytes:
-            raise PlanExecutionError(
-                f"{t.phase} {t.tensor} chunk {t.chunk}: the message holds {buf.numel()} bytes, the plan says "
-                f"{t.nbytes}; plan and runtime disagree on the byte table"
-            )
-        work = self.comm.isend(buf, dst=t.dst, tag=idx, record=(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst))
-        pending.append((work, buf, t))
+    def _assemble(self, units: dict[tuple[int, int], Tensor]) -> Tensor:
+        """This rank's local tensor from its (chunk, group) units: groups along heads, chunks along tokens."""
+        g_count = self.geo.head_groups
+        return torch.cat([torch.cat([units[(c, g)] for g in range(g_count)], dim=1) for c in self.local_chunks],
+                         dim=2)
 
-    def _post_recvs(self, level: list[Step], device: torch.device) -> list:
-        out = []
-        for idx, t in level:
-            if t.dst != self.rank:
-                continue
-            spec = layout(t.tensor, self.geo, self.dtype)
-            buf, work = self.comm.irecv(spec_bytes(spec), src=t.src, tag=idx, device=device,
-                                        record=(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst))
-            out.append((t, buf, work, spec))
-        return out
-
-    def _wait(self, recvs: list):
-        for t, buf, work, spec in recvs:
-            self.comm.wait(work, peer=t.src, what=f"{t.phase} {t.tensor} message for chunk {t.chunk} group {t.head_group}")
-            yield t, unpack(buf, spec)
-
-    def _wait_sends(self, sends: list) -> None:
-        for work, _buf, t in sends:
-            self.comm.wait(work, peer=t.dst, what=f"receipt of {t.phase} {t.tensor} chunk {t.chunk}")
-        sends.clear()
-
-    def _begin(self, phase: str) -> None:
-        if self.comm is not None:
-            self.comm.log = CommLog()
-
-    def _end(self, phase: str) -> None:
-        self.log[phase] = self.comm.log if self.comm is not None else CommLog()
+    def _recvs(self, level: list[Step]) -> list[Step]:
+        return [(idx, t) for idx, t in level if t.dst == self.rank]
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float):
-        geo, prog, r = self.geo, self.program, self.rank
+        geo, prog, r, io = self.geo, self.program, self.rank, self.io
         hq, hk, g_count = geo.hq, geo.hk, geo.head_groups
-        self._begin("fwd")
+        io.begin("fwd")
         rows: dict[tuple[int, int], Tensor] = {}
         cols: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         for c in self.local_chunks:
@@ -294,18 +331,15 @@ class Executor:
             nonlocal todo
             ready, todo = _split_ready(todo, rows, cols)
             for (g, i), js in ready.items():
-                part = row_forward(geo, g, i, js, rows[(i, g)], [cols[(j, g)] for j in js], scale)
+                part = io.tile_fwd(g, i, js, rows[(i, g)], [cols[(j, g)] for j in js], scale)
                 acc[(i, g)] = merge_partial(acc.get((i, g)), part)
 
-        sends: list = []
         for level in prog.inputs["fwd"]:
-            for idx, t in level:
-                if t.src == r:
-                    u = (t.chunk, t.head_group)
-                    self._send(sends, t, idx, [rows[u]] if t.tensor == "q" else list(cols[u]))
-            recvs = self._post_recvs(level, q.device)
+            sends = [(idx, t, [rows[(t.chunk, t.head_group)]] if t.tensor == "q"
+                      else list(cols[(t.chunk, t.head_group)])) for idx, t in level if t.src == r]
+            handle = io.start("fwd", sends, self._recvs(level), q.device)
             run_ready()
-            for t, pieces in self._wait(recvs):
+            for t, pieces in io.wait(handle):
                 u = (t.chunk, t.head_group)
                 if t.tensor == "q":
                     rows[u] = pieces[0]
@@ -315,34 +349,33 @@ class Executor:
         if todo:
             g, i, js = todo[0]
             raise PlanExecutionError(f"rank {r}: row {i} (group {g}) never received its inputs")
-        self._reduce(prog.partials["fwd"], acc, sends, q.device, kind="o")
+        self._reduce("fwd", prog.partials["fwd"], acc, q.device, kind="o")
         finals: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         keep_lse = {}
-        recvs = self._post_recvs(prog.finals["fwd"], q.device)
+        sends = []
         for idx, t in prog.finals["fwd"]:
             if t.src == r:
                 u = (t.chunk, t.head_group)
                 o, lse = self._acc_or_empty(acc, u, "o", q.device)
-                self._send(sends, t, idx, [o.to(self.dtype), lse])
+                sends.append((idx, t, [o.to(self.dtype), lse]))
                 keep_lse[u] = lse
-        for t, (o, lse) in self._wait(recvs):
+        handle = io.start("fwd", sends, self._recvs(prog.finals["fwd"]), q.device)
+        for t, (o, lse) in io.wait(handle):
             finals[(t.chunk, t.head_group)] = (o.float(), lse)
-        self._wait_sends(sends)
+        io.finish("fwd")
         # assemble this rank's rows
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        lse_all = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        units = {}
         for c in self.local_chunks:
             for g in range(g_count):
                 u = (c, g)
-                o, lse = finals[u] if u in finals else self._acc_or_empty(acc, u, "o", q.device)
-                self._row_slice(out, c, g, hq).copy_(o)
-                self._row_slice(lse_all, c, g, hq).copy_(lse)
+                units[u] = finals[u] if u in finals else self._acc_or_empty(acc, u, "o", q.device)
+        out = self._assemble({u: o for u, (o, _) in units.items()})
+        lse_all = self._assemble({u: lse for u, (_, lse) in units.items()})
         saved = {
             "q": {u: rows[u] for u in prog.keep_q},
             "kv": {u: cols[u] for u in prog.keep_kv},
             "lse": {u: keep_lse.get(u, acc.get(u, (None, None))[1]) for u in prog.keep_lse},
         }
-        self._end("fwd")
         return out, lse_all, saved
 
     def _acc_or_empty(self, acc: dict, u: tuple[int, int], kind: str, device) -> tuple[Tensor, ...]:
@@ -357,11 +390,12 @@ class Executor:
         z = torch.zeros(geo.batch, geo.hk, geo.chunk, geo.head_dim, device=device)
         return (z, z.clone())
 
-    def _reduce(self, levels: list[list[Step]], acc: dict, sends: list, device, kind: str | None = None,
+    def _reduce(self, phase: str, levels: list[list[Step]], acc: dict, device, kind: str | None = None,
                 accs: dict | None = None) -> None:
         """Partial reduction by levels: send own + received partials, merge (o) or add (dq, dkv) arrivals."""
-        r = self.rank
+        r, io = self.rank, self.io
         for level in levels:
+            sends = []
             for idx, t in level:
                 if t.src == r:
                     tk = kind or t.tensor
@@ -369,9 +403,9 @@ class Executor:
                     u = (t.chunk, t.head_group)
                     pieces = self._acc_or_empty(store, u, tk, device)
                     store.pop(u, None)
-                    self._send(sends, t, idx, list(pieces))
-            recvs = self._post_recvs(level, device)
-            for t, pieces in self._wait(recvs):
+                    sends.append((idx, t, list(pieces)))
+            handle = io.start(phase, sends, self._recvs(level), device)
+            for t, pieces in io.wait(handle):
                 tk = kind or t.tensor
                 store = acc if accs is None else accs[tk]
                 u = (t.chunk, t.head_group)
@@ -383,9 +417,9 @@ class Executor:
 
     # -- backward --------------------------------------------------------------------------
     def backward(self, q, k, v, out, lse, saved, dout, dlse, scale: float):
-        geo, prog, r = self.geo, self.program, self.rank
+        geo, prog, r, io = self.geo, self.program, self.rank, self.io
         hq, hk, g_count = geo.hq, geo.hk, geo.head_groups
-        self._begin("bwd")
+        io.begin("bwd")
         delta_all = (dout.float() * out).sum(-1)
         if dlse is not None:
             delta_all = delta_all - dlse.float()
@@ -405,28 +439,28 @@ class Executor:
             ready, todo = _split_ready(todo, rows, cols)
             for (g, i), js in ready.items():
                 qi, doi, lsei, deltai = rows[(i, g)]
-                dq, per_col = row_backward(geo, g, i, js, qi, doi, lsei, deltai, [cols[(j, g)] for j in js], scale)
+                dq, per_col = io.tile_bwd(g, i, js, qi, doi, lsei, deltai, [cols[(j, g)] for j in js], scale)
                 prev = accs["dq"].get((i, g))
                 accs["dq"][(i, g)] = (dq,) if prev is None else (prev[0] + dq,)
                 for j, (dk, dv) in zip(js, per_col):
                     prev = accs["dkv"].get((j, g))
                     accs["dkv"][(j, g)] = (dk, dv) if prev is None else (prev[0] + dk, prev[1] + dv)
 
-        sends: list = []
         for level in prog.inputs["bwd"]:
+            sends = []
             for idx, t in level:
                 if t.src != r:
                     continue
                 u = (t.chunk, t.head_group)
                 if t.tensor == "kv":
-                    self._send(sends, t, idx, list(cols[u]))
+                    sends.append((idx, t, list(cols[u])))
                 elif t.tensor == "qdo":
-                    self._send(sends, t, idx, [x.contiguous() for x in rows[u]])
+                    sends.append((idx, t, [x.contiguous() for x in rows[u]]))
                 else:  # do: dO + delta (the computing rank kept q and the LSE)
-                    self._send(sends, t, idx, [rows[u][1], rows[u][3]])
-            recvs = self._post_recvs(level, q.device)
+                    sends.append((idx, t, [rows[u][1], rows[u][3]]))
+            handle = io.start("bwd", sends, self._recvs(level), q.device)
             run_ready()
-            for t, pieces in self._wait(recvs):
+            for t, pieces in io.wait(handle):
                 u = (t.chunk, t.head_group)
                 if t.tensor == "kv":
                     cols[u] = (pieces[0], pieces[1])
@@ -439,30 +473,27 @@ class Executor:
         if todo:
             g, i, js = todo[0]
             raise PlanExecutionError(f"rank {r}: backward row {i} (group {g}) never received its inputs")
-        self._reduce(prog.partials["bwd"], {}, sends, q.device, accs=accs)
+        self._reduce("bwd", prog.partials["bwd"], {}, q.device, accs=accs)
         finals: dict[tuple[str, int, int], tuple] = {}
-        recvs = self._post_recvs(prog.finals["bwd"], q.device)
+        sends = []
         for idx, t in prog.finals["bwd"]:
             if t.src == r:
                 kind = "dq" if t.tensor == "dq_out" else "dkv"
                 pieces = self._acc_or_empty(accs[kind], (t.chunk, t.head_group), kind, q.device)
-                self._send(sends, t, idx, [p.to(self.dtype) for p in pieces])
-        for t, pieces in self._wait(recvs):
+                sends.append((idx, t, [p.to(self.dtype) for p in pieces]))
+        handle = io.start("bwd", sends, self._recvs(prog.finals["bwd"]), q.device)
+        for t, pieces in io.wait(handle):
             finals[(t.tensor, t.chunk, t.head_group)] = tuple(pieces)
-        self._wait_sends(sends)
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        io.finish("bwd")
+        dq_u, dk_u, dv_u = {}, {}, {}
         for c in self.local_chunks:
             for g in range(g_count):
                 u = (c, g)
                 got = finals.get(("dq_out", c, g)) or self._acc_or_empty(accs["dq"], u, "dq", q.device)
-                self._row_slice(dq, c, g, hq).copy_(got[0])
+                dq_u[u] = got[0].to(q.dtype)
                 got = finals.get(("dkv_out", c, g)) or self._acc_or_empty(accs["dkv"], u, "dkv", q.device)
-                self._row_slice(dk, c, g, hk).copy_(got[0])
-                self._row_slice(dv, c, g, hk).copy_(got[1])
-        self._end("bwd")
-        return dq, dk, dv
+                dk_u[u], dv_u[u] = got[0].to(k.dtype), got[1].to(v.dtype)
+        return self._assemble(dq_u), self._assemble(dk_u), self._assemble(dv_u)
 
 
 def _split_ready(todo: list, rows: dict, cols: dict) -> tuple[dict, list]:
