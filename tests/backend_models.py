@@ -172,3 +172,27 @@ def local_world_worker(rank: int, world: int) -> dict:
               for sp in SITES.values() for _, plan in sp.plans.values()}
     res["meshes"] = sorted(meshes)
     return res
+
+
+def explicit_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
+    """One step with explicit site graphs: the graphs Inductor received, stage counts, bytes moved vs planned."""
+    import ultraattn.passes as P
+    from ultraattn.passes.explicit import EXPLICIT
+
+    res = compiled_worker(rank, world, spec, options)
+    rec = P.RECORDS[-1]
+    res["aot"] = [{k: g[k] for k in ("kind", "expanded", "code")} for g in rec.extra.get("aot_graphs", [])]
+    res["sites"] = {}
+    for sp in rec.specs:
+        e = EXPLICIT.get(sp.key)
+        if e is None:
+            continue
+        prog = e.executor.program
+        ap = e.runner
+        res["sites"][sp.name] = {
+            "rows": len(prog.rows),
+            "levels": {ph: len(prog.inputs[ph]) + len(prog.partials[ph]) + 1 for ph in ("fwd", "bwd")},
+            "moved": {ph: e.executor.log[ph].totals().get(ph, {"sent": 0, "recv": 0}) for ph in ("fwd", "bwd")},
+            "planned": {ph: ap.predicted_bytes(ph) for ph in ("fwd", "bwd")},
+        }
+    return res

@@ -94,12 +94,32 @@ def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     if opts.compiler == "eager":
         return gm.forward
     if opts.compiler == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
 
-        return aot_eager(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx
+        def expand_only(g, _inputs):
+            _expand(rec, g)
+            return make_boxed_func(g.forward)
 
-    return compile_fx(gm, example_inputs)
+        return aot_autograd(fw_compiler=expand_only, bw_compiler=expand_only)(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(g, inputs, **kw):
+        _expand(rec, g, backward=bool(kw.get("is_backward")))
+        return compile_fx_inner(g, inputs, **kw)
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _expand(rec: GraphRecord, g: fx.GraphModule, backward: bool | None = None) -> None:
+    """Explicit per-rank nodes for the sites of one AOT graph (``explicit.py``); keep what Inductor receives."""
+    from ultraattn.passes.explicit import expand_sites
+
+    names = expand_sites(g)
+    if backward is None:
+        backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in g.graph.nodes)
+    rec.extra.setdefault("aot_graphs", []).append(
+        {"kind": "backward" if backward else "forward", "expanded": names, "code": g.code})
 
 
 backend = ultraattn_backend

@@ -43,6 +43,9 @@ class BackendOptions:
     """Ranks to plan for; default: the process group's size (1 without one)."""
     report_file: str | None = None
     """Write the report as JSON here (rank 0), updated as plans are made; ``ultraattn report FILE`` renders it."""
+    explicit: bool = True
+    """Expand sites whose plan is known at compile time into explicit per-rank tile and communication nodes
+    in the forward and backward graphs Inductor compiles (False: one opaque op per site)."""
     compiler: str = "inductor"
     """What compiles the rewritten graph: inductor, aot_eager (debugging) or eager (run the FX graph as is)."""
 

@@ -53,6 +53,8 @@ class SiteSpec:
     """Identical on every rank (graph index and site name), for store exchanges; ``key`` is process-unique."""
     block_mask: dict = field(default_factory=dict)
     """flex: q_len, kv_len, q_block, kv_block, has_full (bool), mask_mod (GraphModule)."""
+    device: object = None
+    """The graph's device (set when the site is expanded into explicit nodes)."""
     plans: OrderedDict = field(default_factory=OrderedDict)
     pending: dict = field(default_factory=dict)
     order: deque = field(default_factory=deque)
