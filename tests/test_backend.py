@@ -343,13 +343,15 @@ def _count(code: str, op: str) -> int:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_explicit_graphs_show_every_stage_forward_and_backward(world):
+def test_explicit_graphs_show_every_stage_forward_and_backward(world, tmp_path):
     """Static-mask sites become this rank's program in the graphs Inductor compiles: one cp_start/cp_wait
-    pair per schedule stage in each direction, tile nodes, no opaque site op; bytes moved equal the plan's."""
+    pair per schedule stage in each direction, tile nodes, no opaque site op; bytes moved equal the plan's;
+    the saved report shows both schedules."""
     from backend_models import explicit_worker
 
     spec = dict(MODELS["gqa"], batch=2)
-    res = run_ranks(explicit_worker, world, args=(spec, FAST), timeout=600)
+    path = tmp_path / "report.json"
+    res = run_ranks(explicit_worker, world, args=(spec, dict(FAST, report_file=str(path))), timeout=600)
     for r, got in enumerate(res):
         assert not check_against_oracle(spec, got), f"rank {r}: {check_against_oracle(spec, got)}"
         kinds = {g["kind"]: g for g in got["aot"]}
@@ -370,6 +372,12 @@ def test_explicit_graphs_show_every_stage_forward_and_backward(world):
                 moved = {k: s["moved"][ph][k] for k in ("sent", "recv")}
                 assert moved == s["planned"][ph], (r, name, ph, s)
     assert all(got["sites"]["sdpa#0"]["rows"] for got in res[:2])
+    out = subprocess.run([sys.executable, "-m", "ultraattn.cli", "report", str(path)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
+    assert out.returncode == 0, out.stderr
+    for kind in ("forward", "backward"):
+        assert f"{kind} graph for Inductor: " in out.stdout
+    assert "explicit" in out.stdout and "cp_tile_bwd" in out.stdout
     assert sum(s["moved"][ph]["sent"] for got in res for s in got["sites"].values() for ph in ("fwd", "bwd")) > 0
 
 

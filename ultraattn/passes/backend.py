@@ -81,8 +81,7 @@ def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     COUNTERS["graphs"] += 1
     COUNTERS["sites"] += len(sites)
     COUNTERS["rewritten"] += len(specs)
-    rank0 = not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
-        torch.distributed.get_rank() == 0
+    rank0 = _rank0()
     if opts.report != "off" and rank0:
         from ultraattn.passes.report import print_graph_report
 
@@ -113,13 +112,29 @@ def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
 
 def _expand(rec: GraphRecord, g: fx.GraphModule, backward: bool | None = None) -> None:
     """Explicit per-rank nodes for the sites of one AOT graph (``explicit.py``); keep what Inductor receives."""
-    from ultraattn.passes.explicit import expand_sites
+    from ultraattn.passes.explicit import expand_sites, schedule_rows
 
     names = expand_sites(g)
     if backward is None:
         backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in g.graph.nodes)
-    rec.extra.setdefault("aot_graphs", []).append(
-        {"kind": "backward" if backward else "forward", "expanded": names, "code": g.code})
+    entry = {"kind": "backward" if backward else "forward", "expanded": names, "code": g.code,
+             "schedule": schedule_rows(g) if names else []}
+    rec.extra.setdefault("aot_graphs", []).append(entry)
+    opts = rec.options
+    if names and _rank0():
+        if opts.report != "off":
+            from ultraattn.passes.report import print_schedule
+
+            print_schedule(rec.index, entry, full=opts.report == "full")
+        if opts.report_file:
+            from ultraattn.passes.report import save_report
+
+            save_report(opts.report_file)
+
+
+def _rank0() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+        torch.distributed.get_rank() == 0
 
 
 backend = ultraattn_backend

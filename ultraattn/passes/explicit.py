@@ -368,6 +368,37 @@ def backward_program(e: ExplicitSite):
 
 
 # ----------------------------------------------------------------------------- the pass
+_COMM_OPS = ("cp_start", "cp_wait", "cp_finish", "cp_gather", "cp_check_inputs")
+
+
+def schedule_rows(gm: fx.GraphModule) -> list[dict]:
+    """The ultraattn nodes of an expanded graph in execution order, described for reports."""
+    rows = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or getattr(n.target, "namespace", None) != "ultraattn":
+            continue
+        op = n.target._opname
+        e = next((EXPLICIT[a] for a in n.args if isinstance(a, str) and a in EXPLICIT), None)
+        what, nbytes = "", 0
+        if e is not None and op == "cp_start":
+            phase, _first, sends, recvs = e.stages[n.args[3]]
+            nbytes = sum(t.nbytes for _, t, _ in sends)
+            what = "; ".join([f"send {t.tensor} c{t.chunk}g{t.head_group}→r{t.dst}" for _, t, _ in sends] +
+                             [f"recv {t.tensor} c{t.chunk}g{t.head_group}←r{t.src}" for _, t in recvs]) or "(none)"
+        elif e is not None and op == "cp_wait":
+            what = f"stage {n.args[2]}"
+        elif e is not None and op in ("cp_tile_fwd", "cp_tile_bwd"):
+            g, i, js, _ = e.tiles[n.args[-1]]
+            what = f"q chunk {i}, group {g} × kv chunks {js}"
+        elif op == "cp_gather":
+            what = "all-gather to the global view"
+        elif op == "cp_finish":
+            what = f"{n.args[2]} sends delivered"
+        rows.append({"node": n.name, "op": op, "site": e.spec.name if e is not None else "",
+                     "comm": op in _COMM_OPS, "what": what, "bytes": nbytes})
+    return rows
+
+
 def explicit_reason(spec: SiteSpec) -> str | None:
     """Why ``spec`` keeps the opaque op (None: it can be expanded)."""
     if not spec.options.explicit:

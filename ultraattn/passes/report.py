@@ -17,27 +17,61 @@ from rich.text import Text
 
 def record_json(rec) -> dict:
     """A GraphRecord as plain data (what the reports draw and report files hold)."""
+    from ultraattn.passes.explicit import explicit_reason
+
+    forms = {sp.name: explicit_reason(sp) for sp in rec.specs}
     return {
         "graph": rec.index, "world_size": rec.world_size,
         "sites": [{"site": s.name, "op": s.op, "q_shape": list(s.q_shape), "kv_shape": list(s.kv_shape),
                    "dtype": str(s.dtype).replace("torch.", ""), "mask": s.mask, "density": s.density,
-                   "rewritten": s.rewritable, "why": s.reason} for s in rec.sites],
+                   "rewritten": s.rewritable, "why": s.reason,
+                   "form": ("explicit" if forms[s.name] is None else f"one op: {forms[s.name]}")
+                   if s.name in forms else ""} for s in rec.sites],
         "code": rec.code_after,
         "stats": {sp.name: dict(sp.stats) for sp in rec.specs},
+        "aot_graphs": [{k: g[k] for k in ("kind", "expanded", "schedule")} for g in rec.extra.get("aot_graphs", [])
+                       if g["expanded"]],
     }
 
 
 def sites_table(graph: dict) -> Table:
     t = Table(title=f"graph {graph['graph']}: attention sites (world size {graph['world_size']})",
               title_justify="left")
-    for col in ("site", "op", "q shape", "k/v shape", "dtype", "mask", "density", "rewritten", "why"):
+    for col in ("site", "op", "q shape", "k/v shape", "dtype", "mask", "density", "rewritten", "why", "form"):
         t.add_column(col)
     for s in graph["sites"]:
         d = s["density"]
         t.add_row(s["site"], s["op"], str(tuple(s["q_shape"])), str(tuple(s["kv_shape"])), s["dtype"], s["mask"],
                   "?" if d is None else f"{d:.3f}",
-                  Text("yes", style="bold green") if s["rewritten"] else Text("no", style="bold red"), s["why"])
+                  Text("yes", style="bold green") if s["rewritten"] else Text("no", style="bold red"), s["why"],
+                  s.get("form", ""))
     return t
+
+
+def schedule_table(graph_index: int, entry: dict) -> Table:
+    """The ultraattn nodes of one graph Inductor compiles, in order; communication nodes highlighted."""
+    sched = entry["schedule"]
+    n_comm = sum(r["op"] == "cp_start" for r in sched)
+    n_tile = sum(r["op"].startswith("cp_tile") for r in sched)
+    t = Table(title=f"graph {graph_index} · {entry['kind']} graph for Inductor: {n_comm} communication stages, "
+                    f"{n_tile} tile nodes", title_justify="left")
+    for col in ("node", "site", "op", "what", "bytes sent"):
+        t.add_column(col, justify="right" if col == "bytes sent" else "left")
+    for r in sched:
+        style = "bold magenta" if r["comm"] else ("cyan" if r["op"].startswith("cp_tile") else "")
+        t.add_row(r["node"], r["site"], Text(r["op"], style=style), r["what"], str(r["bytes"]) if r["bytes"] else "")
+    return t
+
+
+def print_schedule(graph_index: int, entry: dict, *, full: bool, console: Console | None = None) -> None:
+    console = console or report_console()
+    if full:
+        console.print(schedule_table(graph_index, entry))
+    else:
+        sched = entry["schedule"]
+        console.print(f"[bold]ultraattn[/bold] graph {graph_index} {entry['kind']}: sites {entry['expanded']} as "
+                      f"explicit nodes ({sum(r['op'] == 'cp_start' for r in sched)} communication stages, "
+                      f"{sum(r['op'].startswith('cp_tile') for r in sched)} tile nodes)")
 
 
 def plans_table(specs) -> Table:
@@ -96,6 +130,8 @@ def render_saved(path: str, console: Console | None = None) -> None:
     for g in data["graphs"]:
         console.print(sites_table(g))
         console.print(graph_code(g["code"]))
+        for entry in g.get("aot_graphs", []):
+            console.print(schedule_table(g["graph"], entry))
     for site, p in data.get("plans", {}).items():
         console.print(f"[bold]{site}[/bold]: planned in {p['seconds']:.2f} s, plan {p['hash']}, "
                       f"{p['world']} ranks, structure {p.get('structure')}")
