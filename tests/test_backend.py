@@ -399,3 +399,15 @@ def test_explicit_false_keeps_one_opaque_op_per_site():
         assert got["sites"] == {}
         fwd = next(g["code"] for g in got["aot"] if g["kind"] == "forward")
         assert _count(fwd, "site_attention") == 2 and "cp_start" not in fwd
+
+
+def test_world1_static_sites_are_the_kernel_ops_in_inductors_graphs():
+    spec = dict(MODELS["gqa"])
+    tokens, _, _ = inputs(spec)
+    P.reset()
+    got = step(torch.compile(build(spec), backend="ultraattn"), tokens)
+    assert not check_against_oracle(spec, got)
+    graphs = {g["kind"]: g for g in P.RECORDS[-1].extra["aot_graphs"]}
+    fwd, bwd = graphs["forward"]["code"], graphs["backward"]["code"]
+    assert _count(fwd, "bsa_fwd") == 2 and _count(bwd, "bsa_bwd") == 2
+    assert "site_attention" not in fwd + bwd and "cp_start" not in fwd + bwd

@@ -367,6 +367,44 @@ def backward_program(e: ExplicitSite):
     return fn
 
 
+def kernel_forward_program(e: ExplicitSite):
+    """World size 1: the site is the block-sparse kernel op itself; its layout tensors (``*lay``) are graph
+    constants."""
+
+    def fn(q, k, v):
+        lay = torch.ops.ultraattn.cp_layout(e.key)
+        out, lse = torch.ops.ultraattn.bsa_fwd(q, k, v, *lay, e.runner.q_block, e.runner.kv_block, e.spec.scale)
+        return out, lse, torch.zeros((), dtype=torch.int64)
+
+    return fn
+
+
+def kernel_backward_program(e: ExplicitSite):
+    def fn(q, k, v, out, lse, dout, dlse, ticket):
+        lay = torch.ops.ultraattn.cp_layout(e.key)
+        dout = dout.to(out.dtype)
+        delta = (dout.float() * out.float()).sum(-1)
+        return torch.ops.ultraattn.bsa_bwd(q, k, v, dout, lse, delta, dlse.float(), *lay, e.runner.q_block,
+                                           e.runner.kv_block, e.spec.scale)
+
+    return fn
+
+
+@custom_op("ultraattn::cp_layout", mutates_args=())
+def cp_layout(site: str) -> list[Tensor]:
+    """The block-sparse layout of a world-1 site (copies: the graph may reuse its buffers after the kernel).
+
+    A graph constant would be simpler, but Inductor's fake-tensor passes refuse real constant
+    tensors as arguments of an op; the layout is small (2 KiB per partially masked block).
+    """
+    return [t.clone() for t in EXPLICIT[site].runner.bwd_tensors()]
+
+
+@cp_layout.register_fake
+def _(site):
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in EXPLICIT[site].runner.bwd_tensors()]
+
+
 # ----------------------------------------------------------------------------- the pass
 _COMM_OPS = ("cp_start", "cp_wait", "cp_finish", "cp_gather", "cp_check_inputs")
 
@@ -403,8 +441,6 @@ def explicit_reason(spec: SiteSpec) -> str | None:
     """Why ``spec`` keeps the opaque op (None: it can be expanded)."""
     if not spec.options.explicit:
         return "options['explicit'] is False"
-    if spec.options.world_size == 1:
-        return "world size 1: the op runs the block-sparse kernels directly"
     if spec.mask not in ("causal", "full"):
         return "the mask's content is a run-time input: planned per content at run time"
     if not all(isinstance(d, int) for d in (*spec.q_shape, *spec.kv_shape)):
@@ -426,9 +462,9 @@ def _site_entry(spec: SiteSpec, q, k) -> ExplicitSite:
         # _runner reads only shape, dtype and device of q and k
         shim = [SimpleNamespace(shape=tuple(x.shape), dtype=x.dtype, device=x.device) for x in (q, k)]
         kind, runner = _runner(spec, *shim, [])
-        assert kind == "plan"
-        check_consistent(runner)
-        runner.executor  # build the program now: errors surface at compile time
+        if kind == "plan":
+            check_consistent(runner)
+            runner.executor  # build the program now: errors surface at compile time
     e = ExplicitSite(key=spec.key, spec=spec, runner=runner)
     EXPLICIT[spec.key] = e
     return e
@@ -497,14 +533,17 @@ def expand_sites(gm: fx.GraphModule) -> list[str]:
             q, k, v = node.args[:3]
             vals = [a.meta["val"] for a in (q, k, v)]
             e = _site_entry(spec, vals[0], vals[1])
-            sub = _trace(forward_program(e), vals)
+            world1 = spec.options.world_size == 1
+            sub = _trace((kernel_forward_program if world1 else forward_program)(e), vals)
+            e.saved_layout = e.saved_layout or []
             outs = _splice(gm, node, sub, [q, k, v])
         else:
             e = EXPLICIT.get(key)
             if e is None or e.saved_layout is None:
                 raise RuntimeError(f"ultraattn: backward of site {spec.name} compiled before its forward was expanded")
             args = list(node.args[:8])
-            sub = _trace(backward_program(e), [a.meta["val"] for a in args])
+            world1 = spec.options.world_size == 1
+            sub = _trace((kernel_backward_program if world1 else backward_program)(e), [a.meta["val"] for a in args])
             outs = _splice(gm, node, sub, args)
         _replace_outputs(node, outs)
         done.append(spec.name)
