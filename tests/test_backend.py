@@ -411,3 +411,18 @@ def test_world1_static_sites_are_the_kernel_ops_in_inductors_graphs():
     fwd, bwd = graphs["forward"]["code"], graphs["backward"]["code"]
     assert _count(fwd, "bsa_fwd") == 2 and _count(bwd, "bsa_bwd") == 2
     assert "site_attention" not in fwd + bwd and "cp_start" not in fwd + bwd
+
+
+def test_explicit_tiles_are_the_triton_ops_where_the_kernels_run():
+    """On GPUs the tile nodes are ultraattn::bsa_fwd/bsa_bwd; here the same path runs in Triton's interpreter
+    (ULTRAATTN_KERNELS=triton, aot_eager: Inductor cannot launch Triton kernels on CPU)."""
+    from backend_models import explicit_worker
+
+    spec = dict(MODELS["causal"], seqlen=256, batch=1)
+    res = run_ranks(explicit_worker, 2, args=(spec, dict(FAST, compiler="aot_eager")), timeout=600,
+                    env={"ULTRAATTN_KERNELS": "triton", "TRITON_INTERPRET": "1"})
+    for r, got in enumerate(res):
+        assert not check_against_oracle(spec, got), r
+        code = {g["kind"]: g["code"] for g in got["aot"]}
+        assert _count(code["forward"], "bsa_fwd") > 0 and _count(code["backward"], "bsa_bwd") > 0, r
+        assert "cp_tile_fwd" not in code["forward"] and "cp_tile_bwd" not in code["backward"]

@@ -142,6 +142,28 @@ def _(token, tensors, site):
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
+@custom_op("ultraattn::cp_tile_layout", mutates_args=())
+def cp_tile_layout(site: str, tile: int) -> list[Tensor]:
+    """The kernel layout of one tile row (``runtime.tiles.kernel_layout``, cached), copied like ``cp_layout``."""
+    return [t.clone() for t in _tile_layout(EXPLICIT[site], tile).bwd_tensors()]
+
+
+@cp_tile_layout.register_fake
+def _(site, tile):
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            for t in _tile_layout(EXPLICIT[site], tile).bwd_tensors()]
+
+
+def _tile_layout(e: ExplicitSite, tile: int):
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from ultraattn.runtime.tiles import kernel_layout
+
+    g, i, js, _ = e.tiles[tile]
+    with unset_fake_temporarily():
+        return kernel_layout(e.executor.geo, g, i, js, _device(e))
+
+
 @custom_op("ultraattn::cp_tile_fwd", mutates_args=())
 def cp_tile_fwd(q: Tensor, ks: list[Tensor], vs: list[Tensor], site: str, tile: int) -> tuple[Tensor, Tensor]:
     """Partial attention of one (head group, q chunk) over its kv chunks: (o fp32, lse fp32)."""
@@ -277,17 +299,41 @@ class TracedIO:
     def finish(self, phase: str) -> None:
         self.token = torch.ops.ultraattn.cp_finish(self.token, self.e.key, phase)
 
-    def tile_fwd(self, g, i, js, q, kvs, scale):
+    def _tile(self, g, i, js, q, scale) -> tuple[int, bool]:
+        """A tile id, and whether the tile is the Triton op: on CUDA (``kernels.ops._use_triton``), or on CPU
+        with ``ULTRAATTN_KERNELS=triton`` under the interpreter when the graph runs uncompiled (aot_eager)."""
+        from ultraattn.kernels import config
+        from ultraattn.kernels.ops import _use_triton
+
         tid = len(self.e.tiles)
         self.e.tiles.append((g, i, list(js), scale))
+        if q.device.type == "cuda":
+            return tid, _use_triton(q)
+        return tid, (config.kernel_mode() == "triton" and config.interpret()
+                     and self.e.spec.options.compiler != "inductor")
+
+    def tile_fwd(self, g, i, js, q, kvs, scale):
+        tid, kernels = self._tile(g, i, js, q, scale)
+        if kernels:  # the block-sparse Triton op itself, on the row's concatenated kv chunks
+            geo, lay = self.e.executor.geo, torch.ops.ultraattn.cp_tile_layout(self.e.key, tid)
+            k_cat = torch.cat([k for k, _ in kvs], dim=2).to(q.dtype)
+            v_cat = torch.cat([v for _, v in kvs], dim=2).to(q.dtype)
+            return torch.ops.ultraattn.bsa_fwd(q, k_cat, v_cat, *lay, geo.q_block, geo.kv_block, scale, True)
         return torch.ops.ultraattn.cp_tile_fwd(q, [k for k, _ in kvs], [v for _, v in kvs], self.e.key, tid)
 
     def tile_bwd(self, g, i, js, q, do, lse, delta, kvs, scale):
-        tid = len(self.e.tiles)
-        self.e.tiles.append((g, i, list(js), scale))
+        tid, kernels = self._tile(g, i, js, q, scale)
+        n = len(js)
+        if kernels:
+            geo, lay = self.e.executor.geo, torch.ops.ultraattn.cp_tile_layout(self.e.key, tid)
+            k_cat = torch.cat([k for k, _ in kvs], dim=2).to(q.dtype)
+            v_cat = torch.cat([v for _, v in kvs], dim=2).to(q.dtype)
+            dq, dk, dv = torch.ops.ultraattn.bsa_bwd(q, k_cat, v_cat, do, lse, delta, None, *lay, geo.q_block,
+                                                     geo.kv_block, scale, True)
+            c = geo.chunk
+            return dq, [(dk[:, :, m * c:(m + 1) * c], dv[:, :, m * c:(m + 1) * c]) for m in range(n)]
         outs = torch.ops.ultraattn.cp_tile_bwd(q, do, lse, delta, [k for k, _ in kvs], [v for _, v in kvs],
                                                self.e.key, tid)
-        n = len(js)
         return outs[0], list(zip(outs[1:1 + n], outs[1 + n:]))
 
     def gather(self, x: Tensor) -> Tensor:
@@ -425,13 +471,15 @@ def schedule_rows(gm: fx.GraphModule) -> list[dict]:
                              [f"recv {t.tensor} c{t.chunk}g{t.head_group}←r{t.src}" for _, t in recvs]) or "(none)"
         elif e is not None and op == "cp_wait":
             what = f"stage {n.args[2]}"
-        elif e is not None and op in ("cp_tile_fwd", "cp_tile_bwd"):
+        elif e is not None and op in ("cp_tile_fwd", "cp_tile_bwd", "cp_tile_layout"):
             g, i, js, _ = e.tiles[n.args[-1]]
             what = f"q chunk {i}, group {g} × kv chunks {js}"
         elif op == "cp_gather":
             what = "all-gather to the global view"
         elif op == "cp_finish":
             what = f"{n.args[2]} sends delivered"
+        elif op in ("bsa_fwd", "bsa_bwd"):
+            what = "block-sparse kernel"
         rows.append({"node": n.name, "op": op, "site": e.spec.name if e is not None else "",
                      "comm": op in _COMM_OPS, "what": what, "bytes": nbytes})
     return rows

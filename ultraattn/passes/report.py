@@ -52,13 +52,13 @@ def schedule_table(graph_index: int, entry: dict) -> Table:
     """The ultraattn nodes of one graph Inductor compiles, in order; communication nodes highlighted."""
     sched = entry["schedule"]
     n_comm = sum(r["op"] == "cp_start" for r in sched)
-    n_tile = sum(r["op"].startswith("cp_tile") for r in sched)
+    n_tile = sum(_is_tile(r["op"]) for r in sched)
     t = Table(title=f"graph {graph_index} · {entry['kind']} graph for Inductor: {n_comm} communication stages, "
                     f"{n_tile} tile nodes", title_justify="left")
     for col in ("node", "site", "op", "what", "bytes sent"):
         t.add_column(col, justify="right" if col == "bytes sent" else "left")
     for r in sched:
-        style = "bold magenta" if r["comm"] else ("cyan" if r["op"].startswith("cp_tile") else "")
+        style = "bold magenta" if r["comm"] else ("cyan" if _is_tile(r["op"]) else "")
         t.add_row(r["node"], r["site"], Text(r["op"], style=style), r["what"], str(r["bytes"]) if r["bytes"] else "")
     return t
 
@@ -71,7 +71,11 @@ def print_schedule(graph_index: int, entry: dict, *, full: bool, console: Consol
         sched = entry["schedule"]
         console.print(f"[bold]ultraattn[/bold] graph {graph_index} {entry['kind']}: sites {entry['expanded']} as "
                       f"explicit nodes ({sum(r['op'] == 'cp_start' for r in sched)} communication stages, "
-                      f"{sum(r['op'].startswith('cp_tile') for r in sched)} tile nodes)")
+                      f"{sum(_is_tile(r['op']) for r in sched)} tile nodes)")
+
+
+def _is_tile(op: str) -> bool:
+    return op in ("cp_tile_fwd", "cp_tile_bwd", "bsa_fwd", "bsa_bwd")
 
 
 def plans_table(specs) -> Table:
