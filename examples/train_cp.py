@@ -156,7 +156,8 @@ def train(args: argparse.Namespace, device: torch.device, compiled: bool, rank: 
     torch.manual_seed(args.seed)
     model = Llama(args.dim, args.layers, args.heads, args.kv_heads).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    options = {"report": "summary" if rank == 0 else "off", "ilp_time_limit": 1.0, "time_budget": 2.0}
+    options = {"report": "summary" if rank == 0 else "off", "ilp_time_limit": 1.0, "time_budget": 2.0,
+               "explicit": not args.opaque}
     run = torch.compile(model, backend="ultraattn", options=options) if compiled else model
     losses, seconds = [], []
     for tokens, lengths in batches(args):
@@ -217,6 +218,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--mask", choices=("causal", "document"), default="causal")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--opaque", action="store_true",
+                   help="keep each attention one op (options explicit=False) instead of explicit per-rank nodes")
     args = p.parse_args()
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if torchrun and args.nproc is not None and args.nproc != int(os.environ["WORLD_SIZE"]):
