@@ -43,7 +43,7 @@ import torch.fx as fx
 from torch import Tensor
 from torch.library import custom_op
 
-from ultraattn.passes.site_op import MAX_PENDING, SITES, SiteSpec
+from ultraattn.passes.site_op import MAX_PENDING, SITES, SiteSpec, kernel_site_backward, state_gone
 
 _LOCK = threading.Lock()
 _IDS = itertools.count(1)
@@ -91,7 +91,7 @@ def cp_start(token: Tensor, pieces: list[Tensor], site: str, stage: int) -> Tens
     it = iter(pieces)
     msgs = [(tag, t, [next(it) for _ in range(n)]) for tag, t, n in sends]
     hid = next(_IDS)
-    e.handles[hid] = io.start(phase, msgs, recvs, pieces[0].device if pieces else _device(e))
+    e.handles[hid] = io.start(phase, msgs, recvs, _device(e))
     return torch.tensor(hid, dtype=torch.int64)
 
 
@@ -240,11 +240,7 @@ def cp_unstash(ticket: Tensor, site: str) -> list[Tensor]:
     with _LOCK:
         got = e.stash.pop(int(ticket), None)
     if got is None:
-        raise RuntimeError(
-            f"ultraattn site {e.spec.name}: the backward's forward state is gone (more than {MAX_PENDING} forwards "
-            f"of this attention ran before its backward, or backward ran twice); raise "
-            f"ultraattn.passes.site_op.MAX_PENDING or call backward sooner"
-        )
+        raise state_gone(e.spec)
     return got
 
 
@@ -313,25 +309,22 @@ class TracedIO:
                      and self.e.spec.options.compiler != "inductor")
 
     def tile_fwd(self, g, i, js, q, kvs, scale):
+        from ultraattn.runtime.tiles import kernel_row_forward
+
         tid, kernels = self._tile(g, i, js, q, scale)
         if kernels:  # the block-sparse Triton op itself, on the row's concatenated kv chunks
-            geo, lay = self.e.executor.geo, torch.ops.ultraattn.cp_tile_layout(self.e.key, tid)
-            k_cat = torch.cat([k for k, _ in kvs], dim=2).to(q.dtype)
-            v_cat = torch.cat([v for _, v in kvs], dim=2).to(q.dtype)
-            return torch.ops.ultraattn.bsa_fwd(q, k_cat, v_cat, *lay, geo.q_block, geo.kv_block, scale, True)
+            lay = torch.ops.ultraattn.cp_tile_layout(self.e.key, tid)
+            return kernel_row_forward(self.e.executor.geo, lay, q, kvs, scale)
         return torch.ops.ultraattn.cp_tile_fwd(q, [k for k, _ in kvs], [v for _, v in kvs], self.e.key, tid)
 
     def tile_bwd(self, g, i, js, q, do, lse, delta, kvs, scale):
+        from ultraattn.runtime.tiles import kernel_row_backward
+
         tid, kernels = self._tile(g, i, js, q, scale)
         n = len(js)
         if kernels:
-            geo, lay = self.e.executor.geo, torch.ops.ultraattn.cp_tile_layout(self.e.key, tid)
-            k_cat = torch.cat([k for k, _ in kvs], dim=2).to(q.dtype)
-            v_cat = torch.cat([v for _, v in kvs], dim=2).to(q.dtype)
-            dq, dk, dv = torch.ops.ultraattn.bsa_bwd(q, k_cat, v_cat, do, lse, delta, None, *lay, geo.q_block,
-                                                     geo.kv_block, scale, True)
-            c = geo.chunk
-            return dq, [(dk[:, :, m * c:(m + 1) * c], dv[:, :, m * c:(m + 1) * c]) for m in range(n)]
+            lay = torch.ops.ultraattn.cp_tile_layout(self.e.key, tid)
+            return kernel_row_backward(self.e.executor.geo, lay, q, do, lse, delta, kvs, scale)
         outs = torch.ops.ultraattn.cp_tile_bwd(q, do, lse, delta, [k for k, _ in kvs], [v for _, v in kvs],
                                                self.e.key, tid)
         return outs[0], list(zip(outs[1:1 + n], outs[1 + n:]))
@@ -388,9 +381,7 @@ def forward_program(e: ExplicitSite):
         if spec.options.debug:
             ex.io.token = torch.ops.ultraattn.cp_check_inputs(ex.io.token, [q, k, v], e.key)
         out_l, lse_l, saved = ex.forward(local_shard(q, ap), local_shard(k, ap), local_shard(v, ap), spec.scale)
-        flat, lay = _flatten_saved(saved)
-        if e.saved_layout is None:
-            e.saved_layout = lay
+        flat, e.saved_layout = _flatten_saved(saved)  # the same on every trace of this site
         out = ex.io.gather(out_l.to(q.dtype))
         lse = ex.io.gather(lse_l)
         ticket = torch.ops.ultraattn.cp_stash(ex.io.token, flat, e.key)
@@ -414,8 +405,7 @@ def backward_program(e: ExplicitSite):
 
 
 def kernel_forward_program(e: ExplicitSite):
-    """World size 1: the site is the block-sparse kernel op itself; its layout tensors (``*lay``) are graph
-    constants."""
+    """World size 1: the site is the block-sparse kernel op itself; its layout comes from ``cp_layout``."""
 
     def fn(q, k, v):
         lay = torch.ops.ultraattn.cp_layout(e.key)
@@ -427,11 +417,8 @@ def kernel_forward_program(e: ExplicitSite):
 
 def kernel_backward_program(e: ExplicitSite):
     def fn(q, k, v, out, lse, dout, dlse, ticket):
-        lay = torch.ops.ultraattn.cp_layout(e.key)
-        dout = dout.to(out.dtype)
-        delta = (dout.float() * out.float()).sum(-1)
-        return torch.ops.ultraattn.bsa_bwd(q, k, v, dout, lse, delta, dlse.float(), *lay, e.runner.q_block,
-                                           e.runner.kv_block, e.spec.scale)
+        return kernel_site_backward(q, k, v, out, lse, dout, dlse, torch.ops.ultraattn.cp_layout(e.key),
+                                    e.runner.q_block, e.runner.kv_block, e.spec.scale)
 
     return fn
 
@@ -583,11 +570,10 @@ def expand_sites(gm: fx.GraphModule) -> list[str]:
             e = _site_entry(spec, vals[0], vals[1])
             world1 = spec.options.world_size == 1
             sub = _trace((kernel_forward_program if world1 else forward_program)(e), vals)
-            e.saved_layout = e.saved_layout or []
             outs = _splice(gm, node, sub, [q, k, v])
         else:
             e = EXPLICIT.get(key)
-            if e is None or e.saved_layout is None:
+            if e is None:
                 raise RuntimeError(f"ultraattn: backward of site {spec.name} compiled before its forward was expanded")
             args = list(node.args[:8])
             world1 = spec.options.world_size == 1

@@ -245,12 +245,25 @@ def _take(spec: SiteSpec, ticket: int):
         except ValueError:
             pass
     if state is None:
-        raise RuntimeError(
-            f"ultraattn site {spec.name}: the backward's forward state is gone (more than {MAX_PENDING} forwards "
-            f"of this attention ran before its backward, or backward ran twice); raise "
-            f"ultraattn.passes.site_op.MAX_PENDING or call backward sooner"
-        )
+        raise state_gone(spec)
     return state
+
+
+def state_gone(spec: SiteSpec) -> RuntimeError:
+    """The error when a backward finds no state of its forward (also for explicit graphs' stash)."""
+    return RuntimeError(
+        f"ultraattn site {spec.name}: the backward's forward state is gone (more than {MAX_PENDING} forwards "
+        f"of this attention ran before its backward, or backward ran twice); raise "
+        f"ultraattn.passes.site_op.MAX_PENDING or call backward sooner"
+    )
+
+
+def kernel_site_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor,
+                         lay: tuple[Tensor, ...], q_block: int, kv_block: int, scale: float):
+    """World-1 gradients on the block-sparse kernel op (delta from out and dout, dLSE folded in by the op)."""
+    dout = dout.to(out.dtype)
+    delta = (dout.float() * out.float()).sum(-1)
+    return torch.ops.ultraattn.bsa_bwd(q, k, v, dout, lse, delta, dlse.float(), *lay, q_block, kv_block, scale)
 
 
 @custom_op("ultraattn::site_attention", mutates_args=())
@@ -296,10 +309,8 @@ def site_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
     spec = SITES[site]
     kind, runner, ql, kl, vl, out_l, lse_l, saved = _take(spec, int(ticket))
     if kind == "kernels":
-        dout = dout.to(out.dtype)
-        delta = (dout.float() * out.float()).sum(-1)
-        dq, dk, dv = torch.ops.ultraattn.bsa_bwd(q, k, v, dout, lse, delta, dlse.float(), *runner.bwd_tensors(),
-                                                 runner.q_block, runner.kv_block, spec.scale)
+        dq, dk, dv = kernel_site_backward(q, k, v, out, lse, dout, dlse, runner.bwd_tensors(), runner.q_block,
+                                          runner.kv_block, spec.scale)
     else:
         from ultraattn.runtime.api import _gather, dispatch
 

@@ -207,6 +207,28 @@ def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: to
     return lay
 
 
+def _kv_cat(kvs: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return (torch.cat([k for k, _ in kvs], dim=2).to(dtype), torch.cat([v for _, v in kvs], dim=2).to(dtype))
+
+
+def kernel_row_forward(geo: TileGeometry, lay: tuple[Tensor, ...], q: Tensor, kvs: list[tuple[Tensor, Tensor]],
+                       scale: float) -> tuple[Tensor, Tensor]:
+    """``row_forward`` on the block-sparse kernel op, given the row's ``kernel_layout`` tensors (fp32 out)."""
+    k_cat, v_cat = _kv_cat(kvs, q.dtype)
+    return torch.ops.ultraattn.bsa_fwd(q, k_cat, v_cat, *lay, geo.q_block, geo.kv_block, scale, True)
+
+
+def kernel_row_backward(geo: TileGeometry, lay: tuple[Tensor, ...], q: Tensor, do: Tensor, lse: Tensor,
+                        delta: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float,
+                        ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    """``row_backward`` on the block-sparse kernel op: dq and per column (dK, dV), fp32."""
+    k_cat, v_cat = _kv_cat(kvs, q.dtype)
+    dq, dk_cat, dv_cat = torch.ops.ultraattn.bsa_bwd(q, k_cat, v_cat, do, lse, delta, None, *lay, geo.q_block,
+                                                     geo.kv_block, scale, True)
+    c = geo.chunk
+    return dq, [(dk_cat[:, :, n * c:(n + 1) * c], dv_cat[:, :, n * c:(n + 1) * c]) for n in range(len(kvs))]
+
+
 def _view5(x: Tensor, hk: int) -> Tensor:
     """[B, Hq, L, D] -> [B, Hk, r, L, D] (a view)."""
     b, hq, ln, d = x.shape
@@ -226,11 +248,7 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
         o = 0 and lse = -inf.
     """
     if _kernels_on(q):
-        lay = kernel_layout(geo, g, i, cols, q.device)
-        k_cat = torch.cat([k for k, _ in kvs], dim=2).to(q.dtype)
-        v_cat = torch.cat([v for _, v in kvs], dim=2).to(q.dtype)
-        return torch.ops.ultraattn.bsa_fwd(q, k_cat, v_cat, *lay.bwd_tensors(), lay.q_block, lay.kv_block, scale,
-                                           True)
+        return kernel_row_forward(geo, kernel_layout(geo, g, i, cols, q.device).bwd_tensors(), q, kvs, scale)
     c, bq, bk, hk = geo.chunk, geo.q_block, geo.kv_block, geo.hk
     bsz, hq, _, d = q.shape
     r = hq // hk
@@ -271,12 +289,8 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
     """
     c, bq, bk, hk = geo.chunk, geo.q_block, geo.kv_block, geo.hk
     if _kernels_on(q):
-        lay = kernel_layout(geo, g, i, cols, q.device)
-        k_cat = torch.cat([k for k, _ in kvs], dim=2).to(q.dtype)
-        v_cat = torch.cat([v for _, v in kvs], dim=2).to(q.dtype)
-        dq, dk_cat, dv_cat = torch.ops.ultraattn.bsa_bwd(q, k_cat, v_cat, do, lse, delta, None, *lay.bwd_tensors(),
-                                                         lay.q_block, lay.kv_block, scale, True)
-        return dq, [(dk_cat[:, :, n * c:(n + 1) * c], dv_cat[:, :, n * c:(n + 1) * c]) for n in range(len(cols))]
+        lay = kernel_layout(geo, g, i, cols, q.device).bwd_tensors()
+        return kernel_row_backward(geo, lay, q, do, lse, delta, kvs, scale)
     bsz, hq, _, d = q.shape
     r = hq // hk
     k_cat = torch.cat([k for k, _ in kvs], dim=2).float()
