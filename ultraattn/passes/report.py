@@ -50,14 +50,11 @@ def sites_table(graph: dict) -> Table:
 
 def schedule_table(graph_index: int, entry: dict) -> Table:
     """The ultraattn nodes of one graph Inductor compiles, in order; communication nodes highlighted."""
-    sched = entry["schedule"]
-    n_comm = sum(r["op"] == "cp_start" for r in sched)
-    n_tile = sum(_is_tile(r["op"]) for r in sched)
-    t = Table(title=f"graph {graph_index} · {entry['kind']} graph for Inductor: {n_comm} communication stages, "
-                    f"{n_tile} tile nodes", title_justify="left")
+    t = Table(title=f"graph {graph_index} · {entry['kind']} graph for Inductor: {_counts(entry)}",
+              title_justify="left")
     for col in ("node", "site", "op", "what", "bytes sent"):
         t.add_column(col, justify="right" if col == "bytes sent" else "left")
-    for r in sched:
+    for r in entry["schedule"]:
         style = "bold magenta" if r["comm"] else ("cyan" if _is_tile(r["op"]) else "")
         t.add_row(r["node"], r["site"], Text(r["op"], style=style), r["what"], str(r["bytes"]) if r["bytes"] else "")
     return t
@@ -68,10 +65,14 @@ def print_schedule(graph_index: int, entry: dict, *, full: bool, console: Consol
     if full:
         console.print(schedule_table(graph_index, entry))
     else:
-        sched = entry["schedule"]
         console.print(f"[bold]ultraattn[/bold] graph {graph_index} {entry['kind']}: sites {entry['expanded']} as "
-                      f"explicit nodes ({sum(r['op'] == 'cp_start' for r in sched)} communication stages, "
-                      f"{sum(_is_tile(r['op']) for r in sched)} tile nodes)")
+                      f"explicit nodes ({_counts(entry)})")
+
+
+def _counts(entry: dict) -> str:
+    sched = entry["schedule"]
+    return (f"{sum(r['op'] == 'cp_start' for r in sched)} communication stages, "
+            f"{sum(_is_tile(r['op']) for r in sched)} tile nodes")
 
 
 def _is_tile(op: str) -> bool:
