@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ultraattn.passes.capture import Site, estimate_density, find_sites
+from ultraattn.passes.capture import Site, _val, estimate_density, find_sites
 from ultraattn.passes.options import BackendOptions, parse_options
 from ultraattn.passes.rewrite import rewrite_sites
 from ultraattn.passes.site_op import SiteSpec
@@ -92,6 +92,13 @@ def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         save_report(opts.report_file)
     if opts.compiler == "eager":
         return gm.forward
+    from ultraattn.passes.explicit import explicit_reason, prepare
+
+    by_name = {sp.name: sp for sp in specs}
+    for s in sites:
+        spec = by_name.get(s.name)
+        if spec is not None and explicit_reason(spec) is None:
+            prepare(spec, _val(s.q).device)
     if opts.compiler == "aot_eager":
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd

@@ -483,26 +483,27 @@ def explicit_reason(spec: SiteSpec) -> str | None:
     return None
 
 
-def _site_entry(spec: SiteSpec, q, k) -> ExplicitSite:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+def prepare(spec: SiteSpec, device: torch.device) -> None:
+    """Plan an expandable site now, in the backend call (every rank compiles the same graphs in order).
 
+    Not later, inside Inductor's compile: planning across ranks is collective (rank 0's plan is
+    broadcast and checked), and Inductor holds cross-process cache locks while it compiles, so a
+    rank waiting there for a peer could wait on a peer that waits for its lock.
+    """
     from ultraattn.passes.site_op import _runner
     from ultraattn.runtime.api import check_consistent
 
-    e = EXPLICIT.get(spec.key)
-    if e is not None:
-        return e
-    with unset_fake_temporarily():
-        spec.device = q.device
-        # _runner reads only shape, dtype and device of q and k
-        shim = [SimpleNamespace(shape=tuple(x.shape), dtype=x.dtype, device=x.device) for x in (q, k)]
-        kind, runner = _runner(spec, *shim, [])
-        if kind == "plan":
-            check_consistent(runner)
-            runner.executor  # build the program now: errors surface at compile time
-    e = ExplicitSite(key=spec.key, spec=spec, runner=runner)
-    EXPLICIT[spec.key] = e
-    return e
+    if spec.key in EXPLICIT:
+        return
+    spec.device = device
+    # _runner reads only shape, dtype and device of q and k
+    q, k = (SimpleNamespace(shape=tuple(shape), dtype=spec.dtype, device=device)
+            for shape in (spec.q_shape, spec.kv_shape))
+    kind, runner = _runner(spec, q, k, [])
+    if kind == "plan":
+        check_consistent(runner)
+        runner.executor  # build the program now: errors surface at compile time
+    EXPLICIT[spec.key] = ExplicitSite(key=spec.key, spec=spec, runner=runner)
 
 
 def _splice(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule, args: list) -> list[fx.Node]:
@@ -567,7 +568,9 @@ def expand_sites(gm: fx.GraphModule) -> list[str]:
         if node.target is fwd_op:
             q, k, v = node.args[:3]
             vals = [a.meta["val"] for a in (q, k, v)]
-            e = _site_entry(spec, vals[0], vals[1])
+            e = EXPLICIT.get(key)
+            if e is None:
+                raise RuntimeError(f"ultraattn: site {spec.name} reached Inductor without its compile-time plan")
             world1 = spec.options.world_size == 1
             sub = _trace((kernel_forward_program if world1 else forward_program)(e), vals)
             outs = _splice(gm, node, sub, [q, k, v])
