@@ -13,7 +13,7 @@ from ultraattn.planner.api import baseline_plan, plan, rank_bytes, workload
 from ultraattn.planner.baselines import NotApplicable
 from ultraattn.planner.partition import Level, heuristic, solve_ilp
 from ultraattn.planner.partition import evaluate as level_eval
-from ultraattn.planner.plan import AttnShape, Mesh, TilePlan
+from ultraattn.planner.plan import AttnShape, Mesh, TilePlan, TokenLayout
 from ultraattn.planner.schedule import Graph, Task, simulate
 from ultraattn.planner.tiling import PlannerOptions
 
@@ -51,7 +51,7 @@ def mask_grid(name: str, n: int) -> torch.Tensor:
 
 def check_plan(p: TilePlan, pattern: BlockPattern, backward: bool = True) -> None:
     """Every invariant the runtime relies on (asserts)."""
-    work = workload(pattern, p.shape, num_chunks=p.num_chunks, head_groups=p.num_head_groups)
+    work = workload(pattern, p.shape, num_chunks=p.num_chunks, head_groups=p.num_head_groups, chunk=p.chunk_size)
     nonempty = work.nonempty_GPP()
     a = p.assign_GPP
     # each non-empty cell computed exactly once, nothing else computed
@@ -122,6 +122,37 @@ def test_plan_invariants_and_baselines(mask, mesh):
     for name, ev in res.evaluations.items():
         if name != "ultraattn" and ev.compute_imbalance <= 1.05 + 1e-9:
             assert ours.total_ms() <= ev.total_ms() * (1 + 1e-9), name
+
+
+@pytest.mark.parametrize("mask", ["causal", "strided"])
+@pytest.mark.parametrize("mesh", [Mesh(nodes=1, devices=4), Mesh(nodes=2, devices=2)])
+@pytest.mark.parametrize("owner", [(0, 0, 1, 1, 2, 2, 3, 3), (0, 1, 2, 3, 3, 2, 1, 0), (3, 1, 0, 2, 2, 0, 1, 3)])
+def test_plan_in_a_given_layout_keeps_it(mask, mesh, owner):
+    """A given token layout (what a sequence-sharded model shares between its attentions): ownership is kept
+    exactly, every invariant holds, balance stays within the tolerance, and a baseline with another layout
+    is never adopted."""
+    pat = grid_pattern(mask_grid(mask, 32), block=64, name=mask)
+    shape = AttnShape(seq_len=pat.q_len, **SHAPE)
+    lay = TokenLayout(chunk_size=pat.q_len // 8, owner=owner)
+    res = plan(pat, shape, mesh, options=FAST, layout=lay)
+    assert res.plan.layout == lay and res.plan.owner == owner
+    check_plan(res.plan, pat)
+    assert res.ours.compute_imbalance <= 1.05 + 1e-9
+    if res.plan.meta["structure"] != "tiled":
+        assert res.evaluations[res.plan.meta["structure"]].plan.layout == lay
+
+
+def test_given_layout_must_fit():
+    pat = grid_pattern(mask_grid("causal", 32), block=64)
+    shape = AttnShape(seq_len=pat.q_len, **SHAPE)
+    with pytest.raises(ValueError, match="spreads tokens over 2 ranks but the mesh has 4"):
+        plan(pat, shape, Mesh(nodes=1, devices=4), options=FAST, layout=TokenLayout(chunk_size=512, owner=(0, 1, 1, 0)))
+    with pytest.raises(ValueError, match="not a multiple of the mask's blocks"):
+        plan(pat, shape, Mesh(nodes=1, devices=2), options=FAST, layout=TokenLayout(chunk_size=1056, owner=(0, 1)))
+    with pytest.raises(ValueError, match="covers 1024 tokens, fewer than seq_len=2048"):
+        plan(pat, shape, Mesh(nodes=1, devices=2), options=FAST, layout=TokenLayout(chunk_size=512, owner=(0, 1)))
+    with pytest.raises(ValueError, match="same number of chunks"):
+        TokenLayout(chunk_size=64, owner=(0, 0, 1))
 
 
 def test_plan_is_deterministic_and_hash_stable():

@@ -25,7 +25,7 @@ from .baselines import BASELINES, NotApplicable, allgather_plan, ring_plan, ulys
 from .build import make_plan
 from .cost import DEFAULT_COST, CostModel
 from .ilp import SolveInfo
-from .plan import AttnShape, Mesh, TilePlan
+from .plan import AttnShape, Mesh, TilePlan, TokenLayout
 from .schedule import Schedule, Workload, build_graph, simulate
 from .schedule_ilp import refine_schedule
 from .tiling import PlannerOptions, tile
@@ -36,11 +36,14 @@ def padded_chunk(seq_len: int, num_chunks: int, block: int) -> int:
     return math.ceil(seq_len / (num_chunks * block)) * block
 
 
-def workload(pattern: BlockPattern, shape: AttnShape, *, num_chunks: int, head_groups: int = 1) -> Workload:
-    """Per-cell work of ``pattern`` on a num_chunks grid with ``head_groups`` equal head groups."""
+def workload(pattern: BlockPattern, shape: AttnShape, *, num_chunks: int, head_groups: int = 1,
+             chunk: int | None = None) -> Workload:
+    """Per-cell work of ``pattern`` on a num_chunks grid with ``head_groups`` equal head groups
+    (chunks of ``chunk`` tokens; default: the smallest block multiple that covers the sequence)."""
     if pattern.q_len != shape.seq_len:
         raise ValueError(f"pattern q_len {pattern.q_len} must equal seq_len {shape.seq_len}")
-    chunk = padded_chunk(shape.seq_len, num_chunks, pattern.q_block)
+    if chunk is None:
+        chunk = padded_chunk(shape.seq_len, num_chunks, pattern.q_block)
     h = shape.num_heads
     hg = [list(range(g * h // head_groups, (g + 1) * h // head_groups)) for g in range(head_groups)]
     st = pattern.chunk_stats(chunk, num_chunks, hg, num_heads=h)
@@ -50,6 +53,19 @@ def workload(pattern: BlockPattern, shape: AttnShape, *, num_chunks: int, head_g
     return Workload(full_GPP=st["full"] * bmul, partial_GPP=st["partial"] * bmul, pairs_GPP=st["pairs"] * bmul,
                     block=pattern.q_block, head_dim=shape.head_dim,
                     rows_per_chunk=(chunk // pattern.q_block) * (h // head_groups) * shape.batch)
+
+
+def check_layout(layout: TokenLayout, pattern: BlockPattern, shape: AttnShape, mesh: Mesh) -> None:
+    """A given token layout must fit the mesh, cover the sequence and cut it on block boundaries."""
+    if not isinstance(layout, TokenLayout):
+        raise TypeError(f"`layout` must be a TokenLayout, got {type(layout).__name__}")
+    if layout.world != mesh.world:
+        raise ValueError(f"the layout spreads tokens over {layout.world} ranks but the mesh has {mesh.world}")
+    if layout.padded_len < shape.seq_len:
+        raise ValueError(f"the layout covers {layout.padded_len} tokens, fewer than seq_len={shape.seq_len}")
+    if layout.chunk_size % pattern.q_block or layout.chunk_size % pattern.kv_block:
+        raise ValueError(f"the layout's chunk size {layout.chunk_size} is not a multiple of the mask's blocks "
+                         f"({pattern.q_block}, {pattern.kv_block}); use mask blocks that divide it")
 
 
 @dataclass(slots=True)
@@ -89,7 +105,8 @@ def rank_bytes(plan: TilePlan, phases=("fwd", "bwd")) -> dict[int, dict[str, int
 
 def evaluate(plan: TilePlan, pattern: BlockPattern, *, cost: CostModel = DEFAULT_COST, backward: bool = True,
              fwd_priority=None) -> Evaluation:
-    work = workload(pattern, plan.shape, num_chunks=plan.num_chunks, head_groups=plan.num_head_groups)
+    work = workload(pattern, plan.shape, num_chunks=plan.num_chunks, head_groups=plan.num_head_groups,
+                    chunk=plan.chunk_size)
     g_f = build_graph(plan, work, cost, "fwd")
     fwd = simulate(g_f, fwd_priority)
     bwd = simulate(build_graph(plan, work, cost, "bwd")) if backward else None
@@ -133,7 +150,8 @@ def lower_bound_ms(plan: TilePlan, pattern: BlockPattern, *, cost: CostModel = D
                    backward: bool = True) -> float:
     """A makespan no schedule of ``plan`` can beat: per rank and phase, the busiest of its compute
     stream and its four link streams (bytes / bandwidth), summed over phases. Cheap: no simulation."""
-    work = workload(pattern, plan.shape, num_chunks=plan.num_chunks, head_groups=plan.num_head_groups)
+    work = workload(pattern, plan.shape, num_chunks=plan.num_chunks, head_groups=plan.num_head_groups,
+                    chunk=plan.chunk_size)
     total = 0.0
     for phase in (("fwd", "bwd") if backward else ("fwd",)):
         busy = defaultdict(float)
@@ -207,10 +225,18 @@ class PlanResult:
 
 def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel = DEFAULT_COST,
          options: PlannerOptions = PlannerOptions(), backward: bool = True, baselines=BASELINES,
-         progress=None) -> PlanResult:
-    """Plan one attention on ``mesh`` and compare it with the baselines (module docstring)."""
+         progress=None, layout: TokenLayout | None = None) -> PlanResult:
+    """Plan one attention on ``mesh`` and compare it with the baselines (module docstring).
+
+    ``layout``: a given token layout (the sequence-sharding pass keeps every attention of a
+    graph in one): ownership is fixed, the levels choose where cells are computed and where
+    foreign data lands; a baseline-structured plan is adopted only if it has the same layout.
+    """
     t0 = time.perf_counter()
     w = mesh.world
+    if layout is not None:
+        check_layout(layout, pattern, shape, mesh)
+        options = dataclasses.replace(options, chunks_per_rank=layout.chunks_per_rank)
     # [Note] refinement: when whole cells cannot be balanced within the tolerance, cut finer
     # (UltraAttn refines its table to ParD x ParD); stop at the pattern's own resolution.
     ev_ours = None
@@ -218,11 +244,11 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
     k = options.chunks_per_rank
     while True:
         p = w * k
-        chunk = padded_chunk(shape.seq_len, p, pattern.q_block)
-        weight = workload(pattern, shape, num_chunks=p).cell_blocks(cost)[0]
+        chunk = padded_chunk(shape.seq_len, p, pattern.q_block) if layout is None else layout.chunk_size
+        weight = workload(pattern, shape, num_chunks=p, chunk=chunk).cell_blocks(cost)[0]
         opts_k = dataclasses.replace(options, chunks_per_rank=k)
         til = tile(weight, mesh=mesh, shape=shape, chunk=chunk, cost=cost, opts=opts_k, backward=backward,
-                   progress=progress)
+                   progress=progress, fixed_owner=None if layout is None else list(layout.owner))
         cand = make_plan(method="ultraattn", owner=til.owner, assign_GPP=til.assign_PP[None], mesh=mesh,
                          shape=shape, chunk=chunk, backward=backward, landing=til.landing,
                          meta={"structure": "tiled", "chunks_per_rank": k})
@@ -230,7 +256,8 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
         if ev_ours is None or (ev_ours.compute_imbalance > 1 + options.balance_tol
                                and ev.compute_imbalance < ev_ours.compute_imbalance):
             ev_ours, tiling = ev, til
-        finer_fits = 2 * k <= 4 * options.chunks_per_rank and w * 2 * k * pattern.q_block <= pattern.q_len * 2
+        finer_fits = (layout is None and 2 * k <= 4 * options.chunks_per_rank
+                      and w * 2 * k * pattern.q_block <= pattern.q_len * 2)
         if ev_ours.compute_imbalance <= 1 + options.balance_tol + 1e-9 or not finer_fits:
             break
         k *= 2
@@ -255,9 +282,10 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
         except NotApplicable as exc:
             na[name] = str(exc)
             continue
-        balanced = work_imbalance(bp, workload(pattern, shape, num_chunks=bp.num_chunks,
+        balanced = work_imbalance(bp, workload(pattern, shape, num_chunks=bp.num_chunks, chunk=bp.chunk_size,
                                                head_groups=bp.num_head_groups), cost) <= 1 + options.balance_tol + 1e-9
-        if (options.consider_baselines and balanced
+        same_layout = layout is None or bp.layout == layout
+        if (options.consider_baselines and balanced and same_layout
                 and lower_bound_ms(bp, pattern, cost=cost, backward=backward) < key(chosen)):
             ev = evaluate(bp, pattern, cost=cost, backward=backward)
             evals[name] = ev

@@ -57,6 +57,8 @@ class Level:
     extra_in: list[float] = field(default_factory=list)
     extra_out: list[float] = field(default_factory=list)
     name: str = "level"
+    fixed: list[int] | None = None
+    """A given token layout: ``fixed[i]`` is the bin that must own counted item i (None: choose)."""
 
     def __post_init__(self) -> None:
         if not self.extra_in:
@@ -66,6 +68,15 @@ class Level:
         n_counted = sum(self.counted)
         if n_counted != self.bins * self.per_bin:
             raise ValueError(f"{self.name}: {n_counted} counted items cannot give {self.bins} bins {self.per_bin} each")
+        if self.fixed is not None:
+            got = [0] * self.bins
+            for i in range(self.items):
+                if self.counted[i]:
+                    if not 0 <= self.fixed[i] < self.bins:
+                        raise ValueError(f"{self.name}: fixed owner of item {i} must be a bin, got {self.fixed[i]}")
+                    got[self.fixed[i]] += 1
+            if any(g != self.per_bin for g in got):
+                raise ValueError(f"{self.name}: the fixed layout gives bins {got} items, not {self.per_bin} each")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -118,6 +129,9 @@ def _ownership_candidates(lv: Level, rng: random.Random) -> list[list[int]]:
     counted = [i for i in range(lv.items) if lv.counted[i]]
     free = [i for i in range(lv.items) if not lv.counted[i]]
     nb, k = lv.bins, lv.per_bin
+    if lv.fixed is not None:  # a given layout: ownership of counted items is not ours to choose
+        own = [lv.fixed[i] if lv.counted[i] else n % nb for n, i in enumerate(range(lv.items))]
+        return [own]
     orders = []
     orders.append([b for b in range(nb) for _ in range(k)])  # contiguous
     if k % 2 == 0:  # head-tail (zigzag)
@@ -276,7 +290,7 @@ def heuristic(lv: Level, *, seconds: float = 2.0, seed: int = 0) -> Solution:
     assert best is not None
     counted = [i for i in range(lv.items) if lv.counted[i]]
     iters = 0
-    while time.perf_counter() < t_end and iters < 400 and lv.bins > 1:
+    while time.perf_counter() < t_end and iters < 400 and lv.bins > 1 and lv.fixed is None:
         iters += 1
         i, j = rng.sample(counted, 2)
         if best.own[i] == best.own[j]:
@@ -316,8 +330,10 @@ def solve_ilp(lv: Level, incumbent: Solution, *, time_limit: float, max_nodes: i
             rank += 1
     for i in range(lv.items):
         for b in B:
+            if lv.counted[i] and lv.fixed is not None:  # a given layout: constants
+                y[(i, b)] = int(lv.fixed[i] == b)
             # symmetry breaking: bin b's first counted item is at least its b-th counted item
-            if lv.counted[i] and first_counted[i] < b:
+            elif lv.counted[i] and first_counted[i] < b:
                 y[(i, b)] = 0
             else:
                 y[(i, b)] = pulp.LpVariable(f"y_{i}_{b}", cat="Binary")
@@ -336,9 +352,11 @@ def solve_ilp(lv: Level, incumbent: Solution, *, time_limit: float, max_nodes: i
     for c in range(len(lv.cells)):
         prob += pulp.lpSum(x[(c, b)] for b in B) == 1
     for i in range(lv.items):
-        prob += pulp.lpSum(y[(i, b)] for b in B) == 1
+        if any(not isinstance(y[(i, b)], int) for b in B):  # (a fixed item's row is constant)
+            prob += pulp.lpSum(y[(i, b)] for b in B) == 1
     for b in B:
-        prob += pulp.lpSum(y[(i, b)] for i in range(lv.items) if lv.counted[i]) == lv.per_bin
+        if lv.fixed is None:
+            prob += pulp.lpSum(y[(i, b)] for i in range(lv.items) if lv.counted[i]) == lv.per_bin
         prob += pulp.lpSum(lv.weight[c] * x[(c, b)] for c in range(len(lv.cells))) <= lv.cap
     for i, cs in rows_of.items():
         for b in B:
@@ -395,7 +413,11 @@ def solve_ilp(lv: Level, incumbent: Solution, *, time_limit: float, max_nodes: i
 
 
 def canonical(lv: Level, sol: Solution) -> Solution:
-    """Relabel bins (they are interchangeable) so bins appear in order of their first counted item."""
+    """Relabel bins (they are interchangeable) so bins appear in order of their first counted item.
+
+    Under a fixed layout bins are not interchangeable: the solution is returned as it is."""
+    if lv.fixed is not None:
+        return sol
     perm: dict[int, int] = {}
     for i in range(lv.items):
         if lv.counted[i] and sol.own[i] not in perm:

@@ -165,6 +165,73 @@ class Kernel:
     """Order hint: kernels of lower stage need fewer remote inputs."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenLayout:
+    """Which rank holds which token chunks: the part of a plan the rest of a sharded model shares.
+
+    The sequence (padded to ``num_chunks * chunk_size``) is cut into chunks; rank r holds
+    ``local_chunks(r)`` in ascending order. Every rank holds the same number of chunks, so
+    local tensors have one static length. The sequence-sharding pass keeps every activation of
+    a compiled graph in one layout, so every attention of that graph is planned with it.
+    """
+
+    chunk_size: int
+    """Tokens per chunk."""
+    owner: tuple[int, ...]
+    """owner[i]: the rank holding chunk i."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if not self.owner:
+            raise ValueError("owner must list at least one chunk")
+        w = max(self.owner) + 1
+        counts = [0] * w
+        for r in self.owner:
+            if r < 0:
+                raise ValueError(f"owner entries must be ranks >= 0, got {r}")
+            counts[r] += 1
+        if len(set(counts)) != 1:
+            raise ValueError(f"every rank must hold the same number of chunks, got {counts}")
+
+    @property
+    def world(self) -> int:
+        return max(self.owner) + 1
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.owner)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return len(self.owner) // self.world
+
+    @property
+    def padded_len(self) -> int:
+        return self.num_chunks * self.chunk_size
+
+    @property
+    def local_len(self) -> int:
+        return self.chunks_per_rank * self.chunk_size
+
+    def local_chunks(self, rank: int) -> list[int]:
+        """Chunks of ``rank``'s shard in local order (ascending chunk index)."""
+        return [i for i, r in enumerate(self.owner) if r == rank]
+
+    def local_positions(self, rank: int) -> list[int]:
+        """Global (padded) token positions held by ``rank``, in local order."""
+        c = self.chunk_size
+        return [p for i in self.local_chunks(rank) for p in range(i * c, (i + 1) * c)]
+
+    def to_string(self) -> str:
+        """One character per chunk: the rank holding it (base 36)."""
+        digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+        return "".join(digits[r] if r < 36 else "+" for r in self.owner) + f" x {self.chunk_size}"
+
+    def __repr__(self) -> str:
+        return f"TokenLayout({self.to_string()})"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class TilePlan:
     """Who owns which tokens, who computes which cell, and what moves (module docstring)."""
@@ -216,6 +283,11 @@ class TilePlan:
     def local_chunks(self, rank: int) -> list[int]:
         """Chunks of ``rank``'s shard in local order (ascending chunk index)."""
         return [i for i, r in enumerate(self.owner) if r == rank]
+
+    @property
+    def layout(self) -> TokenLayout:
+        """Which rank holds which tokens (what a sharded model shares between its attentions)."""
+        return TokenLayout(chunk_size=self.chunk_size, owner=tuple(self.owner))
 
     def transfers_for(self, phase: Phase) -> list[Transfer]:
         return [t for t in self.transfers if t.phase == phase]

@@ -99,11 +99,17 @@ def _solve_level(lv: Level, opts: PlannerOptions, *, deadline: float, instances_
 
 
 def tile(weight_PP: torch.Tensor, *, mesh: Mesh, shape: AttnShape, chunk: int, cost: CostModel,
-         opts: PlannerOptions, backward: bool, progress=None) -> TilingResult:
-    """Ownership of fine chunks and the rank computing each fine cell (module docstring)."""
+         opts: PlannerOptions, backward: bool, progress=None, fixed_owner: list[int] | None = None) -> TilingResult:
+    """Ownership of fine chunks and the rank computing each fine cell (module docstring).
+
+    ``fixed_owner`` (a given token layout, one rank per fine chunk): ownership is not chosen, only
+    where each cell is computed and where foreign data lands; the levels keep their objectives.
+    """
     n_nodes, n_dev, k = mesh.nodes, mesh.devices, opts.chunks_per_rank
     p = weight_PP.shape[0]
     assert p == mesh.world * k
+    if fixed_owner is not None and len(fixed_owner) != p:
+        raise ValueError(f"fixed_owner lists {len(fixed_owner)} chunks, the grid has {p}")
     deadline = time.perf_counter() + opts.time_budget
     nonempty = weight_PP > 0
     total = float(weight_PP.sum())
@@ -118,14 +124,25 @@ def tile(weight_PP: torch.Tensor, *, mesh: Mesh, shape: AttnShape, chunk: int, c
         inv = 1.0 / (cost.inter_bw_GBps * 1e9) / n_dev  # per node: D NICs share the traffic
         cap = (1 + opts.balance_tol / 2) * total / n_nodes
 
-        def node_level(group: int, name: str) -> Level:
+        def node_level(group: int, name: str, fixed: list[int] | None = None) -> Level:
             pc = p // group
             w_c = weight_PP.reshape(pc, group, pc, group).sum(dim=(1, 3))
             cells = [(i, j) for i in range(pc) for j in range(pc) if w_c[i, j] > 0]
             return Level(bins=n_nodes, items=pc, counted=[True] * pc, per_bin=pc // n_nodes, cells=cells,
                          weight=[float(w_c[c]) for c in cells], cap=cap,
-                         **{key: v * group * inv for key, v in units.items()}, name=name)
+                         **{key: v * group * inv for key, v in units.items()}, name=name, fixed=fixed)
 
+    if n_nodes > 1 and fixed_owner is not None:
+        # the layout fixes each fine chunk's node; only where cells are computed is chosen
+        if progress:
+            progress("node level (fixed layout)")
+        lv_best = node_level(1, "node level (fixed layout)", fixed=[r // n_dev for r in fixed_owner])
+        sol, info = _solve_level(lv_best, opts, deadline=deadline, instances_left=1 + n_nodes)
+        infos.append(info)
+        group = 1
+        node_own_item = sol.own
+        node_at = {c: b for c, b in zip(lv_best.cells, sol.at)}
+    elif n_nodes > 1:
         fine_group = next(g for g in range(1, n_dev + 1) if n_dev % g == 0 and p // g <= MAX_NODE_ITEMS)
         if progress:
             progress("node level")
@@ -200,8 +217,10 @@ def tile(weight_PP: torch.Tensor, *, mesh: Mesh, shape: AttnShape, chunk: int, c
                 ext_in[m] += (len(row_nodes) * units["RO"] + len(col_nodes) * units["CO"]) * inter
         cells = [(idx[i], idx[j]) for i, j in my_cells]
         weights = [float(weight_PP[i, j]) for i, j in my_cells]
+        fixed = None if fixed_owner is None else [fixed_owner[c] - n * n_dev for c in own_fine] + [-1] * len(foreign)
         key = (len(own_fine), tuple(cells), tuple(round(w, 6) for w in weights),
-               tuple(round(v * 1e9, 6) for v in ext_in), tuple(round(v * 1e9, 6) for v in ext_out))
+               tuple(round(v * 1e9, 6) for v in ext_in), tuple(round(v * 1e9, 6) for v in ext_out),
+               None if fixed is None else tuple(fixed))
         if key in cache:
             sol = cache[key]
             hits += 1
@@ -209,7 +228,7 @@ def tile(weight_PP: torch.Tensor, *, mesh: Mesh, shape: AttnShape, chunk: int, c
             lv = Level(bins=n_dev, items=len(items), counted=[True] * len(own_fine) + [False] * len(foreign),
                        per_bin=k, cells=cells, weight=weights, cap=(1 + opts.balance_tol) * total / mesh.world,
                        **{kk: v * intra for kk, v in units.items()}, extra_in=ext_in, extra_out=ext_out,
-                       name=f"device level (node {n})")
+                       name=f"device level (node {n})", fixed=fixed)
             if progress:
                 progress(f"device level, node {n}")
             sol, info = _solve_level(lv, opts, deadline=deadline, instances_left=n_nodes - n)

@@ -34,7 +34,7 @@ from ..planner.api import baseline_plan
 from ..planner.api import plan as run_planner
 from ..planner.baselines import BASELINES
 from ..planner.cost import DEFAULT_COST, CostModel
-from ..planner.plan import AttnShape, Mesh, TilePlan
+from ..planner.plan import AttnShape, Mesh, TilePlan, TokenLayout
 from ..planner.tiling import PlannerOptions
 from .comm import Comm, RankTimeoutError, _all_gather_single, store_exchange
 from .executor import Executor, run
@@ -84,6 +84,11 @@ class AttentionPlan:
     @property
     def local_len(self) -> int:
         return self.tile_plan.chunks_per_rank * self.tile_plan.chunk_size
+
+    @property
+    def layout(self) -> TokenLayout:
+        """Which rank holds which tokens (``dispatch``/``undispatch`` follow it)."""
+        return self.tile_plan.layout
 
     @property
     def executor(self) -> Executor:
@@ -206,6 +211,7 @@ def plan_attention(
     options: PlannerOptions | None = None,
     cost: CostModel = DEFAULT_COST,
     timeout: float = 300.0,
+    layout: TokenLayout | None = None,
 ) -> AttentionPlan:
     """Plan one attention for the ranks of ``mesh`` / ``group`` (a collective: every rank calls it).
 
@@ -221,6 +227,10 @@ def plan_attention(
             ("ring", "zigzag", "allgather", "ulysses", "usp").
         options, cost: planner settings and cost model.
         timeout: seconds any rank waits for a peer before failing with the peer's name.
+        layout: a given ``TokenLayout`` (which rank holds which token chunks): the plan keeps it and
+            chooses only where tiles run and what moves. A sequence-sharded model passes its
+            activations' layout, so attention needs no re-distribution. A baseline ``method`` has a
+            layout of its own: it must be the same.
     """
     for nm, val in (("seqlen", seqlen), ("num_heads", num_heads), ("head_dim", head_dim), ("batch", batch),
                     ("block_size", block_size)):
@@ -247,10 +257,14 @@ def plan_attention(
         try:
             if method == "ultraattn":
                 result = run_planner(pattern, shape, pmesh, cost=cost, options=options or PlannerOptions(),
-                                     baselines=BASELINES)
+                                     baselines=BASELINES, layout=layout)
                 tile_plan = result.plan
             else:
                 tile_plan = baseline_plan(method, pattern, shape, pmesh)
+                if layout is not None and tile_plan.layout != layout:
+                    raise ValueError(f"method={method!r} holds tokens as {tile_plan.layout.to_string()}, not in the "
+                                     f"given layout {layout.to_string()}; use method='ultraattn' (it plans in any "
+                                     f"layout) or the layout of the {method} plan")
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below, so none waits forever
             error = exc
     if comm_group is not None and pmesh.world > 1:
