@@ -144,14 +144,15 @@ def compiled_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
     return res
 
 
-def mismatch_worker(rank: int, world: int) -> str:
+def mismatch_worker(rank: int, world: int, shard: bool = True) -> str:
     """debug=True: rank 1 feeds different tokens; every rank must get an error naming rank 1."""
     spec = {"attn": "causal", "seqlen": 128}
     tokens, _, _ = inputs(spec)
     if rank == 1:
         tokens = (tokens + 1) % 64
     cm = torch.compile(build(spec), backend="ultraattn",
-                       options={"debug": True, "ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 30.0})
+                       options={"debug": True, "ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 30.0,
+                                "shard": shard})
     try:
         cm(tokens)
     except Exception as exc:  # noqa: BLE001 - the test reads the message

@@ -204,12 +204,16 @@ def test_ranks_match_single_device(world, name):
         assert not problems, f"rank {r}: {problems}"
 
 
-def test_mismatched_inputs_across_ranks_are_named_in_debug_mode():
+@pytest.mark.parametrize("shard", [True, False])
+def test_mismatched_inputs_across_ranks_are_named_in_debug_mode(shard):
+    """Sharded graphs check each global input where it is sliced; attention-only CP checks each site's q/k/v."""
     from backend_models import mismatch_worker
 
-    msgs = run_ranks(mismatch_worker, 2, timeout=300)
+    msgs = run_ranks(mismatch_worker, 2, args=(shard,), timeout=300)
+    want = "rank(s) [1] got a different `tokens` than rank 0" if shard else \
+        "rank(s) [1] got different q/k/v or mask than rank 0"
     for m in msgs:
-        assert "rank(s) [1] got different q/k/v or mask than rank 0" in m, m
+        assert want in m, m
 
 
 def test_local_world_size_gives_a_two_level_mesh():
@@ -342,16 +346,17 @@ def _count(code: str, op: str) -> int:
     return code.count(f"torch.ops.ultraattn.{op}.default(")
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_explicit_graphs_show_every_stage_forward_and_backward(world, tmp_path):
+@pytest.mark.parametrize("world,shard", [(2, True), (4, True), (2, False)])
+def test_explicit_graphs_show_every_stage_forward_and_backward(world, shard, tmp_path):
     """Static-mask sites become this rank's program in the graphs Inductor compiles: one cp_start/cp_wait
     pair per schedule stage in each direction, tile nodes, no opaque site op; bytes moved equal the plan's;
-    the saved report shows both schedules."""
+    the saved report shows both schedules. Sequence-sharded graphs (the default) keep out/lse and dq/dk/dv on
+    local tokens (no gather); attention-only CP gathers them (the global view)."""
     from backend_models import explicit_worker
 
     spec = dict(MODELS["gqa"], batch=2)
     path = tmp_path / "report.json"
-    res = run_ranks(explicit_worker, world, args=(spec, dict(FAST, report_file=str(path))), timeout=600)
+    res = run_ranks(explicit_worker, world, args=(spec, dict(FAST, report_file=str(path), shard=shard)), timeout=600)
     for r, got in enumerate(res):
         assert not check_against_oracle(spec, got), f"rank {r}: {check_against_oracle(spec, got)}"
         kinds = {g["kind"]: g for g in got["aot"]}
@@ -366,7 +371,8 @@ def test_explicit_graphs_show_every_stage_forward_and_backward(world, tmp_path):
         assert _count(bwd, "cp_start") == _count(bwd, "cp_wait") == sum(s["levels"]["bwd"] for s in sites.values())
         computes = sum(s["rows"] for s in sites.values()) > 0  # a rank may own only padding at this size
         assert (_count(fwd, "cp_tile_fwd") > 0) == (_count(bwd, "cp_tile_bwd") > 0) == computes, r
-        assert _count(fwd, "cp_gather") == 4 and _count(bwd, "cp_gather") == 6  # out, lse / dq, dk, dv per site
+        gathers = (0, 0) if shard else (4, 6)  # out, lse / dq, dk, dv per site
+        assert (_count(fwd, "cp_gather"), _count(bwd, "cp_gather")) == gathers
         for name, s in sites.items():
             for ph in ("fwd", "bwd"):
                 moved = {k: s["moved"][ph][k] for k in ("sent", "recv")}
@@ -389,16 +395,17 @@ def test_explicit_graphs_with_checkpointing_and_fullgraph():
         assert not check_against_oracle(spec, got), r
 
 
-def test_explicit_false_keeps_one_opaque_op_per_site():
+@pytest.mark.parametrize("shard", [True, False])
+def test_explicit_false_keeps_one_opaque_op_per_site(shard):
     from backend_models import explicit_worker
 
     spec = MODELS["causal"]
-    res = run_ranks(explicit_worker, 2, args=(spec, dict(FAST, explicit=False)), timeout=600)
+    res = run_ranks(explicit_worker, 2, args=(spec, dict(FAST, explicit=False, shard=shard)), timeout=600)
     for got in res:
         assert not check_against_oracle(spec, got)
         assert got["sites"] == {}
         fwd = next(g["code"] for g in got["aot"] if g["kind"] == "forward")
-        assert _count(fwd, "site_attention") == 2 and "cp_start" not in fwd
+        assert _count(fwd, "site_attention_local" if shard else "site_attention") == 2 and "cp_start" not in fwd
 
 
 def test_world1_static_sites_are_the_kernel_ops_in_inductors_graphs():

@@ -49,7 +49,7 @@ class GraphRecord:
 RECORDS: list[GraphRecord] = []
 """Every graph compiled by this process (most recent last)."""
 
-COUNTERS = {"graphs": 0, "sites": 0, "rewritten": 0}
+COUNTERS = {"graphs": 0, "sites": 0, "rewritten": 0, "sharded_ops": 0, "fallbacks": 0}
 
 
 def reset() -> None:
@@ -75,8 +75,17 @@ def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         except Exception:  # noqa: BLE001 - fake example inputs (no data): the report shows "?"
             s.density = None
     specs = rewrite_sites(gm, sites, opts, graph_index=COUNTERS["graphs"])
+    shard = None
+    if opts.shard and opts.world_size > 1 and specs:
+        from ultraattn.passes.shard import shard_graph
+
+        shard = shard_graph(gm, specs, opts, example_inputs, COUNTERS["graphs"])
     rec = GraphRecord(index=COUNTERS["graphs"], sites=sites, specs=specs, options=opts, code_before=before,
                       code_after=gm.code, world_size=opts.world_size)
+    if shard is not None:
+        rec.extra["shard"] = shard
+        COUNTERS["sharded_ops"] += shard.sharded_ops
+        COUNTERS["fallbacks"] += len(shard.fallbacks)
     RECORDS.append(rec)
     COUNTERS["graphs"] += 1
     COUNTERS["sites"] += len(sites)
@@ -91,7 +100,7 @@ def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
 
         save_report(opts.report_file)
     if opts.compiler == "eager":
-        return gm.forward
+        return _tag_outputs(gm.forward, shard)
     from ultraattn.passes.explicit import explicit_reason, prepare
 
     by_name = {sp.name: sp for sp in specs}
@@ -107,21 +116,40 @@ def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
             _expand(rec, g)
             return make_boxed_func(g.forward)
 
-        return aot_autograd(fw_compiler=expand_only, bw_compiler=expand_only)(gm, example_inputs)
+        return _tag_outputs(aot_autograd(fw_compiler=expand_only, bw_compiler=expand_only)(gm, example_inputs), shard)
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(g, inputs, **kw):
         _expand(rec, g, backward=bool(kw.get("is_backward")))
         return compile_fx_inner(g, inputs, **kw)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    return _tag_outputs(compile_fx(gm, example_inputs, inner_compile=inner_compile), shard)
+
+
+def _tag_outputs(fn, shard):
+    """With ``outputs="sharded"``: mark each returned shard (``ultraattn.undispatch`` reads the mark)."""
+    if shard is None or not any(o is not None for o in shard.outputs):
+        return fn
+    marks = [(i, (shard.key, *o)) for i, o in enumerate(shard.outputs) if o is not None]
+    boxed = getattr(fn, "_boxed_call", False)
+
+    def run(*args):
+        outs = fn(*args)
+        for i, mark in marks:
+            if isinstance(outs[i], torch.Tensor):
+                outs[i]._ultraattn_shard = mark
+        return outs
+
+    run._boxed_call = boxed
+    return run
 
 
 def _expand(rec: GraphRecord, g: fx.GraphModule, backward: bool | None = None) -> None:
     """Explicit per-rank nodes for the sites of one AOT graph (``explicit.py``); keep what Inductor receives."""
-    from ultraattn.passes.explicit import expand_sites, schedule_rows
+    from ultraattn.passes.explicit import expand_sites, order_comm, schedule_rows
 
     names = expand_sites(g)
+    order_comm(g)
     if backward is None:
         backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in g.graph.nodes)
     entry = {"kind": "backward" if backward else "forward", "expanded": names, "code": g.code,

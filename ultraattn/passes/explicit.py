@@ -189,7 +189,9 @@ def cp_tile_bwd(q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, ks: list[Tens
     e = EXPLICIT[site]
     g, i, js, scale = e.tiles[tile]
     dq, per_col = row_backward(e.executor.geo, g, i, js, q, do, lse, delta, list(zip(ks, vs)), scale)
-    return [dq.contiguous()] + [dk.contiguous() for dk, _ in per_col] + [dv.contiguous() for _, dv in per_col]
+    # the per-column gradients are slices of one buffer: a custom op's outputs must not share storage
+    own = (lambda t: t.clone()) if len(per_col) > 1 else (lambda t: t.contiguous())
+    return [dq.contiguous()] + [own(dk) for dk, _ in per_col] + [own(dv) for _, dv in per_col]
 
 
 @cp_tile_bwd.register_fake
@@ -372,33 +374,42 @@ def _unflatten_saved(flat: list[Tensor], lay: list) -> dict:
     return saved
 
 
-def forward_program(e: ExplicitSite):
-    """fn(q, k, v) -> (out, lse fp32, ticket): the site's forward as this rank's explicit program."""
+def forward_program(e: ExplicitSite, local: bool = False):
+    """fn(q, k, v) -> (out, lse fp32, ticket): the site's forward as this rank's explicit program.
+
+    ``local``: q, k, v are already this rank's tokens (a sequence-sharded graph) and so are out, lse:
+    no dispatch, no gather."""
 
     def fn(q, k, v):
         ap, spec = e.runner, e.spec
         ex = _traced_executor(e)
-        if spec.options.debug:
+        if spec.options.debug and not local:
             ex.io.token = torch.ops.ultraattn.cp_check_inputs(ex.io.token, [q, k, v], e.key)
-        out_l, lse_l, saved = ex.forward(local_shard(q, ap), local_shard(k, ap), local_shard(v, ap), spec.scale)
+        qkv = (q, k, v) if local else (local_shard(q, ap), local_shard(k, ap), local_shard(v, ap))
+        out_l, lse_l, saved = ex.forward(*qkv, spec.scale)
         flat, e.saved_layout = _flatten_saved(saved)  # the same on every trace of this site
-        out = ex.io.gather(out_l.to(q.dtype))
-        lse = ex.io.gather(lse_l)
+        if local:
+            out, lse = out_l.to(q.dtype), lse_l
+        else:
+            out = ex.io.gather(out_l.to(q.dtype))
+            lse = ex.io.gather(lse_l)
         ticket = torch.ops.ultraattn.cp_stash(ex.io.token, flat, e.key)
         return out, lse, ticket
 
     return fn
 
 
-def backward_program(e: ExplicitSite):
-    """fn(q, k, v, out, lse, dout, dlse, ticket) -> (dq, dk, dv) for the global tensors."""
+def backward_program(e: ExplicitSite, local: bool = False):
+    """fn(q, k, v, out, lse, dout, dlse, ticket) -> (dq, dk, dv) (``local``: all on this rank's tokens)."""
 
     def fn(q, k, v, out, lse, dout, dlse, ticket):
         ap, spec = e.runner, e.spec
         ex = _traced_executor(e)
         saved = _unflatten_saved(torch.ops.ultraattn.cp_unstash(ticket, e.key), e.saved_layout)
-        sh = [local_shard(x, ap) for x in (q, k, v, out, lse, dout.to(out.dtype), dlse.float())]
+        sh = [x if local else local_shard(x, ap) for x in (q, k, v, out, lse, dout.to(out.dtype), dlse.float())]
         dq, dk, dv = ex.backward(*sh[:5], saved, sh[5], sh[6], spec.scale)
+        if local:
+            return tuple(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
         return tuple(ex.io.gather(g).to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
 
     return fn
@@ -470,6 +481,78 @@ def schedule_rows(gm: fx.GraphModule) -> list[dict]:
         rows.append({"node": n.name, "op": op, "site": e.spec.name if e is not None else "",
                      "comm": op in _COMM_OPS, "what": what, "bytes": nbytes})
     return rows
+
+
+_AFTER_OPS = ("sp_gather", "sp_all_reduce", "sp_weight_grad", "site_attention", "site_attention_bwd",
+              "site_attention_local", "site_attention_local_bwd")
+"""Communicating ops that take an ``after`` argument (their position in the order)."""
+_TOKEN_OPS = ("cp_start", "cp_finish", "cp_gather", "cp_check_inputs", "cp_stash")
+"""Ops of an explicit site's program whose first argument is the program's communication token."""
+
+
+def _set_input(n: fx.Node, where: int | str, value: fx.Node) -> None:
+    """Set argument ``where`` (position or keyword) of ``n``, and the fake input Inductor keeps for it
+    (``eager_input_vals``: it lays a custom op's inputs out by those fakes' strides)."""
+    if isinstance(where, int):
+        n.update_arg(where, value)
+    else:
+        n.update_kwarg(where, value)
+    vals = n.meta.get("eager_input_vals")
+    if vals is not None:
+        args, kwargs = list(vals[0]), dict(vals[1])
+        if isinstance(where, int):
+            args[where] = value.meta.get("val")
+        else:
+            kwargs[where] = value.meta.get("val")
+        n.meta["eager_input_vals"] = (tuple(args), kwargs)
+
+
+def order_comm(gm: fx.GraphModule) -> int:
+    """Chain every communicating node of ``gm`` in graph order, so that every rank runs them in one order.
+
+    [Note] Inductor schedules nodes by their data dependencies alone. The graph is the same on every
+    rank except inside the explicit sites' programs (per-rank schedules), so two independent
+    collectives, say a weight-gradient all-reduce and a site's backward exchange, could run in
+    different orders on different ranks and wait on each other forever. Each communicating node
+    outside a program gets the previous one's output as its ``after`` argument, and each program's
+    first token is replaced by it (a program's own nodes are already chained by its token), so the
+    order is total and the same everywhere. Returns the number of nodes chained.
+    """
+    import operator
+
+    prev = None
+    count = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or getattr(n.target, "namespace", None) != "ultraattn":
+            continue
+        op = n.target._opname
+        if op in _AFTER_OPS:
+            if prev is not None:
+                _set_input(n, "after", prev)
+        elif op in _TOKEN_OPS:
+            tok = n.args[0]
+            chained = isinstance(tok, fx.Node) and (
+                getattr(tok.target, "namespace", None) == "ultraattn" or
+                (tok.target is operator.getitem and getattr(tok.args[0].target, "namespace", None) == "ultraattn"))
+            if not chained and prev is not None:
+                _set_input(n, 0, prev)
+        elif op != "cp_wait":
+            continue
+        count += 1
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            prev = n
+        else:  # a list or tuple: its first element (a token, or an output produced when the op ends)
+            first = next((u for u in n.users if u.target is operator.getitem and u.args[1] == 0), None)
+            if first is None:
+                with gm.graph.inserting_after(n):
+                    first = gm.graph.call_function(operator.getitem, (n, 0))
+                    first.meta["val"] = val[0]
+            prev = first
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
 
 
 def explicit_reason(spec: SiteSpec) -> str | None:
@@ -555,24 +638,26 @@ def _replace_outputs(node: fx.Node, outs: list[fx.Node]) -> None:
 
 def expand_sites(gm: fx.GraphModule) -> list[str]:
     """Expand every eligible site node of ``gm`` (a forward or backward graph) in place; returns the site names."""
-    fwd_op = torch.ops.ultraattn.site_attention.default
-    bwd_op = torch.ops.ultraattn.site_attention_bwd.default
+    ops = torch.ops.ultraattn
+    fwd_ops = (ops.site_attention.default, ops.site_attention_local.default)
+    bwd_ops = (ops.site_attention_bwd.default, ops.site_attention_local_bwd.default)
     done = []
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (fwd_op, bwd_op):
+        if node.op != "call_function" or node.target not in fwd_ops + bwd_ops:
             continue
         key = node.args[-1]
         spec = SITES.get(key)
         if spec is None or explicit_reason(spec) is not None:
             continue
-        if node.target is fwd_op:
+        local = node.target in (ops.site_attention_local.default, ops.site_attention_local_bwd.default)
+        if node.target in fwd_ops:
             q, k, v = node.args[:3]
             vals = [a.meta["val"] for a in (q, k, v)]
             e = EXPLICIT.get(key)
             if e is None:
                 raise RuntimeError(f"ultraattn: site {spec.name} reached Inductor without its compile-time plan")
             world1 = spec.options.world_size == 1
-            sub = _trace((kernel_forward_program if world1 else forward_program)(e), vals)
+            sub = _trace(kernel_forward_program(e) if world1 else forward_program(e, local), vals)
             outs = _splice(gm, node, sub, [q, k, v])
         else:
             e = EXPLICIT.get(key)
@@ -580,7 +665,8 @@ def expand_sites(gm: fx.GraphModule) -> list[str]:
                 raise RuntimeError(f"ultraattn: backward of site {spec.name} compiled before its forward was expanded")
             args = list(node.args[:8])
             world1 = spec.options.world_size == 1
-            sub = _trace((kernel_backward_program if world1 else backward_program)(e), [a.meta["val"] for a in args])
+            sub = _trace(kernel_backward_program(e) if world1 else backward_program(e, local),
+                         [a.meta["val"] for a in args])
             outs = _splice(gm, node, sub, args)
         _replace_outputs(node, outs)
         done.append(spec.name)

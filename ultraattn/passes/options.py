@@ -13,7 +13,7 @@ from ultraattn.planner.cost import DEFAULT_COST, CostModel
 from ultraattn.planner.tiling import PlannerOptions
 
 _REPORTS = ("off", "summary", "full")
-_OUTPUTS = ("global",)
+_OUTPUTS = ("global", "sharded")
 
 
 @dataclass
@@ -24,8 +24,14 @@ class BackendOptions:
     """A DeviceMesh (1-D, or 2-D nodes x devices); None: the default group as one node, or split by LOCAL_WORLD_SIZE."""
     report: str = "off"
     """off | summary | full: what is printed (rich) when a graph is compiled."""
+    shard: bool = True
+    """Sequence sharding (``shard.py``): every activation that carries the sequence lives on this rank's tokens,
+    so memory scales with the ranks. False: attention-only context parallelism (each attention gathers its
+    output; the rest of the model runs replicated on the full sequence)."""
     outputs: str = "global"
-    """global: every attention's output is gathered back to the full sequence on every rank."""
+    """global: graph outputs that carry the sequence are all-gathered, so every rank returns what one process
+    would. sharded: they are returned as this rank's shard (``ultraattn.undispatch(x)`` gathers one later), so
+    logits need not be materialised in full."""
     ilp_time_limit: float | None = None
     balance_tol: float | None = None
     time_budget: float | None = None
@@ -81,8 +87,11 @@ def parse_options(options: dict | None, *, require_group: bool = True) -> Backen
     if opts.compiler not in ("inductor", "aot_eager", "eager"):
         raise ValueError(f"options['compiler']={opts.compiler!r}: expected inductor, aot_eager or eager")
     if opts.outputs not in _OUTPUTS:
-        raise ValueError(f"options['outputs']={opts.outputs!r}: expected one of {', '.join(_OUTPUTS)} "
-                         f"(sharded outputs need the sequence-sharding pass)")
+        raise ValueError(f"options['outputs']={opts.outputs!r}: expected one of {', '.join(_OUTPUTS)}")
+    if not isinstance(opts.shard, bool):
+        raise ValueError(f"options['shard']={opts.shard!r}: expected True or False")
+    if opts.outputs == "sharded" and not opts.shard:
+        raise ValueError("options['outputs']='sharded' needs the sequence-sharding pass: drop options['shard']=False")
     from ultraattn.runtime.api import METHODS
 
     if opts.method not in METHODS:

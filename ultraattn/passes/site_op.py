@@ -55,6 +55,9 @@ class SiteSpec:
     """flex: q_len, kv_len, q_block, kv_block, has_full (bool), mask_mod (GraphModule)."""
     device: object = None
     """The graph's device (set when the site is expanded into explicit nodes)."""
+    layout: object = None
+    """The graph's ``TokenLayout`` when the sequence-sharding pass runs the site on local tokens: every
+    plan of the site keeps it (None: the planner chooses)."""
     plans: OrderedDict = field(default_factory=OrderedDict)
     pending: dict = field(default_factory=dict)
     order: deque = field(default_factory=deque)
@@ -79,6 +82,25 @@ def _digest(tensors: list[Tensor], extra: tuple) -> str:
         h.update(repr((tuple(t.shape), str(t.dtype))).encode())
         h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def _plan_key(spec: SiteSpec, q, k, mask_tensors: list[Tensor]) -> str:
+    return _digest(mask_tensors, (spec.mask, tuple(q.shape), tuple(k.shape), str(q.dtype), str(q.device),
+                                  repr(spec.layout)))
+
+
+def seed_plan(spec: SiteSpec, dtype: torch.dtype, device, mask_tensors: list[Tensor]):
+    """Plan ``spec`` now (a collective), letting the planner choose the token layout, and make that layout the
+    site's: a sequence-sharded graph takes its layout from its first attention. The plan stays cached under it."""
+    from types import SimpleNamespace
+
+    q, k = (SimpleNamespace(shape=tuple(sh), dtype=dtype, device=device) for sh in (spec.q_shape, spec.kv_shape))
+    spec.layout = None
+    kind, runner = _runner(spec, q, k, mask_tensors)
+    assert kind == "plan", kind
+    spec.layout = runner.layout
+    spec.plans[_plan_key(spec, q, k, mask_tensors)] = (kind, runner)
+    return runner
 
 
 def _mask_object(spec: SiteSpec, mask_tensors: list[Tensor], batch: int, heads: int):
@@ -125,10 +147,12 @@ def _mask_object(spec: SiteSpec, mask_tensors: list[Tensor], batch: int, heads: 
 
 
 def _runner(spec: SiteSpec, q: Tensor, k: Tensor, mask_tensors: list[Tensor]):
-    """The cached plan (world > 1) or kernel layout (world 1) for this call's mask content."""
+    """The cached plan (world > 1) or kernel layout (world 1) for this call's mask content.
+
+    ``q`` and ``k`` only give the (global) shapes, dtype and device."""
     B, H, S, D = q.shape
     Hk = k.shape[1]
-    key = _digest(mask_tensors, (spec.mask, tuple(q.shape), tuple(k.shape), str(q.dtype), str(q.device)))
+    key = _plan_key(spec, q, k, mask_tensors)
     hit = spec.plans.get(key)
     if hit is not None:
         spec.plans.move_to_end(key)
@@ -147,7 +171,8 @@ def _runner(spec: SiteSpec, q: Tensor, k: Tensor, mask_tensors: list[Tensor]):
 
         plan = plan_attention(mask, seqlen=S, num_heads=H, head_dim=D, num_kv_heads=Hk, batch=B, mesh=opts.mesh,
                               dtype=q.dtype, block_size=opts.block_size, mask_mod=mask_mod, method=opts.method,
-                              options=opts.planner_options(), cost=opts.cost_model(), timeout=opts.timeout)
+                              options=opts.planner_options(), cost=opts.cost_model(), timeout=opts.timeout,
+                              layout=spec.layout)
         runner = ("plan", plan)
     spec.stats["plans"] += 1
     spec.stats["planning_seconds"] += time.perf_counter() - t0
@@ -159,25 +184,15 @@ def _runner(spec: SiteSpec, q: Tensor, k: Tensor, mask_tensors: list[Tensor]):
 
 
 def _check_same_inputs(spec: SiteSpec, tensors) -> None:
-    """debug option: every rank of the group must call this site with the same q, k, v and mask.
-
-    A cheap fingerprint (shape, dtype, fp64 sum and sum of squares of each tensor) goes through
-    the process group's store; ranks whose fingerprint differs from rank 0's are named.
-    """
+    """debug option: every rank of the group must call this site with the same q, k, v and mask (a fingerprint
+    through the process group's store); ranks that differ from rank 0 are named."""
     import torch.distributed as dist
 
-    from ultraattn.runtime.comm import store_exchange
+    from ultraattn.runtime.comm import ranks_differing
 
-    fp = []
-    for t in tensors:
-        d = t.detach().double()
-        fp.append((tuple(t.shape), str(t.dtype), float(d.sum()), float((d * d).sum())))
-    mine = hashlib.blake2b(repr(fp).encode(), digest_size=8).digest()
-    rank, world = dist.get_rank(), dist.get_world_size()
     call = spec.stats["calls"]
-    got = store_exchange(f"ultraattn/debug/{spec.sync_key}/{call}", mine, rank=rank, world=world,
-                         timeout=spec.options.timeout)
-    bad = [r for r in range(world) if got[r] != got[0]]
+    bad = ranks_differing(f"ultraattn/debug/{spec.sync_key}/{call}", tensors, rank=dist.get_rank(),
+                          world=dist.get_world_size(), timeout=spec.options.timeout)
     if bad:
         raise RuntimeError(
             f"ultraattn site {spec.name} (call {call}): rank(s) {bad} got different q/k/v or mask than rank 0. "
@@ -267,7 +282,7 @@ def kernel_site_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
 
 
 @custom_op("ultraattn::site_attention", mutates_args=())
-def site_attention(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor], site: str) -> tuple[Tensor, Tensor,
+def site_attention(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor], site: str, after: Tensor | None = None) -> tuple[Tensor, Tensor,
                                                                                                     Tensor]:
     """Attention of one rewritten site on the full-sequence q, k, v: (out, lse fp32, ticket int64)."""
     spec = SITES[site]
@@ -296,7 +311,7 @@ def site_attention(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor], 
 
 
 @site_attention.register_fake
-def _(q, k, v, mask_tensors, site):
+def _(q, k, v, mask_tensors, site, after=None):
     B, H, S, _ = q.shape
     return q.new_empty(q.shape), q.new_empty(B, H, S, dtype=torch.float32), torch.empty((), dtype=torch.int64,
                                                                                          device="cpu")
@@ -304,7 +319,7 @@ def _(q, k, v, mask_tensors, site):
 
 @custom_op("ultraattn::site_attention_bwd", mutates_args=())
 def site_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor,
-                       ticket: Tensor, site: str) -> tuple[Tensor, Tensor, Tensor]:
+                       ticket: Tensor, site: str, after: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of ``site_attention`` for the full-sequence q, k, v (identical on every rank)."""
     spec = SITES[site]
     kind, runner, ql, kl, vl, out_l, lse_l, saved = _take(spec, int(ticket))
@@ -324,12 +339,69 @@ def site_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
 
 
 @site_attention_bwd.register_fake
-def _(q, k, v, out, lse, dout, dlse, ticket, site):
+def _(q, k, v, out, lse, dout, dlse, ticket, site, after=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+# ----------------------------------------------------------------------------- on local tokens
+def _global_shapes(spec: SiteSpec, q: Tensor):
+    from types import SimpleNamespace
+
+    return (SimpleNamespace(shape=tuple(sh), dtype=q.dtype, device=q.device) for sh in (spec.q_shape, spec.kv_shape))
+
+
+@custom_op("ultraattn::site_attention_local", mutates_args=())
+def site_attention_local(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor], site: str, after: Tensor | None = None
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """A site of a sequence-sharded graph: this rank's tokens of q, k, v (the graph's layout) in, this rank's
+    tokens of (out, lse fp32) out, plus the ticket of the state its backward needs. No dispatch, no gather:
+    the tokens stay where the plan (made in the graph's layout) keeps them."""
+    spec = SITES[site]
+    spec.stats["calls"] += 1
+    if spec.options.debug and spec.options.world_size > 1:
+        _check_same_inputs(spec, list(mask_tensors))  # q, k, v differ per rank by design
+    kind, runner = _runner(spec, *_global_shapes(spec, q), mask_tensors)
+    from ultraattn.runtime.api import check_consistent
+
+    check_consistent(runner)
+    out_l, lse_l, saved = runner.executor.forward(q, k, v, spec.scale)
+    # q, k, v, out, lse come back to the backward as saved activations (the graph owns their buffers);
+    # the units received from other ranks stay here
+    ticket = _put(spec, (kind, runner, None, None, None, None, None, saved))
+    return out_l.to(q.dtype).contiguous(), lse_l.contiguous(), torch.tensor(ticket, dtype=torch.int64)
+
+
+@site_attention_local.register_fake
+def _(q, k, v, mask_tensors, site, after=None):
+    B, H, L, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty(B, H, L, dtype=torch.float32), torch.empty((), dtype=torch.int64,
+                                                                                         device="cpu")
+
+
+@custom_op("ultraattn::site_attention_local_bwd", mutates_args=())
+def site_attention_local_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor,
+                             ticket: Tensor, site: str, after: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``site_attention_local``: this rank's tokens of dq, dk, dv."""
+    spec = SITES[site]
+    _kind, runner, *_unused, saved = _take(spec, int(ticket))
+    dq, dk, dv = runner.executor.backward(q, k, v, out, lse, saved, dout.to(out.dtype), dlse.float(), spec.scale)
+    return tuple(x.new_zeros(x.shape) if g is None else g.to(x.dtype).contiguous() for g, x in zip((dq, dk, dv),
+                                                                                                   (q, k, v)))
+
+
+@site_attention_local_bwd.register_fake
+def _(q, k, v, out, lse, dout, dlse, ticket, site, after=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _backward_local(ctx, dout, dlse, _dticket):
+    q, k, v, out, lse, ticket = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ultraattn.site_attention_local_bwd(q, k, v, out, lse, dout, dlse, ticket, ctx.site)
+    return dq, dk, dv, [None] * ctx.n_mask, None
+
+
 def _setup(ctx, inputs, output):
-    q, k, v, mask_tensors, site = inputs
+    q, k, v, mask_tensors, site = inputs[:5]  # (``after``: never passed where autograd applies, see seq_ops)
     ctx.site = site
     ctx.n_mask = len(mask_tensors)
     ctx.save_for_backward(q, k, v, output[0], output[1], output[2])
@@ -342,3 +414,4 @@ def _backward(ctx, dout, dlse, _dticket):
 
 
 site_attention.register_autograd(_backward, setup_context=_setup)
+site_attention_local.register_autograd(_backward_local, setup_context=_setup)

@@ -36,8 +36,9 @@ from ..planner.baselines import BASELINES
 from ..planner.cost import DEFAULT_COST, CostModel
 from ..planner.plan import AttnShape, Mesh, TilePlan, TokenLayout
 from ..planner.tiling import PlannerOptions
-from .comm import Comm, RankTimeoutError, _all_gather_single, store_exchange
+from .comm import Comm, store_exchange
 from .executor import Executor, run
+from .sequence import SequenceShards
 from .tiles import TileGeometry, group_kind_grid
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -64,6 +65,7 @@ class AttentionPlan:
     """The planner's ``PlanResult`` (on plan rank 0 only; None elsewhere and for baselines)."""
     _executor: Executor | None = field(default=None, repr=False)
     _checked: bool = field(default=False, repr=False)
+    _seq: SequenceShards | None = field(default=None, repr=False)
 
     @property
     def world(self) -> int:
@@ -89,6 +91,14 @@ class AttentionPlan:
     def layout(self) -> TokenLayout:
         """Which rank holds which tokens (``dispatch``/``undispatch`` follow it)."""
         return self.tile_plan.layout
+
+    @property
+    def seq(self) -> SequenceShards:
+        """The layout bound to this rank and group: shards and gathers along any dimension."""
+        if self._seq is None:
+            self._seq = SequenceShards(self.layout, rank=self.rank, global_ranks=self.global_ranks,
+                                       group=self.group, timeout=self.timeout)
+        return self._seq
 
     @property
     def executor(self) -> Executor:
@@ -386,11 +396,7 @@ def dispatch(x: Tensor, plan: AttentionPlan, seq_dim: int = 2) -> Tensor:
     d = _seq_dim(x, seq_dim, "x")
     if x.shape[d] != plan.seq_len:
         raise ValueError(f"`x` has {x.shape[d]} tokens on seq_dim={seq_dim} but the plan is for seqlen={plan.seq_len}")
-    pad = plan.padded_len - plan.seq_len
-    if pad:
-        widths = [0, 0] * (x.dim() - 1 - d) + [0, pad]
-        x = torch.nn.functional.pad(x, widths)
-    return x.index_select(d, plan.local_token_index().to(x.device))
+    return plan.seq.shard(x, d, plan.seq_len)
 
 
 class _Undispatch(torch.autograd.Function):
@@ -406,36 +412,7 @@ class _Undispatch(torch.autograd.Function):
 
 
 def _gather(x: Tensor, plan: AttentionPlan, d: int) -> Tensor:
-    xs = x.movedim(d, 0).contiguous()
-    if plan.world == 1:
-        full = xs
-        order = [0]
-    else:
-        buf = torch.empty((plan.world * xs.shape[0], *xs.shape[1:]), dtype=xs.dtype, device=xs.device)
-        import datetime
-
-        work = _all_gather_single(buf, xs, group=plan.group, async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=plan.timeout))
-        except Exception as exc:  # noqa: BLE001
-            raise RankTimeoutError(f"rank {plan.rank}: undispatch all-gather did not complete within "
-                                   f"{plan.timeout:g} s; a rank died or never joined: {exc}") from exc
-        full = buf
-        grank = ([dist.get_group_rank(plan.group, g) for g in plan.global_ranks]
-                 if plan.group is not dist.group.WORLD else list(plan.global_ranks))
-        order = grank
-    n = xs.shape[0]
-    pieces = []
-    index = []
-    for p in range(plan.world):
-        gr = order[p]
-        pieces.append(full[gr * n:(gr + 1) * n])
-        index.append(plan.local_token_index(p))
-    cat = torch.cat(pieces)
-    idx = torch.cat(index).to(x.device)
-    out = torch.empty_like(cat)
-    out[idx] = cat
-    return out[: plan.seq_len].movedim(0, d)
+    return plan.seq.gather(x, d, plan.seq_len)
 
 
 def undispatch(x_local: Tensor, plan: AttentionPlan, seq_dim: int = 2) -> Tensor:

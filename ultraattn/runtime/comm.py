@@ -110,6 +110,21 @@ class Comm:
             raise RankTimeoutError(f"rank {self.rank}: no {what} from rank {peer} within {limit:g} s")
 
 
+def ranks_differing(key: str, tensors, *, rank: int, world: int, timeout: float) -> list[int]:
+    """Ranks whose ``tensors`` differ from rank 0's (a collective through the store: every rank calls it).
+
+    Compares a cheap fingerprint (shape, dtype, fp64 sum and sum of squares of each tensor)."""
+    import hashlib
+
+    fp = []
+    for t in tensors:
+        d = t.detach().double()
+        fp.append((tuple(t.shape), str(t.dtype), float(d.sum()), float((d * d).sum())))
+    mine = hashlib.blake2b(repr(fp).encode(), digest_size=8).digest()
+    got = store_exchange(key, mine, rank=rank, world=world, timeout=timeout)
+    return [r for r in range(world) if got[r] != got[0]]
+
+
 def store_exchange(key: str, value: bytes, *, rank: int, world: int, timeout: float) -> list[bytes]:
     """Every rank publishes ``value`` under ``key`` in the process group's store and reads everyone's.
 

@@ -1,0 +1,143 @@
+"""Sequence shards of any tensor: a ``TokenLayout`` bound to this rank and its process group.
+
+    seq = SequenceShards(layout, rank=r, global_ranks=ranks, group=pg, timeout=300)
+    x_local = seq.shard(x, dim=1, length=S)       # this rank's tokens (the tail zero-padded)
+    x = seq.gather(x_local, dim=1, length=S)      # every rank's tokens, in order (an all-gather)
+    total = seq.all_reduce(partial)               # sum over the ranks
+
+A dimension "carries the sequence" when its global size is ``outer * length * inner``:
+``length`` token positions (0 .. length-1, the global sequence coordinate), each repeated over
+``inner`` trailing and ``outer`` leading elements. That covers flattened tensors such as
+logits viewed as ``[batch * seq, vocab]`` (outer = batch) or ``[batch, seq * hidden]``
+(inner = hidden). The local tensor has ``outer * local_len * inner`` there, positions in the
+layout's local order; positions at or past ``length`` (the tail padding, or tokens cut off by
+a prefix slice such as ``logits[:, :-1]``) are padding, which ``valid`` marks.
+
+Every collective waits at most ``timeout`` seconds and names what it waited for.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..planner.plan import TokenLayout
+from .comm import RankTimeoutError, _all_gather_single, ranks_differing
+
+
+def _split_dim(x: Tensor, dim: int, length: int, inner: int) -> tuple[Tensor, int]:
+    """View ``x`` with its dim ``dim`` as (outer, length, inner); returns the view and ``outer``."""
+    size = x.shape[dim]
+    if size % (length * inner):
+        raise ValueError(f"dim {dim} of size {size} is not outer x {length} positions x {inner}")
+    outer = size // (length * inner)
+    return x.reshape(*x.shape[:dim], outer, length, inner, *x.shape[dim + 1:]), outer
+
+
+@dataclass(eq=False)
+class SequenceShards:
+    """Where a sharded sequence lives (``layout``) and how this rank talks to the others."""
+
+    layout: TokenLayout
+    rank: int
+    """This process's rank in the layout (its position in ``global_ranks``)."""
+    global_ranks: tuple[int, ...]
+    """Global rank of each layout rank."""
+    group: object = None
+    """Process group (None: one process)."""
+    timeout: float = 300.0
+    checks: dict = None
+    """name -> calls checked so far (``check_same``)."""
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def local_len(self) -> int:
+        return self.layout.local_len
+
+    def positions(self, device=None) -> Tensor:
+        """Global positions of this rank's tokens, int64 [local_len], in local order."""
+        c = self.layout.chunk_size
+        return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in self.layout.local_chunks(self.rank)])
+
+    def valid(self, length: int, device=None) -> Tensor:
+        """bool [local_len]: which local tokens are real positions of a ``length``-token coordinate."""
+        return self.positions(device) < length
+
+    def check_same(self, x: Tensor, name: str) -> None:
+        """Raise naming the ranks whose global ``x`` differs from rank 0's (the ``debug`` option: every rank of a
+        context-parallel group must run the same batch)."""
+        if self.world == 1:
+            return
+        self.checks = self.checks if self.checks is not None else {}
+        n = self.checks[name] = self.checks.get(name, 0) + 1
+        key = f"ultraattn/debug/{'-'.join(map(str, self.global_ranks))}/{self.layout.to_string()}/{name}/{n}"
+        bad = ranks_differing(key, [x], rank=self.rank, world=self.world, timeout=self.timeout)
+        if bad:
+            raise RuntimeError(
+                f"ultraattn: rank(s) {bad} got a different `{name}` than rank 0 (call {n}). Every rank of a "
+                f"context-parallel group must run the same batch: give all of them the same data (same seed, no "
+                f"DistributedSampler across the CP group)")
+
+    # ------------------------------------------------------------------ data movement
+    def shard(self, x: Tensor, dim: int, length: int, inner: int = 1) -> Tensor:
+        """This rank's tokens of the global ``x`` (its dim ``dim`` carries ``length`` positions)."""
+        lay = self.layout
+        if length > lay.padded_len:
+            raise ValueError(f"{length} positions do not fit the layout's {lay.padded_len}")
+        v, outer = _split_dim(x, dim, length, inner)
+        d = dim + 1  # the positions' axis in the view
+        if length < lay.padded_len:
+            pad = [0, 0] * (v.dim() - 1 - d) + [0, lay.padded_len - length]
+            v = torch.nn.functional.pad(v, pad)
+        c = lay.chunk_size
+        local = torch.cat([v.narrow(d, i * c, c) for i in lay.local_chunks(self.rank)], dim=d)
+        return local.reshape(*x.shape[:dim], outer * lay.local_len * inner, *x.shape[dim + 1:])
+
+    def gather(self, x_local: Tensor, dim: int, length: int, inner: int = 1) -> Tensor:
+        """The global tensor from every rank's tokens (an all-gather), positions past ``length`` dropped."""
+        lay = self.layout
+        v, outer = _split_dim(x_local, dim, lay.local_len, inner)
+        d = dim + 1
+        moved = v.movedim(d, 0).contiguous()  # [local_len, ...]
+        if self.world == 1:
+            pieces = [moved]
+        else:
+            buf = torch.empty((self.world * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+            work = _all_gather_single(buf, moved, group=self.group, async_op=True)
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            except Exception as exc:  # noqa: BLE001 - a dead or absent peer: name the wait
+                raise RankTimeoutError(f"rank {self.rank}: the sequence all-gather did not complete within "
+                                       f"{self.timeout:g} s; a rank died or never joined: {exc}") from exc
+            order = ([dist.get_group_rank(self.group, g) for g in self.global_ranks]
+                     if self.group is not dist.group.WORLD else list(self.global_ranks))
+            n = moved.shape[0]
+            pieces = [buf[order[r] * n:(order[r] + 1) * n] for r in range(self.world)]
+        c = lay.chunk_size
+        slot = {}
+        for r in range(self.world):
+            for m, i in enumerate(lay.local_chunks(r)):
+                slot[i] = (r, m)
+        full = torch.cat([pieces[r][m * c:(m + 1) * c] for r, m in (slot[i] for i in range(lay.num_chunks))])
+        full = full[:length].movedim(0, d)
+        return full.reshape(*x_local.shape[:dim], outer * length * inner, *x_local.shape[dim + 1:])
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """Sum of ``x`` over the ranks (a new tensor)."""
+        out = x.detach().clone().contiguous()
+        if self.world == 1:
+            return out
+        work = dist.all_reduce(out, group=self.group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except Exception as exc:  # noqa: BLE001
+            raise RankTimeoutError(f"rank {self.rank}: the sequence all-reduce did not complete within "
+                                   f"{self.timeout:g} s; a rank died or never joined: {exc}") from exc
+        return out
