@@ -76,10 +76,12 @@ def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
             s.density = None
     specs = rewrite_sites(gm, sites, opts, graph_index=COUNTERS["graphs"])
     shard = None
-    if opts.shard and opts.world_size > 1 and specs:
-        from ultraattn.passes.shard import shard_graph
+    if opts.world_size > 1 and specs:
+        from ultraattn.passes.shard import check_no_shards, shard_graph
 
-        shard = shard_graph(gm, specs, opts, example_inputs, COUNTERS["graphs"])
+        check_no_shards(example_inputs)
+        if opts.shard:
+            shard = shard_graph(gm, specs, opts, example_inputs, COUNTERS["graphs"])
     rec = GraphRecord(index=COUNTERS["graphs"], sites=sites, specs=specs, options=opts, code_before=before,
                       code_after=gm.code, world_size=opts.world_size)
     if shard is not None:
@@ -130,7 +132,9 @@ def _tag_outputs(fn, shard):
     """With ``outputs="sharded"``: mark each returned shard (``ultraattn.undispatch`` reads the mark)."""
     if shard is None or not any(o is not None for o in shard.outputs):
         return fn
-    marks = [(i, (shard.key, *o)) for i, o in enumerate(shard.outputs) if o is not None]
+    from ultraattn.passes.seq_ops import LAYOUTS
+
+    marks = [(i, (LAYOUTS[shard.key], *o)) for i, o in enumerate(shard.outputs) if o is not None]
     boxed = getattr(fn, "_boxed_call", False)
 
     def run(*args):

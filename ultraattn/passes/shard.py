@@ -247,9 +247,12 @@ class Rule:
 class Specs:
     """Sequence specs of every value (a tensor: Seq / None / TOP; a tuple: a list of those)."""
 
-    def __init__(self):
+    def __init__(self, max_len: int | None = None):
         self.v: dict[fx.Node, object] = {}
         self.changed = False
+        self.max_len = max_len
+        """Longest coordinate that is the sequence (the attention's length): a longer one (a RoPE cache of
+        max_position positions) is a table indexed by position, not a tensor of this sequence."""
 
     def get(self, n: fx.Node, index: int | None = None):
         s = self.v.get(n)
@@ -258,7 +261,7 @@ class Specs:
         return s[index] if isinstance(s, list) and index < len(s) else None
 
     def set(self, n: fx.Node, s, index: int | None = None) -> None:
-        if s is None:
+        if s is None or (isinstance(s, Seq) and self.max_len is not None and s.length > self.max_len):
             return
         if index is None:
             cur = self.v.get(n)
@@ -1057,7 +1060,7 @@ def site_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 def align(gm: fx.GraphModule, seeds: dict[fx.Node, Seq]) -> tuple[Specs, dict[fx.Node, list[Link]]]:
     """Sequence specs of every value, from the seeds, by the rules' links (fixpoint, both directions)."""
-    sp = Specs()
+    sp = Specs(max(s.length for s in seeds.values()) if seeds else None)
     for n, s in seeds.items():
         sp.set(n, s)
     links: dict[fx.Node, list[Link]] = {}
@@ -1506,6 +1509,16 @@ def choose_layout(an: Analysis, specs_by_key: dict, values: dict, opts):
         "in the graph)"
 
 
+def check_no_shards(example_inputs) -> None:
+    """A graph with attention must see the global view: a shard an earlier graph returned is an error."""
+    for v in example_inputs:
+        if isinstance(v, torch.Tensor) and getattr(v, "_ultraattn_shard", None) is not None:
+            raise ValueError(
+                "a graph with attention received a tensor that an earlier ultraattn graph returned sharded "
+                "(options['outputs']='sharded'): gather it first with ultraattn.undispatch(x), or keep "
+                "options['outputs']='global' where the model has graph breaks between attention regions")
+
+
 def shard_graph(gm: fx.GraphModule, specs: list, opts, example_inputs, graph_index: int) -> ShardRecord | None:
     """Sequence-shard ``gm`` in place for this rank (``opts.world_size`` > 1); None when it has no site to
     shard around. Every rank calls this with the same graph, in the same order (planning is collective)."""
@@ -1513,12 +1526,6 @@ def shard_graph(gm: fx.GraphModule, specs: list, opts, example_inputs, graph_ind
     from ultraattn.runtime.api import _resolve_group
     from ultraattn.runtime.sequence import SequenceShards
 
-    for v in example_inputs:
-        if isinstance(v, torch.Tensor) and getattr(v, "_ultraattn_shard", None) is not None:
-            raise ValueError(
-                "a graph received a tensor that an earlier ultraattn graph returned sharded (options['outputs']="
-                "'sharded'): gather it first with ultraattn.undispatch(x), or keep options['outputs']='global' "
-                "where the model has graph breaks between sharded regions")
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     _refresh_meta(gm, phs, example_inputs)  # the rewritten sites' nodes have no fake values yet
     an = analyse(gm)

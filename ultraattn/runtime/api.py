@@ -388,7 +388,7 @@ def _seq_dim(x: Tensor, seq_dim: int, name: str) -> int:
 
 
 def dispatch(x: Tensor, plan: AttentionPlan, seq_dim: int = 2) -> Tensor:
-    """This rank's tokens of the global tensor ``x`` (sequence on ``seq_dim``), zero-padded at the tail.
+    """This rank's tokens of the global tensor ``x`` (sequence on ``seq_dim``), the tail padded (``SequenceShards``).
 
     Differentiable; the gradient flows to this rank's tokens of ``x`` only.
     """
@@ -415,17 +415,38 @@ def _gather(x: Tensor, plan: AttentionPlan, d: int) -> Tensor:
     return plan.seq.gather(x, d, plan.seq_len)
 
 
-def undispatch(x_local: Tensor, plan: AttentionPlan, seq_dim: int = 2) -> Tensor:
+def undispatch(x_local: Tensor, plan: AttentionPlan | None = None, seq_dim: int = 2) -> Tensor:
     """The global tensor from every rank's tokens (an all-gather), without the tail padding.
 
-    Differentiable: the backward takes this rank's slice of the (replicated) global gradient.
+    ``plan`` None: ``x_local`` is a shard a compiled graph returned (``options={"outputs": "sharded"}``),
+    which carries its layout and sequence dim. Differentiable: the backward takes this rank's slice of the
+    (replicated) global gradient.
     """
+    if plan is None:
+        mark = getattr(x_local, "_ultraattn_shard", None)
+        if mark is None:
+            raise TypeError("`x_local` is not a shard an ultraattn graph returned (options outputs='sharded'); "
+                            "pass the AttentionPlan it was dispatched with as `plan`")
+        seq, dim, length, inner = mark
+        return _GatherShard.apply(x_local, seq, dim, length, inner)
     plan = _check_plan(plan)
     d = _seq_dim(x_local, seq_dim, "x_local")
     if x_local.shape[d] != plan.local_len:
         raise ValueError(f"`x_local` has {x_local.shape[d]} tokens on seq_dim={seq_dim} but this rank holds "
                          f"{plan.local_len} (did you pass a global tensor?)")
     return _Undispatch.apply(x_local, plan, d)
+
+
+class _GatherShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seq: SequenceShards, dim: int, length: int, inner: int):
+        ctx.args = (seq, dim, length, inner)
+        return seq.gather(x, dim, length, inner)
+
+    @staticmethod
+    def backward(ctx, g):
+        seq, dim, length, inner = ctx.args
+        return seq.shard(g, dim, length, inner), None, None, None, None
 
 
 def dist_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor, plan: AttentionPlan, *,

@@ -11,7 +11,8 @@ A dimension "carries the sequence" when its global size is ``outer * length * in
 logits viewed as ``[batch * seq, vocab]`` (outer = batch) or ``[batch, seq * hidden]``
 (inner = hidden). The local tensor has ``outer * local_len * inner`` there, positions in the
 layout's local order; positions at or past ``length`` (the tail padding, or tokens cut off by
-a prefix slice such as ``logits[:, :-1]``) are padding, which ``valid`` marks.
+a prefix slice such as ``logits[:, :-1]``) are padding, which ``valid`` marks. ``shard`` fills the
+tail with copies of the last real position.
 
 Every collective waits at most ``timeout`` seconds and names what it waited for.
 """
@@ -94,8 +95,11 @@ class SequenceShards:
         v, outer = _split_dim(x, dim, length, inner)
         d = dim + 1  # the positions' axis in the view
         if length < lay.padded_len:
-            pad = [0, 0] * (v.dim() - 1 - d) + [0, lay.padded_len - length]
-            v = torch.nn.functional.pad(v, pad)
+            # [Note] padding repeats the last real position, not zeros: every op then sees at the padding
+            # what it sees in real data, so nothing non-finite appears there (x / positions would divide
+            # by zero), which attention's 0-weighted products would carry into real tokens
+            edge = v.narrow(d, length - 1, 1)
+            v = torch.cat([v, edge.expand(*v.shape[:d], lay.padded_len - length, *v.shape[d + 1:])], dim=d)
         c = lay.chunk_size
         local = torch.cat([v.narrow(d, i * c, c) for i in lay.local_chunks(self.rank)], dim=d)
         return local.reshape(*x.shape[:dim], outer * lay.local_len * inner, *x.shape[dim + 1:])

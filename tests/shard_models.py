@@ -1,0 +1,301 @@
+"""Transformer models written the way other codebases write them, for the sequence-sharding tests.
+
+Each style uses its own op vocabulary on purpose (none of it is ultraattn's example model):
+
+* ``llama``: HF-Llama-like. RMSNorm written out (pow, mean, rsqrt), RoPE from cached cos/sin
+  buffers sliced to the length with ``rotate_half``, GQA by ``repeat_kv`` (expand + reshape)
+  and SDPA ``is_causal``, SwiGLU, the loss inside forward with shifted labels and
+  ``ignore_index``.
+* ``gpt2``: nanoGPT-like. Learned positions (``wpe(arange)``), LayerNorm, tanh GELU, one fused
+  QKV projection ``split`` three ways, SDPA ``is_causal``, the LM head tied to the token
+  embedding, the loss inside forward.
+* ``hf``: an HF-style attention module calling SDPA with a boolean ``attn_mask`` that the model
+  builds from an ``attention_mask`` (padding) and ``position_ids`` inputs; returns logits, the loss
+  is computed outside the compiled model.
+* ``unknown``: a cumulative mean over the sequence between the layers (``cumsum`` along the
+  sequence is not token-wise): the pass must run it on gathered data and report it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 64
+
+
+# ----------------------------------------------------------------------------- llama style
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def repeat_kv(x, n_rep: int):
+    b, h, s, d = x.shape
+    if n_rep == 1:
+        return x
+    return x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, dim, heads, kv_heads, max_pos=512):
+        super().__init__()
+        self.h, self.hk, self.d = heads, kv_heads, dim // heads
+        self.q_proj = nn.Linear(dim, heads * self.d, bias=False)
+        self.k_proj = nn.Linear(dim, kv_heads * self.d, bias=False)
+        self.v_proj = nn.Linear(dim, kv_heads * self.d, bias=False)
+        self.o_proj = nn.Linear(heads * self.d, dim, bias=False)
+        inv = 1.0 / (10000 ** (torch.arange(0, self.d, 2).float() / self.d))
+        freqs = torch.outer(torch.arange(max_pos).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cached", emb.cos(), persistent=False)
+        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+
+    def forward(self, x):
+        bsz, q_len, _ = x.size()
+        q = self.q_proj(x).view(bsz, q_len, self.h, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, q_len, self.hk, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, q_len, self.hk, self.d).transpose(1, 2)
+        cos = self.cos_cached[:q_len].to(x.dtype)
+        sin = self.sin_cached[:q_len].to(x.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k, v = repeat_kv(k, self.h // self.hk), repeat_kv(v, self.h // self.hk)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(o.transpose(1, 2).contiguous().view(bsz, q_len, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, 2 * dim, bias=False)
+        self.up_proj = nn.Linear(dim, 2 * dim, bias=False)
+        self.down_proj = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, dim, heads, kv_heads):
+        super().__init__()
+        self.input_layernorm = RMSNorm(dim)
+        self.self_attn = LlamaAttention(dim, heads, kv_heads)
+        self.post_attention_layernorm = RMSNorm(dim)
+        self.mlp = LlamaMLP(dim)
+
+    def forward(self, x):
+        residual = x
+        x = residual + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaLM(nn.Module):
+    def __init__(self, dim=32, heads=4, kv_heads=2, layers=2, unknown_op=False):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(LlamaLayer(dim, heads, kv_heads) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, VOCAB, bias=False)
+        self.unknown_op = unknown_op
+
+    def forward(self, input_ids, labels):
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h)
+            if self.unknown_op and i == 0:
+                # a cumulative mean over the sequence: not token-wise, so it runs on gathered data
+                steps = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype)[None, :, None]
+                h = h + 0.5 * h.cumsum(dim=1) / steps
+        logits = self.lm_head(self.norm(h)).float()
+        shift_logits = logits[..., :-1, :].contiguous()
+        shift_labels = labels[..., 1:].contiguous()
+        return F.cross_entropy(shift_logits.view(-1, VOCAB), shift_labels.view(-1), ignore_index=-100)
+
+
+# ----------------------------------------------------------------------------- gpt-2 style
+class GPTBlock(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.c_fc = nn.Linear(dim, 4 * dim)
+        self.mlp_proj = nn.Linear(4 * dim, dim)
+        self.n_head = heads
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT2(nn.Module):
+    def __init__(self, dim=32, heads=4, layers=2, block_size=512):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, dim)
+        self.wpe = nn.Embedding(block_size, dim)
+        self.h = nn.ModuleList(GPTBlock(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying
+
+    def forward(self, idx, targets):
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+# ----------------------------------------------------------------------------- HF-style attention with a mask
+class HFAttention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.num_heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, hidden_states, attention_mask, cos, sin):
+        bsz, q_len, _ = hidden_states.shape
+        qkv = self.qkv(hidden_states).view(bsz, q_len, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        return self.out_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+class HFLayer(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = HFAttention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x, mask, cos, sin):
+        x = x + self.attn(self.ln1(x), mask, cos, sin)
+        return x + self.fc2(F.relu(self.fc1(self.ln2(x))))
+
+
+class HFModel(nn.Module):
+    def __init__(self, dim=32, heads=4, layers=2, max_pos=512):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(HFLayer(dim, heads) for _ in range(layers))
+        self.final = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+        d = dim // heads
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        bsz, seq = input_ids.shape
+        # the 4-D boolean mask: causal and not a padding key (HF's sdpa mask), [bsz, 1, seq, seq]
+        idx = torch.arange(seq, device=input_ids.device)
+        causal = idx[None, :] <= idx[:, None]
+        mask = causal[None, None, :, :] & attention_mask[:, None, None, :].bool()
+        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h, mask, cos, sin)
+        return self.head(self.final(h))
+
+
+def hf_loss(logits, labels):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+# ----------------------------------------------------------------------------- data and steps
+def build(style: str, dtype=torch.float32, **kw) -> nn.Module:
+    torch.manual_seed(0)
+    if style in ("llama", "unknown"):
+        m = LlamaLM(unknown_op=style == "unknown", **kw)
+    elif style == "gpt2":
+        m = GPT2(**kw)
+    elif style == "hf":
+        m = HFModel(**kw)
+    else:
+        raise ValueError(style)
+    return m.to(dtype)
+
+
+def batch(style: str, seqlen: int, bsz: int = 2) -> tuple:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (bsz, seqlen), generator=g)
+    if style == "gpt2":
+        targets = torch.roll(ids, -1, dims=1)
+        targets[:, -1] = -1
+        return ids, targets
+    labels = ids.clone()
+    if style == "hf":
+        mask = torch.ones(bsz, seqlen, dtype=torch.long)
+        mask[0, -5:] = 0  # right padding in the first row: padded keys are masked, their labels ignored
+        labels[0, -5:] = -100
+        pos = torch.arange(seqlen)[None].expand(bsz, -1).clone()
+        return ids, mask, pos, labels
+    labels[:, :3] = -100  # an ignored prefix
+    return ids, labels
+
+
+def forward(style: str, model, data):
+    if style == "hf":
+        ids, mask, pos, labels = data
+        return hf_loss(model(ids, mask, pos), labels)
+    return model(*data)
+
+
+def step(style: str, model, data) -> dict:
+    model.zero_grad(set_to_none=True)
+    loss = forward(style, model, data)
+    loss.backward()
+    return {"loss": loss.detach().double(),
+            "grads": {n.removeprefix("_orig_mod."): p.grad.detach().double().clone()
+                      for n, p in model.named_parameters()}}
+
+
+def oracle(style: str, seqlen: int) -> tuple[dict, dict]:
+    """(fp64, fp32) eager single-process results."""
+    data = batch(style, seqlen)
+    return tuple(step(style, build(style, dt), data) for dt in (torch.float64, torch.float32))
+
+
+def shard_worker(rank: int, world: int, style: str, seqlen: int, options: dict) -> dict:
+    """One compiled step on this rank; the result and what the sharding pass did."""
+    import ultraattn.passes as P
+
+    model = build(style)
+    cm = torch.compile(model, backend="ultraattn", options=dict(options))
+    res = step(style, cm, batch(style, seqlen))
+    res["records"] = [{"shard": r.extra["shard"].to_dict() if "shard" in r.extra else None,
+                       "code": r.code_after, "rewritten": r.rewritten} for r in P.RECORDS]
+    return res
