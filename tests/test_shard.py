@@ -7,6 +7,10 @@ tensor's scale (Inductor reorders the non-attention reductions).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,13 +143,34 @@ def test_model_styles_match_one_process(style, world):
         assert sh["reductions"] == (0 if style == "hf" else 1)  # the loss inside forward: one all-reduce
 
 
-def test_an_unknown_op_falls_back_and_is_reported():
-    res = run_ranks(shard_worker, 2, args=("unknown", 96, FAST), timeout=900)
+def test_an_unknown_op_falls_back_and_is_reported(tmp_path):
+    path = tmp_path / "report.json"
+    res = run_ranks(shard_worker, 2, args=("unknown", 96, dict(FAST, report_file=str(path))), timeout=900)
     ref64, ref32 = oracle("unknown", 96)
     for r, got in enumerate(res):
         assert not check(got, ref64, ref32), (r, check(got, ref64, ref32))
         (fb,) = got["records"][0]["shard"]["fallbacks"]
         assert fb["op"] == "cumsum" and "not token-wise" in fb["why"] and fb["bytes"] == 2 * 96 * 32 * 4
+    out = subprocess.run([sys.executable, "-m", "ultraattn.cli", "report", str(path)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
+    assert out.returncode == 0, out.stderr
+    assert "sequence sharding" in out.stdout and "gathered fallbacks 1" in out.stdout
+    assert "ops run on gathered data" in out.stdout and "cumsum" in out.stdout and "24,576" in out.stdout
+
+
+def test_explain_shows_what_would_be_sharded():
+    import io
+
+    from rich.console import Console
+
+    import ultraattn
+
+    buf = io.StringIO()
+    res = ultraattn.explain(build("unknown"), *batch("unknown", 256), world_size=4, options=FAST,
+                            console=Console(file=buf, width=200))
+    info = res.records[0].extra["shard_analysis"]
+    assert info["sharded_ops"] > 50 and [f["op"] for f in info["fallbacks"]] == ["cumsum"]
+    assert "sequence sharding would run" in buf.getvalue() and "1 ops on gathered data: cumsum" in buf.getvalue()
 
 
 def _break_worker(rank: int, world: int) -> dict:

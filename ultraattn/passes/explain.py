@@ -95,6 +95,20 @@ def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict |
                           code_after=gm.code, world_size=world_size)
         result.records.append(rec)
         console.print(render_graph_report(rec, full=True))
+        if world_size > 1 and opts.shard and specs:
+            from ultraattn.passes import shard as SH
+
+            SH._refresh_meta(gm, [n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs)
+            an = SH.analyse(gm)
+            if an is not None:
+                info = rec.extra["shard_analysis"] = SH.summarize(gm, an)
+                fb = info["fallbacks"]
+                console.print(f"graph {rec.index}: sequence sharding would run {info['sharded_ops']} ops on local "
+                              f"tokens ({world_size} ranks), {info['reductions']} reductions over the sequence as "
+                              f"local sums + all-reduce, "
+                              + (f"[bold red]{len(fb)} ops on gathered data: "
+                                 + ", ".join(f"{f['op']} ({f['why']})" for f in fb) + "[/bold red]" if fb
+                                 else "[bold green]no gathered fallbacks[/bold green]"))
         site_nodes = {n.args[4]: n for mod in gm.modules() if isinstance(mod, fx.GraphModule)
                       for n in mod.graph.nodes if n.target is torch.ops.ultraattn.site_attention.default}
         for spec in specs:

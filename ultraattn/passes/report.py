@@ -31,7 +31,48 @@ def record_json(rec) -> dict:
         "stats": {sp.name: dict(sp.stats) for sp in rec.specs},
         "aot_graphs": [{k: g[k] for k in ("kind", "expanded", "schedule")} for g in rec.extra.get("aot_graphs", [])
                        if g["expanded"]],
+        "shard": rec.extra["shard"].to_dict() if "shard" in rec.extra else None,
     }
+
+
+def shard_summary(graph: dict) -> Text | None:
+    """One paragraph: what the sequence-sharding pass did to the graph (None: it did not run)."""
+    sh = graph.get("shard")
+    if sh is None:
+        return None
+    n_fb = len(sh["fallbacks"])
+    t = Text()
+    t.append(f"graph {graph['graph']}: sequence sharding", style="bold")
+    t.append(f" · layout {sh['layout']} · {sh['seq_len']} tokens, {sh['local_len']} per rank\n")
+    t.append(f"  ops on local tokens {sh['sharded_ops']} · inputs sliced {len(sh['dispatched'])}")
+    names = sorted({_short(n) for n in sh["dispatched"]})
+    if names:
+        t.append(f" ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''})")
+    t.append(f" · weights entering (gradients all-reduced) {sh['entered']} · reductions over the sequence "
+             f"{sh['reductions']} · replicated ops {sh['replicated_ops']} · ")
+    t.append(f"gathered fallbacks {n_fb}", style="bold red" if n_fb else "bold green")
+    for site, why in sh.get("skipped_sites", {}).items():
+        t.append(f"\n  {site} stays a global-view op: {why}", style="yellow")
+    return t
+
+
+def fallbacks_table(graph: dict) -> Table | None:
+    """Sharded tensors an op outside the region needed whole: each is an all-gather (its bytes, per rank)."""
+    sh = graph.get("shard")
+    if not sh or not sh["fallbacks"]:
+        return None
+    t = Table(title=f"graph {graph['graph']}: ops run on gathered data", title_justify="left")
+    for col in ("gathered", "for op", "why", "bytes"):
+        t.add_column(col, justify="right" if col == "bytes" else "left")
+    for f in sh["fallbacks"]:
+        t.add_row(f["node"], f["op"], f["why"], f"{f['bytes']:,}")
+    return t
+
+
+def _short(name: str) -> str:
+    for pre in ("l_self_modules_", "l_", "L_"):
+        name = name.removeprefix(pre)
+    return name.rstrip("_")
 
 
 def sites_table(graph: dict) -> Table:
@@ -96,7 +137,9 @@ def graph_code(code: str) -> Syntax:
 
 
 def render_graph_report(rec, *, full: bool = False):
-    parts = [sites_table(record_json(rec))]
+    data = record_json(rec)
+    parts = [sites_table(data)]
+    parts += [x for x in (shard_summary(data), fallbacks_table(data)) if x is not None]
     if any(sp.stats["calls"] for sp in rec.specs):  # at compile time nothing has run yet
         parts.append(plans_table(rec.specs))
     if full:
@@ -134,6 +177,9 @@ def render_saved(path: str, console: Console | None = None) -> None:
         data = json.load(fh)
     for g in data["graphs"]:
         console.print(sites_table(g))
+        for part in (shard_summary(g), fallbacks_table(g)):
+            if part is not None:
+                console.print(part)
         console.print(graph_code(g["code"]))
         for entry in g.get("aot_graphs", []):
             console.print(schedule_table(g["graph"], entry))

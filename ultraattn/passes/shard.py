@@ -1479,6 +1479,19 @@ def _impure(n: fx.Node) -> bool:
 
 
 
+def summarize(gm: fx.GraphModule, an: Analysis) -> dict:
+    """What lowering would do, from the analysis alone (``ultraattn.explain``: no process group needed)."""
+    local = {n for n, m in an.mode.items() if m == "shard"}
+    fallbacks = []
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method") and n not in an.mode:
+            for m in n.all_input_nodes:
+                if m in local and not (opname(n) in ("size", "dim", "numel")):
+                    fallbacks.append({"node": m.name, "op": opname(n) or str(n.target), "why": _why(n)})
+    return {"sharded_ops": len(local), "reductions": sum(m == "reduce" for m in an.mode.values()),
+            "fallbacks": fallbacks, "skipped_sites": dict(an.skipped_sites), "seq_len": an.seq_len}
+
+
 # ----------------------------------------------------------------------------- the backend's entry
 def choose_layout(an: Analysis, specs_by_key: dict, values: dict, opts):
     """The graph's token layout: the first attention's own plan (planned now, without a given layout, where its
