@@ -12,6 +12,8 @@ Each style uses its own op vocabulary on purpose (none of it is ultraattn's exam
 * ``hf``: an HF-style attention module calling SDPA with a boolean ``attn_mask`` that the model
   builds from an ``attention_mask`` (padding) and ``position_ids`` inputs; returns logits, the loss
   is computed outside the compiled model.
+* ``pool``: a bidirectional encoder (SDPA without a mask) with mean pooling over the tokens and a
+  classifier: a reduction over the sequence inside the model, then a per-sequence loss.
 * ``unknown``: a cumulative mean over the sequence between the layers (``cumsum`` along the
   sequence is not token-wise): the pass must run it on gathered data and report it.
 """
@@ -146,7 +148,8 @@ class GPTBlock(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0,
+                                           is_causal=getattr(self, "causal", True))
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         x = x + self.c_proj(y)
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
@@ -231,6 +234,26 @@ class HFModel(nn.Module):
         return self.head(self.final(h))
 
 
+class PoolClassifier(nn.Module):
+    """Encoder layers (GPT-2 blocks without the causal mask), mean pooling, a classifier."""
+
+    def __init__(self, dim=32, heads=4, layers=2, classes=5):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads) for _ in range(layers))
+        for b in self.blocks:
+            b.causal = False
+        self.norm = nn.LayerNorm(dim)
+        self.cls = nn.Linear(dim, classes)
+
+    def forward(self, ids, target):
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = b(h)
+        pooled = self.norm(h).mean(dim=1)
+        return F.cross_entropy(self.cls(pooled), target)
+
+
 def hf_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
 
@@ -244,6 +267,8 @@ def build(style: str, dtype=torch.float32, **kw) -> nn.Module:
         m = GPT2(**kw)
     elif style == "hf":
         m = HFModel(**kw)
+    elif style == "pool":
+        m = PoolClassifier(**kw)
     else:
         raise ValueError(style)
     return m.to(dtype)
@@ -252,6 +277,8 @@ def build(style: str, dtype=torch.float32, **kw) -> nn.Module:
 def batch(style: str, seqlen: int, bsz: int = 2) -> tuple:
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB, (bsz, seqlen), generator=g)
+    if style == "pool":
+        return ids, torch.randint(0, 5, (bsz,), generator=g)
     if style == "gpt2":
         targets = torch.roll(ids, -1, dims=1)
         targets[:, -1] = -1

@@ -127,11 +127,14 @@ def test_an_op_along_the_sequence_stays_outside():
 
 
 # ----------------------------------------------------------------------------- across ranks
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("style", ["llama", "gpt2", "hf"])
+@pytest.mark.parametrize("world,style", [(2, "llama"), (2, "gpt2"), (2, "hf"), (2, "pool"), (4, "llama"), (4, "gpt2"),
+                                         (4, "hf")])
 def test_model_styles_match_one_process(style, world):
+    """At 4 ranks the graphs run under aot_eager: the same sharded graph and explicit per-rank programs as under
+    Inductor (which the 2-rank runs and test_backend's 4-rank runs compile), at a third of the compile time."""
     seqlen = 120  # not a multiple of the block: the layout pads the tail
-    res = run_ranks(shard_worker, world, args=(style, seqlen, FAST), timeout=900)
+    opts = dict(FAST, compiler="aot_eager") if world == 4 else FAST
+    res = run_ranks(shard_worker, world, args=(style, seqlen, opts), timeout=900)
     ref64, ref32 = oracle(style, seqlen)
     for r, got in enumerate(res):
         assert not check(got, ref64, ref32), (r, check(got, ref64, ref32))
@@ -140,7 +143,8 @@ def test_model_styles_match_one_process(style, world):
         assert sh is not None and sh["sharded_ops"] > 20 and sh["fallbacks"] == [], sh
         assert sh["entered"] > 0 and not sh["skipped_sites"]
         assert "site_attention_local" in rec["code"] and "site_attention.default" not in rec["code"]
-        assert sh["reductions"] == (0 if style == "hf" else 1)  # the loss inside forward: one all-reduce
+        # the loss inside forward: one all-reduce (pool: the mean over tokens; its loss is per sequence)
+        assert sh["reductions"] == (0 if style == "hf" else 1)
 
 
 def test_an_unknown_op_falls_back_and_is_reported(tmp_path):
@@ -218,14 +222,25 @@ def _sharded_outputs_worker(rank: int, world: int) -> dict:
     full = ultraattn.undispatch(local)
     loss = F.cross_entropy(full[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
     loss.backward()
-    return {"local_shape": tuple(local.shape), "full": full.detach(), "loss": loss.detach().double(),
-            "grads": {n: p.grad.double() for n, p in model.named_parameters()},
-            "local_len": P.RECORDS[-1].extra["shard"].local_len}
+    out = {"local_shape": tuple(local.shape), "full": full.detach(), "loss": loss.detach().double(),
+           "grads": {n: p.grad.double() for n, p in model.named_parameters()},
+           "local_len": P.RECORDS[-1].extra["shard"].local_len, "error": "no error"}
+
+    def attend(x):  # [2, 1, local tokens, vocab] as q, k, v: attention over a shard, as if it were global
+        q = x[:, None]
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
+
+    try:
+        torch.compile(attend, backend="ultraattn", options=FAST)(local)
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        out["error"] = str(exc)
+    return out
 
 
 def test_sharded_outputs_and_undispatch():
     """options outputs='sharded': the logits stay on local tokens; ultraattn.undispatch gathers them (and is
-    differentiable), giving one process's logits and gradients."""
+    differentiable), giving one process's logits and gradients. A shard passed into another graph with
+    attention is an error that says what to do."""
     res = run_ranks(_sharded_outputs_worker, 2, timeout=900)
     ref64, ref32 = oracle("hf", 96)
     want = build("hf")(*batch("hf", 96)[:3]).detach()
@@ -233,32 +248,12 @@ def test_sharded_outputs_and_undispatch():
         assert got["local_shape"] == (2, got["local_len"], VOCAB) and got["local_len"] < 96
         torch.testing.assert_close(got["full"], want, rtol=1e-5, atol=1e-5)
         assert not check(got, ref64, ref32), check(got, ref64, ref32)
-
-
-def _sharded_into_graph_worker(rank: int, world: int) -> str:
-    model = build("hf")
-    ids, mask, pos, labels = batch("hf", 96)
-    cm = torch.compile(model, backend="ultraattn", options=dict(FAST, outputs="sharded"))
-    local = cm(ids, mask, pos)
-    try:
-        def attend(x):  # [2, 1, local tokens, vocab] as q, k, v: attention over a shard
-            q = x[:, None]
-            return F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
-
-        torch.compile(attend, backend="ultraattn", options=FAST)(local)
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return str(exc)
-    return "no error"
-
-
-def test_a_shard_passed_into_another_graph_is_an_error():
-    for msg in run_ranks(_sharded_into_graph_worker, 2, timeout=900):
-        assert "returned sharded" in msg and "ultraattn.undispatch" in msg, msg
+        assert "returned sharded" in got["error"] and "ultraattn.undispatch" in got["error"], got["error"]
 
 
 # ----------------------------------------------------------------------------- must not fire
 def test_shard_false_keeps_activations_replicated():
-    res = run_ranks(shard_worker, 2, args=("llama", 96, dict(FAST, shard=False)), timeout=900)
+    res = run_ranks(shard_worker, 2, args=("llama", 96, dict(FAST, shard=False, compiler="aot_eager")), timeout=900)
     ref64, ref32 = oracle("llama", 96)
     for got in res:
         assert not check(got, ref64, ref32)

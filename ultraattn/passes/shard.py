@@ -707,6 +707,8 @@ class GetItem(Rule):
 
     def lower(self, cx, n):
         if self.tuple_input(n):
+            if n.args[0] not in cx.local:
+                raise RuntimeError("the tuple it indexes runs replicated")
             return cx.copy_sharded(n)
         x = n.args[0]
         want = cx.want(n, x)
@@ -1447,7 +1449,15 @@ def lower(gm: fx.GraphModule, an: Analysis, key: str, *, outputs: str, local_len
             cx.rep[n] = new
             rec.replicated_ops += 1
             continue
-        new = rule_for(n).lower(cx, n)
+        try:
+            new = rule_for(n).lower(cx, n)
+        except Exception as exc:  # noqa: BLE001 - never wrong: run it on gathered data and say why
+            cx.mode.pop(n)
+            rec.fallbacks.append(Fallback(node=n.name, op=opname(n) or str(n.target),
+                                          why=f"its sharded form failed ({type(exc).__name__}: {exc})", bytes=0))
+            cx.rep[n] = g.node_copy(n, lambda m: cx.rep_of(m))
+            rec.replicated_ops += 1
+            continue
         new.meta = {k: v for k, v in n.meta.items() if k not in ("example_value", "val", "tensor_meta")}
         if mode == "reduce":
             cx.rep[n] = new
