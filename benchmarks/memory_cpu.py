@@ -97,7 +97,7 @@ def run_mode(rank: int, world: int, mode: str, args) -> dict:
         peaks.append(_status("VmHWM") - base)
         barrier()
     out = {"peak_bytes": max(peaks), "seconds": min(seconds), "first_step_seconds": compile_s,
-           "loss": float(loss), "grads": {n.removeprefix("_orig_mod."): p.grad.detach().clone()
+           "loss": loss.item(), "grads": {n.removeprefix("_orig_mod."): p.grad.detach().clone()
                                           for n, p in model.named_parameters()}}
     if mode != "single":
         import ultraattn.passes as P
@@ -167,8 +167,8 @@ def plot(result: dict, path: Path) -> None:
 
     modes = [m for m in MODES if m in result["modes"]]
     c = result["config"]
-    labels = {"single": "1 process", "attn_cp": f"attention-only CP\n({c['world']} ranks)",
-              "sharded": f"sequence-sharded CP\n({c['world']} ranks)"}
+    labels = {"single": "1 process", "attn_cp": f"attention-only\nCP ({c['world']} ranks)",
+              "sharded": f"sequence-sharded\nCP ({c['world']} ranks)"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     peaks = [result["modes"][m]["peak_bytes"] / 2**30 for m in modes]
     bars = a.bar([labels[m] for m in modes], peaks, color=["#777", "#d88", "#4a8"][:len(modes)])

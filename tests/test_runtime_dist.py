@@ -65,6 +65,16 @@ def test_world1_matches_reference(case):
     assert res["records"] == [] and res["transfers"] == []
 
 
+@pytest.mark.parametrize("case", _lib(seqlen=200, heads=4, kv_heads=2, batch=2)[:4], ids=lambda c: c.name)
+def test_world1_tiles_in_column_pieces(case, monkeypatch):
+    """A workspace cap below one KV block: every tile runs one KV block at a time (forward merges, backward sums)."""
+    import ultraattn.runtime.tiles as tiles
+
+    monkeypatch.setattr(tiles, "TILE_ELEMS", 1)
+    res = run_case(case, 0, 1)
+    assert not check_numerics(case, res)
+
+
 # ----------------------------------------------------------------------------- world 2, 3, 4
 def test_world2_every_mask_gqa4():
     run_and_check(_lib(seqlen=200, heads=4, kv_heads=1), 2)

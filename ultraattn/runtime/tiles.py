@@ -39,6 +39,12 @@ MASK_CACHE_BYTES = 512 << 20
 #: rows per Q tile at most, and the extra (EMPTY, masked) work a tile may carry to be one launch
 TILE_ROWS = 512
 TILE_WASTE = 0.15
+#: fp32 score elements (batch x query heads x rows x kv columns) one matmul produces at most. Consecutive Q
+#: blocks merge into a tile only below it, and a tile wider than it runs in column pieces (the forward
+#: merges the pieces' (o, lse); the backward, which uses the global LSE, just sums). The workspace (scores,
+#: and dS beside them in the backward) stays 16 MiB a buffer however long the sequence, so the peak of a
+#: sharded model's step follows its activations rather than its longest attention row.
+TILE_ELEMS = 1 << 22
 
 
 def group_kind_grid(pattern: BlockPattern, heads: range, padded_blocks_q: int, padded_blocks_k: int) -> Tensor:
@@ -83,6 +89,38 @@ class TileGeometry:
     def hk(self) -> int:
         return self.num_kv_heads // self.head_groups
 
+    def pieces(self, g: int, i: int, kv_ids: Tensor) -> list[tuple[int, int, Tensor, bool]]:
+        """``tiles`` with every tile wider than ``TILE_ELEMS`` cut into column pieces of whole KV blocks.
+
+        Each piece is ``(a, b, sel, need_mask)`` like a tile; a piece whose blocks are all FULL (and
+        inside the sequence) needs no mask, so a causal row masks only its diagonal piece.
+        """
+        key = ("pieces", g, i, tuple(kv_ids.tolist()))
+        hit = self.mask_cache.get(key)
+        if hit is not None:
+            return hit
+        nqb = self.chunk // self.q_block
+        kinds = self.kind_gQK[g][i * nqb:(i + 1) * nqb][:, kv_ids]
+        out = []
+        for a, b, sel, need in self.tiles(g, i, kv_ids):
+            per_block = self.batch * self.hq * (b - a) * self.q_block * self.kv_block
+            width = max(1, TILE_ELEMS // per_block)
+            if sel.numel() <= width:
+                out.append((a, b, sel, need))
+                continue
+            for p0 in range(0, sel.numel(), width):
+                part = sel[p0:p0 + width]
+                out.append((a, b, part, need and self._needs_mask(i * nqb + a, b - a, kinds[a:b][:, part],
+                                                                     kv_ids[part])))
+        self.mask_cache[key] = out
+        return out
+
+    def _needs_mask(self, qa0: int, nq: int, kinds: Tensor, blocks: Tensor) -> bool:
+        """Whether Q blocks ``qa0 .. qa0+nq`` against KV ``blocks`` (kinds ``[nq, m]``) need the mask_mod."""
+        s, bq, bk = self.seq_len, self.q_block, self.kv_block
+        tail = (qa0 + nq) * bq > s or int(blocks.max()) * bk + bk > s
+        return bool(tail or not bool((kinds == FULL).all()))
+
     def tiles(self, g: int, i: int, kv_ids: Tensor) -> list[tuple[int, int, Tensor, bool]]:
         """Q tiles of row chunk ``i``: (first, last+1 Q block within the chunk, KV block positions into
         ``kv_ids``, whether a mask is needed). Cached.
@@ -99,6 +137,7 @@ class TileGeometry:
         kinds = self.kind_gQK[g][i * nqb:(i + 1) * nqb][:, kv_ids]  # [nqb, m]
         nonempty = kinds != EMPTY
         max_blocks = max(1, TILE_ROWS // self.q_block)
+        per_cell = self.batch * self.hq * self.q_block * self.kv_block  # score elements per (Q, KV) block pair
         out = []
         a = 0
         while a < nqb:
@@ -111,13 +150,11 @@ class TileGeometry:
                 w2 = work + int(nonempty[b].sum())
                 if int(u2.sum()) * (b + 1 - a) > (1 + TILE_WASTE) * w2:
                     break
+                if int(u2.sum()) * (b + 1 - a) * per_cell > TILE_ELEMS:
+                    break
                 union, work, b = u2, w2, b + 1
             sel = union.nonzero().flatten()
-            s, bq, bk = self.seq_len, self.q_block, self.kv_block
-            qa0 = i * nqb + a
-            tail = (qa0 + (b - a)) * bq > s or int(kv_ids[sel].max()) * bk + bk > s
-            need = bool(tail or not bool((kinds[a:b][:, sel] == FULL).all()))
-            out.append((a, b, sel, need))
+            out.append((a, b, sel, self._needs_mask(i * nqb + a, b - a, kinds[a:b][:, sel], kv_ids[sel])))
             a = b
         self.mask_cache[key] = out
         return out
@@ -262,7 +299,8 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
     o = torch.zeros(bsz, hk, r, c, d, dtype=torch.float32, device=q.device)
     lse = torch.full((bsz, hk, r, c), -math.inf, dtype=torch.float32, device=q.device)
     nqb = c // bq
-    for a, b, sel, need_mask in geo.tiles(g, i, kv_ids):
+    pieces = geo.pieces(g, i, kv_ids)
+    for n, (a, b, sel, need_mask) in enumerate(pieces):
         rows = slice(a * bq, b * bq)
         t = (b - a) * bq
         ks = kb[:, :, sel].reshape(bsz, hk, -1, d)
@@ -275,8 +313,11 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
             s.view(bsz, hk, r, t, -1).masked_fill_(~m, -math.inf)
         lse_t = torch.logsumexp(s, -1)
         s.sub_(torch.where(torch.isinf(lse_t), torch.zeros_like(lse_t), lse_t)[..., None]).exp_()
-        o[:, :, :, rows] = torch.matmul(s, vs).view(bsz, hk, r, t, d)
-        lse[:, :, :, rows] = lse_t.view(bsz, hk, r, t)
+        part = (torch.matmul(s, vs).view(bsz, hk, r, t, d), lse_t.view(bsz, hk, r, t))
+        del s
+        if n and pieces[n - 1][:2] == (a, b):   # another column piece of the same rows: merge
+            part = merge_partial((o[:, :, :, rows], lse[:, :, :, rows]), part)
+        o[:, :, :, rows], lse[:, :, :, rows] = part
     return o.view(bsz, hq, c, d), lse.view(bsz, hq, c)
 
 
@@ -307,7 +348,7 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
     delta5 = delta.view(bsz, hk, r, c)
     dq = torch.zeros(bsz, hk, r, c, d, dtype=torch.float32, device=q.device)
     nqb = c // bq
-    for a, b, sel, need_mask in geo.tiles(g, i, kv_ids):
+    for a, b, sel, need_mask in geo.pieces(g, i, kv_ids):   # column pieces of a row sum into dq
         rows = slice(a * bq, b * bq)
         t = (b - a) * bq
         m_sel = sel.numel()
@@ -323,7 +364,7 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
         dv = torch.matmul(p.transpose(-1, -2), dos)                              # sums the r heads
         ds = torch.matmul(dos, vs.transpose(-1, -2))
         ds.sub_(delta5[:, :, :, rows].reshape(bsz, hk, r * t, 1)).mul_(p)       # P * (dP - delta)
-        dq[:, :, :, rows] = (torch.matmul(ds, ks) * scale).view(bsz, hk, r, t, d)
+        dq[:, :, :, rows] += (torch.matmul(ds, ks) * scale).view(bsz, hk, r, t, d)
         dk = torch.matmul(ds.transpose(-1, -2), qs)                              # qs carries the scale
         dkb.index_add_(2, sel.to(dkb.device), dk.view(bsz, hk, m_sel, bk, d))
         dvb.index_add_(2, sel.to(dvb.device), dv.view(bsz, hk, m_sel, bk, d))
