@@ -108,8 +108,9 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaLM(nn.Module):
-    def __init__(self, dim=32, heads=4, kv_heads=2, layers=2, unknown_op=False):
+    def __init__(self, dim=32, heads=4, kv_heads=2, layers=2, unknown_op=False, checkpoint=False):
         super().__init__()
+        self.checkpoint = checkpoint
         self.embed_tokens = nn.Embedding(VOCAB, dim)
         self.layers = nn.ModuleList(LlamaLayer(dim, heads, kv_heads) for _ in range(layers))
         self.norm = RMSNorm(dim)
@@ -119,7 +120,8 @@ class LlamaLM(nn.Module):
     def forward(self, input_ids, labels):
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            h = layer(h)
+            # HF's gradient_checkpointing: each layer recomputed in the backward
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False) if self.checkpoint else layer(h)
             if self.unknown_op and i == 0:
                 # a cumulative mean over the sequence: not token-wise, so it runs on gathered data
                 steps = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype)[None, :, None]
@@ -261,8 +263,8 @@ def hf_loss(logits, labels):
 # ----------------------------------------------------------------------------- data and steps
 def build(style: str, dtype=torch.float32, **kw) -> nn.Module:
     torch.manual_seed(0)
-    if style in ("llama", "unknown"):
-        m = LlamaLM(unknown_op=style == "unknown", **kw)
+    if style in ("llama", "unknown", "llama_ckpt"):
+        m = LlamaLM(unknown_op=style == "unknown", checkpoint=style == "llama_ckpt", **kw)
     elif style == "gpt2":
         m = GPT2(**kw)
     elif style == "hf":
@@ -324,5 +326,6 @@ def shard_worker(rank: int, world: int, style: str, seqlen: int, options: dict) 
     cm = torch.compile(model, backend="ultraattn", options=dict(options))
     res = step(style, cm, batch(style, seqlen))
     res["records"] = [{"shard": r.extra["shard"].to_dict() if "shard" in r.extra else None,
-                       "code": r.code_after, "rewritten": r.rewritten} for r in P.RECORDS]
+                       "code": r.code_after, "rewritten": r.rewritten,
+                       "aot": {g["kind"]: g["code"] for g in r.extra.get("aot_graphs", [])}} for r in P.RECORDS]
     return res

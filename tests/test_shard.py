@@ -147,6 +147,21 @@ def test_model_styles_match_one_process(style, world):
         assert sh["reductions"] == (0 if style == "hf" else 1)
 
 
+def test_checkpointed_layers_are_sharded_and_still_recomputed():
+    """torch.utils.checkpoint around each layer (HF's gradient_checkpointing): the regions are inlined into the
+    sharded graph, and the backward still recomputes them (the attention tiles' forward runs again there)."""
+    res = run_ranks(shard_worker, 2, args=("llama_ckpt", 120, FAST), timeout=900)
+    ref64, ref32 = oracle("llama", 120)
+    for r, got in enumerate(res):
+        assert not check(got, ref64, ref32), (r, check(got, ref64, ref32))
+        (rec,) = got["records"]
+        sh = rec["shard"]
+        assert sh["inlined_checkpoints"] == 2 and sh["fallbacks"] == [] and sh["sharded_ops"] > 20, sh
+        assert "tag_activation_checkpoint" not in rec["code"]
+        fwd, bwd = rec["aot"]["forward"], rec["aot"]["backward"]
+        assert fwd.count("cp_tile_fwd.default(") == bwd.count("cp_tile_fwd.default(") > 0  # recomputed, every tile
+
+
 def test_an_unknown_op_falls_back_and_is_reported(tmp_path):
     path = tmp_path / "report.json"
     res = run_ranks(shard_worker, 2, args=("unknown", 96, dict(FAST, report_file=str(path))), timeout=900)

@@ -98,6 +98,7 @@ def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict |
         if world_size > 1 and opts.shard and specs:
             from ultraattn.passes import shard as SH
 
+            SH.inline_checkpoints(gm)
             SH._refresh_meta(gm, [n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs)
             an = SH.analyse(gm)
             if an is not None:

@@ -51,6 +51,9 @@ def shard_summary(graph: dict) -> Text | None:
     t.append(f" · weights entering (gradients all-reduced) {sh['entered']} · reductions over the sequence "
              f"{sh['reductions']} · replicated ops {sh['replicated_ops']} · ")
     t.append(f"gathered fallbacks {n_fb}", style="bold red" if n_fb else "bold green")
+    if sh.get("inlined_checkpoints"):
+        t.append(f"\n  {sh['inlined_checkpoints']} activation-checkpoint regions inlined (still recomputed in the "
+                 "backward)")
     for site, why in sh.get("skipped_sites", {}).items():
         t.append(f"\n  {site} stays a global-view op: {why}", style="yellow")
     return t

@@ -43,8 +43,9 @@ padding, excluded from every reduction over the sequence and dropped by gathers.
 
 Caution: dropout runs on local tokens with this rank's random stream (a different mask than
 one process would draw; the same distribution). In-place ops are sharded only together with
-the tensor they modify. Higher-order ops (activation checkpointing, custom autograd functions)
-run on replicated data for now: correct, and listed as fallbacks.
+the tensor they modify. Activation-checkpoint regions are inlined first, tagged so that AOT autograd
+still recomputes them (``inline_checkpoints``); other higher-order ops (selective checkpointing,
+custom autograd functions) run on replicated data: correct, and listed as fallbacks.
 """
 
 from __future__ import annotations
@@ -1235,12 +1236,15 @@ class ShardRecord:
     skipped_sites: dict = field(default_factory=dict)
     key: str = ""
     """The layout's key in ``seq_ops.LAYOUTS``."""
+    inlined_checkpoints: int = 0
+    """Activation-checkpoint regions inlined (still recomputed in the backward: ``inline_checkpoints``)."""
 
     def to_dict(self) -> dict:
         return {"layout": self.layout, "seq_len": self.seq_len, "local_len": self.local_len,
                 "sharded_ops": self.sharded_ops, "reductions": self.reductions, "dispatched": list(self.dispatched),
                 "entered": self.entered, "replicated_ops": self.replicated_ops,
-                "fallbacks": [f.__dict__ for f in self.fallbacks], "skipped_sites": dict(self.skipped_sites)}
+                "fallbacks": [f.__dict__ for f in self.fallbacks], "skipped_sites": dict(self.skipped_sites),
+                "inlined_checkpoints": self.inlined_checkpoints}
 
 
 class Lowering:
@@ -1542,6 +1546,69 @@ def check_no_shards(example_inputs) -> None:
                 "options['outputs']='global' where the model has graph breaks between attention regions")
 
 
+def _has_site(gm: fx.GraphModule) -> bool:
+    op = torch.ops.ultraattn.site_attention.default
+    return any(n.op == "call_function" and n.target is op for n in gm.graph.nodes) or \
+        any(_has_site(m) for name, m in gm.named_children() if isinstance(m, fx.GraphModule))
+
+
+def inline_checkpoints(gm: fx.GraphModule) -> int:
+    """Inline the bodies of activation-checkpoint regions (``torch.utils.checkpoint`` under Dynamo: the
+    ``tag_activation_checkpoint`` higher-order op) into ``gm``, so the analysis sees one flat graph.
+
+    Checkpointing is kept: each inlined node carries the tags the higher-order op would have given it when
+    AOT autograd traced it (``recompute = PREFER_RECOMPUTE`` and one ``ac_graph_id`` per region), which
+    make_fx copies onto the aten nodes, so the partitioner recomputes the region in the backward exactly
+    as before. Regions with a selective-checkpoint policy (``context_fn``) or nested higher-order ops stay
+    as they are (run on gathered data, reported as fallbacks). Returns how many regions were inlined.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    g = gm.graph
+    done = 0
+    for n in list(g.nodes):
+        if hop is None or n.op != "call_function" or n.target is not hop or n.args[0].op != "get_attr":
+            continue
+        body = getattr(gm, n.args[0].target)
+        if "_checkpoint_context_fn" in getattr(body, "meta", {}) or set(n.kwargs) - {"use_reentrant"}:
+            continue
+        if any(b.op not in ("placeholder", "output", "call_function", "call_method") or
+               isinstance(b.target, torch._ops.HigherOrderOperator) for b in body.graph.nodes):
+            continue
+        if any(u.op != "call_function" or u.target is not operator.getitem for u in n.users):
+            continue
+        _AC_IDS[0] += 1
+        env: dict[fx.Node, object] = dict(zip([b for b in body.graph.nodes if b.op == "placeholder"], n.args[1:]))
+        outs = None
+        with g.inserting_before(n):
+            for b in body.graph.nodes:
+                if b.op == "output":
+                    outs = fx.map_arg(b.args[0], lambda m: env[m])
+                elif b.op != "placeholder":
+                    new = g.node_copy(b, lambda m: env[m])
+                    new.meta = dict(b.meta, recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=_AC_IDS[0])
+                    env[b] = new
+        outs = outs if isinstance(outs, tuple | list) else (outs,)
+        for u in list(n.users):
+            u.replace_all_uses_with(outs[u.args[1]])
+            g.erase_node(u)
+        attr = n.args[0]
+        g.erase_node(n)
+        if not attr.users:
+            g.erase_node(attr)
+        done += 1
+    if done:
+        g.lint()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return done
+
+
+_AC_IDS = [1 << 20]
+"""A counter for the inlined regions' ``ac_graph_id`` (apart from torch's own, which start at 1)."""
+
+
 def shard_graph(gm: fx.GraphModule, specs: list, opts, example_inputs, graph_index: int) -> ShardRecord | None:
     """Sequence-shard ``gm`` in place for this rank (``opts.world_size`` > 1); None when it has no site to
     shard around. Every rank calls this with the same graph, in the same order (planning is collective)."""
@@ -1549,6 +1616,9 @@ def shard_graph(gm: fx.GraphModule, specs: list, opts, example_inputs, graph_ind
     from ultraattn.runtime.api import _resolve_group
     from ultraattn.runtime.sequence import SequenceShards
 
+    if not _has_site(gm):
+        return None
+    inlined = inline_checkpoints(gm)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     _refresh_meta(gm, phs, example_inputs)  # the rewritten sites' nodes have no fake values yet
     an = analyse(gm)
@@ -1567,6 +1637,7 @@ def shard_graph(gm: fx.GraphModule, specs: list, opts, example_inputs, graph_ind
     rec = lower(gm, an, key, outputs=opts.outputs, local_len=layout.local_len,
                 layout_text=f"{layout.to_string()} ({how})", debug=opts.debug)
     rec.key = key
+    rec.inlined_checkpoints = inlined
     _refresh_meta(gm, phs, example_inputs)
     return rec
 
