@@ -1,10 +1,7 @@
 """The ``ultraattn`` torch.compile backend: registration, options, capture, rewrite, numerics across ranks.
 
-Numerics: a compiled model's loss and every parameter gradient against the fp64 eager
-single-device model (flex models: SDPA with the same dense mask), by the 2x rule of DESIGN.md
-with the fp32 eager model as the same-precision reference. The floor is 16 fp32 ulps of each
-tensor's scale: Inductor legitimately reorders the non-attention reductions (layer norm, cross
-entropy), which moves fp32 results by a few ulps even without ultraattn.
+Numerics: tests/numerics.py (the 2x rule against the fp64 eager single-device model; flex models'
+reference is SDPA with the same dense mask).
 """
 
 from __future__ import annotations
@@ -17,37 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from backend_models import Tiny, build, compiled_worker, inputs, make_masks, oracle, step
+from numerics import check_step, fresh_dynamo  # noqa: F401 - fresh_dynamo: an autouse fixture
 
 import ultraattn.passes as P
 from ultraattn.testing import run_ranks
 
 FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 60.0}
-EPS = torch.finfo(torch.float32).eps
-
-
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max())
 
 
 def check_against_oracle(spec: dict, got: dict) -> list[str]:
-    ref64, ref32 = oracle(spec)
-    bad = []
-    pairs = [("loss", got["loss"], ref64["loss"], ref32["loss"])]
-    pairs += [(n, got["grads"][n], ref64["grads"][n], ref32["grads"][n]) for n in ref64["grads"]]
-    for name, g, r64, r32 in pairs:
-        tol = 2 * _err(r32, r64) + 16 * EPS * (float(r64.abs().max()) or 1.0)
-        e = _err(g, r64)
-        if not e <= tol:
-            bad.append(f"{name}: err {e:.3g} > {tol:.3g}")
-    return bad
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    P.reset()
-    yield
-    torch._dynamo.reset()
+    return check_step(got, *oracle(spec))
 
 
 # ----------------------------------------------------------------------------- registration, options

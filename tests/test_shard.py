@@ -1,8 +1,7 @@
 """Sequence sharding (``ultraattn/passes/shard.py``): the whole graph on local tokens, exact against one process.
 
-Numerics as in test_backend.py: the loss and every parameter gradient of the compiled model on each rank
-against the fp64 eager single-process model, within 2x the fp32 eager model's error plus 16 fp32 ulps of the
-tensor's scale (Inductor reorders the non-attention reductions).
+Numerics: tests/numerics.py (the loss and every parameter gradient of the compiled model on each rank
+against the fp64 eager single-process model by the 2x rule).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import check_step, fresh_dynamo  # noqa: F401 - fresh_dynamo: an autouse fixture
 from shard_models import VOCAB, batch, build, oracle, shard_worker
 
 import ultraattn.passes as P
@@ -21,31 +21,6 @@ from ultraattn.passes import shard as SH
 from ultraattn.testing import run_ranks
 
 FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 60.0, "block_size": 32}  # small chunks: little padding
-EPS = torch.finfo(torch.float32).eps
-
-
-def _err(a, b) -> float:
-    return float((a.double() - b.double()).abs().max())
-
-
-def check(got: dict, ref64: dict, ref32: dict) -> list[str]:
-    bad = []
-    pairs = [("loss", got["loss"], ref64["loss"], ref32["loss"])]
-    pairs += [(n, got["grads"][n], ref64["grads"][n], ref32["grads"][n]) for n in ref64["grads"]]
-    for name, g, r64, r32 in pairs:
-        tol = 2 * _err(r32, r64) + 16 * EPS * (float(r64.abs().max()) or 1.0)
-        if not _err(g, r64) <= tol:
-            bad.append(f"{name}: err {_err(g, r64):.3g} > {tol:.3g}")
-    return bad
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    P.reset()
-    yield
-    torch._dynamo.reset()
-
 
 # ----------------------------------------------------------------------------- pure pieces (no ranks)
 @pytest.mark.parametrize("src,dst,spec,want", [
@@ -137,7 +112,7 @@ def test_model_styles_match_one_process(style, world):
     res = run_ranks(shard_worker, world, args=(style, seqlen, opts), timeout=900)
     ref64, ref32 = oracle(style, seqlen)
     for r, got in enumerate(res):
-        assert not check(got, ref64, ref32), (r, check(got, ref64, ref32))
+        assert not check_step(got, ref64, ref32), (r, check_step(got, ref64, ref32))
         (rec,) = got["records"]
         sh = rec["shard"]
         assert sh is not None and sh["sharded_ops"] > 20 and sh["fallbacks"] == [], sh
@@ -153,7 +128,7 @@ def test_checkpointed_layers_are_sharded_and_still_recomputed():
     res = run_ranks(shard_worker, 2, args=("llama_ckpt", 120, FAST), timeout=900)
     ref64, ref32 = oracle("llama", 120)
     for r, got in enumerate(res):
-        assert not check(got, ref64, ref32), (r, check(got, ref64, ref32))
+        assert not check_step(got, ref64, ref32), (r, check_step(got, ref64, ref32))
         (rec,) = got["records"]
         sh = rec["shard"]
         assert sh["inlined_checkpoints"] == 2 and sh["fallbacks"] == [] and sh["sharded_ops"] > 20, sh
@@ -167,7 +142,7 @@ def test_an_unknown_op_falls_back_and_is_reported(tmp_path):
     res = run_ranks(shard_worker, 2, args=("unknown", 96, dict(FAST, report_file=str(path))), timeout=900)
     ref64, ref32 = oracle("unknown", 96)
     for r, got in enumerate(res):
-        assert not check(got, ref64, ref32), (r, check(got, ref64, ref32))
+        assert not check_step(got, ref64, ref32), (r, check_step(got, ref64, ref32))
         (fb,) = got["records"][0]["shard"]["fallbacks"]
         assert fb["op"] == "cumsum" and "not token-wise" in fb["why"] and fb["bytes"] == 2 * 96 * 32 * 4
     out = subprocess.run([sys.executable, "-m", "ultraattn.cli", "report", str(path)], capture_output=True,
@@ -223,7 +198,7 @@ def test_a_graph_break_between_two_sharded_regions():
         loss.backward()
         ref.append({"loss": loss.detach().double(), "grads": {n: p.grad.double() for n, p in m.named_parameters()}})
     for got in res:
-        assert not check(got, *ref), check(got, *ref)
+        assert not check_step(got, *ref), check_step(got, *ref)
         assert len(got["shards"]) == 2 and all(s["sharded_ops"] > 10 and not s["fallbacks"] for s in got["shards"])
 
 
@@ -262,7 +237,7 @@ def test_sharded_outputs_and_undispatch():
     for got in res:
         assert got["local_shape"] == (2, got["local_len"], VOCAB) and got["local_len"] < 96
         torch.testing.assert_close(got["full"], want, rtol=1e-5, atol=1e-5)
-        assert not check(got, ref64, ref32), check(got, ref64, ref32)
+        assert not check_step(got, ref64, ref32), check_step(got, ref64, ref32)
         assert "returned sharded" in got["error"] and "ultraattn.undispatch" in got["error"], got["error"]
 
 
@@ -271,7 +246,7 @@ def test_shard_false_keeps_activations_replicated():
     res = run_ranks(shard_worker, 2, args=("llama", 96, dict(FAST, shard=False, compiler="aot_eager")), timeout=900)
     ref64, ref32 = oracle("llama", 96)
     for got in res:
-        assert not check(got, ref64, ref32)
+        assert not check_step(got, ref64, ref32)
         (rec,) = got["records"]
         assert rec["shard"] is None and "sp_dispatch" not in rec["code"] and "site_attention.default" in rec["code"]
 
@@ -280,7 +255,7 @@ def test_world1_does_not_shard():
     got = shard_worker(0, 1, "gpt2", 96, FAST)
     assert got["records"][0]["shard"] is None and "sp_dispatch" not in got["records"][0]["code"]
     ref64, ref32 = oracle("gpt2", 96)
-    assert not check(got, ref64, ref32)
+    assert not check_step(got, ref64, ref32)
 
 
 def test_options_are_checked():

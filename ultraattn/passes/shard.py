@@ -456,8 +456,9 @@ class Triangle(AlongDim):
         return [nd - 2, nd - 1]
 
 
-class Norm(Rule):
-    """layer_norm / rms_norm over the trailing ``normalized_shape`` dims."""
+class FirstInput(Rule):
+    """The output's leading dims are the first input's (same positions); the other inputs (weights) are
+    replicated."""
 
     def links(self, n):
         x = n.args[0]
@@ -465,6 +466,10 @@ class Norm(Rule):
 
     def rep_args(self, n):
         return {m for m in _tensor_inputs(n) if m is not n.args[0]}
+
+
+class Norm(FirstInput):
+    """layer_norm / rms_norm over the trailing ``normalized_shape`` dims."""
 
     def tokenwise(self, n, sp):
         shape = _arg(n, 1, "normalized_shape")
@@ -535,13 +540,8 @@ class Einsum(Rule):
                 for t, op in zip(terms, ops) if _is_tensor_node(op)]
 
 
-class Embedding(Rule):
-    def links(self, n):
-        ids = n.args[0]
-        return [dim_link(ids, {d: d for d in range(_ndim(ids))})]
-
-    def rep_args(self, n):
-        return {m for m in _tensor_inputs(n) if m is not n.args[0]}
+class Embedding(FirstInput):
+    """A row of the (replicated) table per id: the ids' dims lead the output's."""
 
     def tokenwise(self, n, sp):
         return _arg(n, 3, "max_norm") is None  # max_norm renormalises the rows each rank looks up, in place

@@ -310,11 +310,14 @@ def site_attention(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor], 
     return out.contiguous(), lse.contiguous(), torch.tensor(ticket, dtype=torch.int64)
 
 
-@site_attention.register_fake
-def _(q, k, v, mask_tensors, site, after=None):
+def _site_fake(q, k, v, mask_tensors, site, after=None):
+    """out like q, lse fp32 [B, H, S], the ticket (a cpu int64 scalar): global or local alike."""
     B, H, S, _ = q.shape
     return q.new_empty(q.shape), q.new_empty(B, H, S, dtype=torch.float32), torch.empty((), dtype=torch.int64,
                                                                                          device="cpu")
+
+
+site_attention.register_fake(_site_fake)
 
 
 @custom_op("ultraattn::site_attention_bwd", mutates_args=())
@@ -371,11 +374,7 @@ def site_attention_local(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Ten
     return out_l.to(q.dtype).contiguous(), lse_l.contiguous(), torch.tensor(ticket, dtype=torch.int64)
 
 
-@site_attention_local.register_fake
-def _(q, k, v, mask_tensors, site, after=None):
-    B, H, L, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty(B, H, L, dtype=torch.float32), torch.empty((), dtype=torch.int64,
-                                                                                         device="cpu")
+site_attention_local.register_fake(_site_fake)
 
 
 @custom_op("ultraattn::site_attention_local_bwd", mutates_args=())
