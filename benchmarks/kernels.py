@@ -118,7 +118,8 @@ def run(args) -> dict:
         for name in args.masks:
             mm = mask_mod_for(name, S)
             bm = create_block_mask(mm, None, None, S, S, device=device, BLOCK_SIZE=128)
-            lay = K.get_layout(bm, q_len=S, kv_len=S, batch=args.batch, num_heads=args.heads, device=torch.device(device))
+            lay = K.get_layout(bm, q_len=S, kv_len=S, batch=args.batch, num_heads=args.heads,
+                               device=torch.device(device))
             pairs = lay.attended_pairs()
             flops_fwd = 4.0 * pairs * args.head_dim
             g = torch.Generator(device=device).manual_seed(0)
@@ -207,7 +208,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=tuple(_DT))
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/kernels_<device>.json)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default benchmarks/results/kernels_<device>.json)")
     p.add_argument("--replot", type=Path, default=None, help="only redraw the PNG of an existing JSON")
     args = p.parse_args(argv)
     if args.replot:

@@ -100,10 +100,10 @@ def run_mode(rank: int, world: int, mode: str, args) -> dict:
            "loss": loss.item(), "grads": {n.removeprefix("_orig_mod."): p.grad.detach().clone()
                                           for n, p in model.named_parameters()}}
     if mode != "single":
-        import ultraattn.passes as P
+        from ultraattn.passes import side_table
 
-        sh = P.RECORDS[-1].extra.get("shard")
-        out["shard"] = sh.to_dict() if sh is not None else None
+        sh = side_table().graphs[-1].shard
+        out["shard"] = sh.to_json() if sh is not None else None
     return out
 
 

@@ -136,7 +136,8 @@ def main(argv=None) -> int:
               f"imb {r['methods']['ultraattn']['compute_imbalance']:.3f} "
               f"x{r['speedup_vs_best_baseline']:.2f} vs {r['best_baseline']}, "
               f"x{r['speedup_vs_ring_family']:.2f} vs {r['best_ring_family']} "
-              f"[{r['planner']['structure']}] {'ok' if ok else 'MISSED: ' + ', '.join(k for k, v in r['targets'].items() if not v)}",
+              f"[{r['planner']['structure']}] "
+              f"{'ok' if ok else 'MISSED: ' + ', '.join(k for k, v in r['targets'].items() if not v)}",
               flush=True)
     name = "plan_paper_configs_quick" if args.quick else "plan_paper_configs"
     meta = {"command": "python " + " ".join(["benchmarks/plan_paper_configs.py"] + (argv or sys.argv[1:])),

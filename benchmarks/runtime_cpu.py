@@ -164,15 +164,15 @@ def overhead(cfg: dict) -> list[dict]:
         mm = parse_mask_spec(mask_spec(mask, s), s)
         q, k, v = (torch.randn(1, h, s, d, requires_grad=True) for _ in range(3))
         go = torch.randn(1, h, s, d)
-        dense = convert._eval_mask(mm, torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1, 1, dtype=torch.long),
-                                   torch.arange(s).view(1, 1, -1, 1), torch.arange(s).view(1, 1, 1, -1))
+        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+        dense = convert.eval_mask(mm, zero, zero, torch.arange(s).view(1, 1, -1, 1), torch.arange(s).view(1, 1, 1, -1))
         plan = ultraattn.plan_attention(mm, seqlen=s, num_heads=h, head_dim=d, dtype=torch.float32)
 
-        def ours():
+        def ours(plan=plan, q=q, k=k, v=v, go=go):
             out, _ = ultraattn.dist_attention(*(ultraattn.dispatch(x, plan) for x in (q, k, v)), plan)
             out.backward(ultraattn.dispatch(go, plan))
 
-        def plain():
+        def plain(q=q, k=k, v=v, go=go, dense=dense):
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
             out.backward(go)
 

@@ -34,9 +34,9 @@ def main() -> None:
     out.sum().backward()
 
     # single-device reference
-    from ultraattn.masks.convert import _eval_mask
+    from ultraattn.masks.convert import eval_mask
     idx = torch.arange(seqlen)
-    dense = _eval_mask(mask, torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1, 1, dtype=torch.long),
+    dense = eval_mask(mask, torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1, 1, dtype=torch.long),
                        idx.view(1, 1, -1, 1), idx.view(1, 1, 1, -1))
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
                                                            attn_mask=dense)

@@ -133,14 +133,14 @@ def oracle(spec: dict) -> tuple[dict, dict]:
 
 def compiled_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
     """Compile the spec's model with the ultraattn backend on this rank and take one step."""
-    import ultraattn.passes as P
+    from torch._dynamo.utils import counters
 
     tokens, bm, _ = inputs(spec)
     model = build(spec)
     cm = torch.compile(model, backend="ultraattn", options=dict(options), fullgraph=spec.get("fullgraph", False))
     res = step(cm, tokens, bm)
-    res["rewritten"] = P.COUNTERS["rewritten"]
-    res["graphs"] = P.COUNTERS["graphs"]
+    res["rewritten"] = counters["ultraattn"]["rewritten"]
+    res["graphs"] = counters["ultraattn"]["graphs"]
     return res
 
 
@@ -165,33 +165,34 @@ def local_world_worker(rank: int, world: int) -> dict:
     import os
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    from ultraattn.passes.site_op import SITES
+    from ultraattn.passes import side_table
 
     spec = {"attn": "causal", "seqlen": 128}
     # aot_eager: the mesh is what is tested here (Inductor compiles 4-rank graphs in test_ranks_match_single_device)
     res = compiled_worker(rank, world, spec, {"ilp_time_limit": 1.0, "time_budget": 2.0, "compiler": "aot_eager"})
     meshes = {(plan.tile_plan.mesh.nodes, plan.tile_plan.mesh.devices)
-              for sp in SITES.values() for _, plan in sp.plans.values()}
+              for st in side_table().sites.values() for plan in st.plans.values()}
     res["meshes"] = sorted(meshes)
     return res
 
 
 def explicit_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
     """One step with explicit site graphs: the graphs Inductor received, stage counts, bytes moved vs planned."""
-    import ultraattn.passes as P
-    from ultraattn.passes.explicit import EXPLICIT
+    from ultraattn.passes import side_table
 
     res = compiled_worker(rank, world, spec, options)
-    rec = P.RECORDS[-1]
-    res["aot"] = [{k: g[k] for k in ("kind", "expanded", "code")} for g in rec.extra.get("aot_graphs", [])]
+    table = side_table()
+    rec = table.graphs[-1]
+    res["aot"] = [{"kind": g.kind, "expanded": list(g.expanded), "code": g.code}
+                  for g in table.aot_graphs_of(rec.index)]
     res["sites"] = {}
-    for sp in rec.specs:
-        e = EXPLICIT.get(sp.key)
+    for st in table.sites_of(rec):
+        e = st.program
         if e is None:
             continue
         prog = e.executor.program
         ap = e.runner
-        res["sites"][sp.name] = {
+        res["sites"][st.spec.name] = {
             "rows": len(prog.rows),
             "levels": {ph: len(prog.inputs[ph]) + len(prog.partials[ph]) + 1 for ph in ("fwd", "bwd")},
             "moved": {ph: e.executor.log[ph].totals().get(ph, {"sent": 0, "recv": 0}) for ph in ("fwd", "bwd")},

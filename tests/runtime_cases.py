@@ -144,7 +144,7 @@ def inputs(case: Case):
 def dense_mask(case: Case) -> torch.Tensor:
     s = case.seqlen
     mm = mask_mod_of(case)
-    return convert._eval_mask(mm, torch.arange(case.batch).view(-1, 1, 1, 1),
+    return convert.eval_mask(mm, torch.arange(case.batch).view(-1, 1, 1, 1),
                               torch.arange(case.heads).view(1, -1, 1, 1), torch.arange(s).view(1, 1, -1, 1),
                               torch.arange(s).view(1, 1, 1, -1))
 

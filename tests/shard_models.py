@@ -320,12 +320,13 @@ def oracle(style: str, seqlen: int) -> tuple[dict, dict]:
 
 def shard_worker(rank: int, world: int, style: str, seqlen: int, options: dict) -> dict:
     """One compiled step on this rank; the result and what the sharding pass did."""
-    import ultraattn.passes as P
+    from ultraattn.passes import side_table
 
     model = build(style)
     cm = torch.compile(model, backend="ultraattn", options=dict(options))
     res = step(style, cm, batch(style, seqlen))
-    res["records"] = [{"shard": r.extra["shard"].to_dict() if "shard" in r.extra else None,
+    table = side_table()
+    res["records"] = [{"shard": r.shard.to_json() if r.shard is not None else None,
                        "code": r.code_after, "rewritten": r.rewritten,
-                       "aot": {g["kind"]: g["code"] for g in r.extra.get("aot_graphs", [])}} for r in P.RECORDS]
+                       "aot": {g.kind: g.code for g in table.aot_graphs_of(r.index)}} for r in table.graphs]
     return res

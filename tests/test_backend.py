@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from backend_models import Tiny, build, compiled_worker, inputs, make_masks, oracle, step
 from numerics import check_step, fresh_dynamo  # noqa: F401 - fresh_dynamo: an autouse fixture
+from torch._dynamo.utils import counters
 
-import ultraattn.passes as P
+from ultraattn.passes import side_table
 from ultraattn.testing import run_ranks
 
 FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 60.0}
@@ -33,7 +34,7 @@ def test_entry_point_finds_the_backend_without_importing_ultraattn():
         "f = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), backend='ultraattn')\n"
         "q = torch.randn(1, 2, 64, 16)\n"
         "print(float((f(q) - F.scaled_dot_product_attention(q, q, q, is_causal=True)).abs().max()))\n"
-        "import sys; print('ultraattn.passes.backend' in sys.modules)\n"
+        "import sys; print('ultraattn.compiler' in sys.modules)\n"
     )
     env = dict(os.environ, ULTRAATTN_KERNELS="reference")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
@@ -48,7 +49,7 @@ def test_backend_is_importable_as_a_callable():
     f = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend=ultraattn.backend)
     q = torch.randn(1, 2, 64, 16)
     torch.testing.assert_close(f(q), F.scaled_dot_product_attention(q, q, q), rtol=0, atol=1e-5)
-    assert P.COUNTERS["rewritten"] == 1
+    assert counters["ultraattn"]["rewritten"] == 1
 
 
 def test_unknown_and_bad_options_are_errors():
@@ -94,8 +95,8 @@ def test_must_fire(attn):
     else:
         m, mask = Tiny(attn="causal", layers=1, kv_heads=1 if attn == "gqa" else 4), None
     _compile_once(m, torch.randint(0, 64, (1, S)), mask)
-    rec = P.RECORDS[-1]
-    assert P.COUNTERS["rewritten"] == 1 and rec.rewritten == 1, [s.reason for s in rec.sites]
+    rec = side_table().graphs[-1]
+    assert counters["ultraattn"]["rewritten"] == 1 and rec.rewritten == 1, [s.why for s in rec.sites]
     assert "torch.ops.ultraattn.site_attention" in rec.code_after
     assert "scaled_dot_product_attention" not in rec.code_after and "flex_attention(" not in rec.code_after
     want = {"causal": sum(range(1, S + 1)) / S**2, "gqa": sum(range(1, S + 1)) / S**2,
@@ -121,9 +122,9 @@ def test_must_not_fire(attn, why):
     with torch.no_grad():  # flex with a score_mod cannot train on CPU at all: check the forward only
         got = _compile_once(m, tokens, mask, **opts)
         want = m(tokens, mask) if attn != "dropout" else None
-    rec = P.RECORDS[-1]
-    assert P.COUNTERS["rewritten"] == 0 and rec.sites and not rec.sites[0].rewritable
-    assert why in rec.sites[0].reason, rec.sites[0].reason
+    rec = side_table().graphs[-1]
+    assert counters["ultraattn"]["rewritten"] == 0 and rec.sites and not rec.sites[0].rewritten
+    assert why in rec.sites[0].why, rec.sites[0].why
     assert "ultraattn.site_attention" not in rec.code_after
     if want is not None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -163,9 +164,9 @@ def test_new_mask_content_does_not_recompile_and_is_planned_again():
         got = step(cm, tokens, bm)
         want = step(build({"attn": "dense_mask"}, torch.float64), tokens, dense)
         assert abs(float(got["loss"] - want["loss"])) < 1e-5
-    assert P.COUNTERS["graphs"] == 1, "a new mask content must not recompile"
-    specs = P.RECORDS[-1].specs
-    assert all(sp.stats["plans"] == 2 and sp.stats["cache_hits"] >= 1 for sp in specs), [sp.stats for sp in specs]
+    assert counters["ultraattn"]["graphs"] == 1, "a new mask content must not recompile"
+    stats = [st.stats() for st in side_table().sites_of(side_table().graphs[-1])]
+    assert len(stats) == 2 and all(s.plans == 2 and s.cache_hits >= 1 for s in stats), stats
 
 
 # ----------------------------------------------------------------------------- across ranks
@@ -218,7 +219,7 @@ def test_graph_break_between_two_attention_regions():
     loss = torch.compile(forward, backend="ultraattn")(tokens)
     loss.backward()
     got = {"loss": loss.detach().double(), "grads": {n: p.grad.double() for n, p in model.named_parameters()}}
-    assert P.COUNTERS["graphs"] == 2 and P.COUNTERS["rewritten"] == 2
+    assert counters["ultraattn"]["graphs"] == 2 and counters["ultraattn"]["rewritten"] == 2
     assert not check_against_oracle(spec, got)
 
 
@@ -236,7 +237,7 @@ def test_explain_plans_and_prints_without_running(capsys):
     res = ultraattn.explain(model, tokens, bm, world_size=4, options=FAST, console=Console(file=buf, width=120))
     text = buf.getvalue()
     assert set(res.plans) == {"graph0/flex#0", "graph0/flex#1"}
-    assert all(sp.stats["calls"] == 0 for sp in res.records[0].specs)  # planned, never run
+    assert len(res.stats) == 2 and all(s.calls == 0 for s in res.stats)  # planned, never run
     assert "modeled time against the baselines" in text and "torch.ops.ultraattn.site_attention" in text
     assert res.plans["graph0/flex#0"].plan.world == 4
     one = ultraattn.explain(model, tokens, bm, world_size=1, console=Console(file=io.StringIO()))
@@ -291,9 +292,9 @@ def test_flex_cpu_backward_shim_is_narrow():
     """Loading the backend lets Dynamo trace CPU flex training, but eager flex backward on CPU is still refused."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    import ultraattn.passes.backend as B
+    import ultraattn.compiler as C
 
-    assert B.SHIM_INSTALLED or getattr(torch.nn.attention.flex_attention._validate_device, "_ultraattn_shim", False)
+    assert C.SHIM_INSTALLED or getattr(torch.nn.attention.flex_attention._validate_device, "_ultraattn_shim", False)
     q = torch.randn(1, 2, 128, 16, requires_grad=True)
     with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
         flex_attention(q, q, q)
@@ -387,11 +388,11 @@ def test_explicit_false_keeps_one_opaque_op_per_site(shard):
 def test_world1_static_sites_are_the_kernel_ops_in_inductors_graphs():
     spec = dict(MODELS["gqa"])
     tokens, _, _ = inputs(spec)
-    P.reset()
+    side_table().reset()
     got = step(torch.compile(build(spec), backend="ultraattn"), tokens)
     assert not check_against_oracle(spec, got)
-    graphs = {g["kind"]: g for g in P.RECORDS[-1].extra["aot_graphs"]}
-    fwd, bwd = graphs["forward"]["code"], graphs["backward"]["code"]
+    graphs = {g.kind: g for g in side_table().aot_graphs_of(side_table().graphs[-1].index)}
+    fwd, bwd = graphs["forward"].code, graphs["backward"].code
     assert _count(fwd, "bsa_fwd") == 2 and _count(bwd, "bsa_bwd") == 2
     assert "site_attention" not in fwd + bwd and "cp_start" not in fwd + bwd
 

@@ -14,8 +14,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from ultraattn.report import png as report_png
-from ultraattn.report.render import (
+from ultraattn.report import (
     assignment_heatmap,
     comparison_table,
     format_bytes,
@@ -25,6 +24,7 @@ from ultraattn.report.render import (
     rank_table,
     solver_panel,
 )
+from ultraattn.report import png as report_png
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -45,7 +45,8 @@ def grid_lines(text: str) -> list[str]:
 
 @pytest.mark.parametrize(
     "n, want",
-    [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB"), (2**30 - 1, "1.0 GiB"), (5 * 2**40, "5.0 TiB")],
+    [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB"), (2**30 - 1, "1.0 GiB"),
+     (5 * 2**40, "5.0 TiB")],
 )
 def test_format_bytes(n, want):
     assert format_bytes(n) == want
@@ -230,9 +231,12 @@ def test_gantt_shrinks_to_console_and_validates():
 
 def _methods():
     return {
-        "ultraattn": dict(fwd_ms=2.0, bwd_ms=6.0, max_rank_bytes=2**30, max_rank_inter_node_bytes=2**28, compute_imbalance=1.01),
-        "ring": dict(fwd_ms=10.0, bwd_ms=30.0, max_rank_bytes=2**31, max_rank_inter_node_bytes=2**30, compute_imbalance=1.9),
-        "zigzag": dict(fwd_ms=5.0, bwd_ms=11.0, max_rank_bytes=2**31, max_rank_inter_node_bytes=2**30, compute_imbalance=1.0),
+        "ultraattn": dict(fwd_ms=2.0, bwd_ms=6.0, max_rank_bytes=2**30, max_rank_inter_node_bytes=2**28,
+                          compute_imbalance=1.01),
+        "ring": dict(fwd_ms=10.0, bwd_ms=30.0, max_rank_bytes=2**31, max_rank_inter_node_bytes=2**30,
+                     compute_imbalance=1.9),
+        "zigzag": dict(fwd_ms=5.0, bwd_ms=11.0, max_rank_bytes=2**31, max_rank_inter_node_bytes=2**30,
+                       compute_imbalance=1.0),
         "ulysses": dict(
             fwd_ms=None,
             bwd_ms=None,
@@ -269,10 +273,13 @@ def test_solver_panel():
     info = {
         "seconds": 1.2,
         "levels": [
-            dict(level="node", status="Optimal", objective=1.0e9, gap=0.0, seconds=0.4, variables=120, constraints=300, fallback=None),
-            dict(level="device", status="Not Solved", objective=None, gap=0.05, seconds=0.7, variables=900, constraints=2000, fallback="time limit: greedy"),
+            dict(level="node", status="Optimal", objective=1.0e9, gap=0.0, seconds=0.4, variables=120,
+                 constraints=300, fallback=None),
+            dict(level="device", status="Not Solved", objective=None, gap=0.05, seconds=0.7, variables=900,
+                 constraints=2000, fallback="time limit: greedy"),
         ],
-        "schedule": dict(status="Optimal", objective=3.2e-3, gap=0.001, seconds=0.1, variables=50, constraints=90, fallback=None),
+        "schedule": dict(status="Optimal", objective=3.2e-3, gap=0.001, seconds=0.1, variables=50, constraints=90,
+                         fallback=None),
         "notes": ["12 kernels"],
     }
     text = render(solver_panel(info))

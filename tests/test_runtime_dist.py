@@ -89,7 +89,8 @@ def test_world3_every_mask_gqa8_tail():
 
 def test_world4_every_mask_and_baselines():
     cases = _lib(seqlen=250, heads=4, kv_heads=2)
-    cases += [Case(mask="causal", seqlen=250, heads=4, kv_heads=2, method=m) for m in ("ring", "zigzag", "allgather", "usp")]
+    cases += [Case(mask="causal", seqlen=250, heads=4, kv_heads=2, method=m)
+              for m in ("ring", "zigzag", "allgather", "usp")]
     cases += [Case(mask="document", kwargs=(("lengths", (50, 90, 60, 50)),), seqlen=250, method=m)
               for m in ("ulysses", "allgather")]
     run_and_check(cases, 4)

@@ -80,7 +80,8 @@ def test_program_rejects_a_plan_that_sends_data_its_source_lacks():
     assign[0, 1, 1] = 1
     bad = TilePlan(method="bad", mesh=Mesh(nodes=1, devices=2), shape=_shape(), chunk_size=128, num_chunks=2,
                    owner=(0, 1), num_head_groups=1, assign_GPP=assign,
-                   kernels=(Kernel(rank=0, head_group=0, cells=((0, 0),)), Kernel(rank=1, head_group=0, cells=((1, 1),))),
+                   kernels=(Kernel(rank=0, head_group=0, cells=((0, 0),)),
+                            Kernel(rank=1, head_group=0, cells=((1, 1),))),
                    transfers=(Transfer(tensor="kv", chunk=0, head_group=0, src=1, dst=0, nbytes=1, phase="fwd"),))
     with pytest.raises(PlanExecutionError, match="leaves rank 1, which never holds that unit"):
         build_program(bad, 0)

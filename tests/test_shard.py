@@ -1,4 +1,4 @@
-"""Sequence sharding (``ultraattn/passes/shard.py``): the whole graph on local tokens, exact against one process.
+"""Sequence sharding (``ultraattn/passes/shard/``): the whole graph on local tokens, exact against one process.
 
 Numerics: tests/numerics.py (the loss and every parameter gradient of the compiled model on each rank
 against the fp64 eager single-process model by the 2x rule).
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from numerics import check_step, fresh_dynamo  # noqa: F401 - fresh_dynamo: an autouse fixture
 from shard_models import VOCAB, batch, build, oracle, shard_worker
 
-import ultraattn.passes as P
 from ultraattn.passes import shard as SH
+from ultraattn.passes import side_table
 from ultraattn.testing import run_ranks
 
 FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 60.0, "block_size": 32}  # small chunks: little padding
@@ -63,16 +63,16 @@ def test_shard_and_gather_round_trip(length, outer, inner):
 
 def _analysis(model, *args):
     """The pass's analysis of ``model``'s graph, planned as for 2 ranks (no process group needed)."""
-    from ultraattn.passes.capture import find_sites
-    from ultraattn.passes.options import parse_options
+    from ultraattn.passes import find_sites, parse_options, side_table
+    from ultraattn.passes.fx_util import placeholders, refresh_fake_values
     from ultraattn.passes.rewrite import rewrite_sites
 
     out = {}
 
     def backend(gm, example_inputs):
         opts = parse_options({"world_size": 2}, require_group=False)
-        rewrite_sites(gm, find_sites(gm, 2), opts)
-        SH._refresh_meta(gm, [n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs)
+        rewrite_sites(gm, find_sites(gm, 2), opts, graph_index=0, table=side_table())
+        refresh_fake_values(gm, placeholders(gm), example_inputs)
         out["gm"], out["an"] = gm, SH.analyse(gm)
         return gm.forward
 
@@ -162,8 +162,8 @@ def test_explain_shows_what_would_be_sharded():
     buf = io.StringIO()
     res = ultraattn.explain(build("unknown"), *batch("unknown", 256), world_size=4, options=FAST,
                             console=Console(file=buf, width=200))
-    info = res.records[0].extra["shard_analysis"]
-    assert info["sharded_ops"] > 50 and [f["op"] for f in info["fallbacks"]] == ["cumsum"]
+    info = res.sharding[0]
+    assert info.sharded_ops > 50 and [f.op for f in info.fallbacks] == ["cumsum"]
     assert "sequence sharding would run" in buf.getvalue() and "1 ops on gathered data: cumsum" in buf.getvalue()
 
 
@@ -183,7 +183,7 @@ def _break_worker(rank: int, world: int) -> dict:
     loss = torch.compile(run, backend="ultraattn", options=FAST)(ids, labels)
     loss.backward()
     return {"loss": loss.detach().double(), "grads": {n: p.grad.double() for n, p in model.named_parameters()},
-            "shards": [r.extra["shard"].to_dict() for r in P.RECORDS]}
+            "shards": [r.shard.to_json() for r in side_table().graphs]}
 
 
 def test_a_graph_break_between_two_sharded_regions():
@@ -214,7 +214,7 @@ def _sharded_outputs_worker(rank: int, world: int) -> dict:
     loss.backward()
     out = {"local_shape": tuple(local.shape), "full": full.detach(), "loss": loss.detach().double(),
            "grads": {n: p.grad.double() for n, p in model.named_parameters()},
-           "local_len": P.RECORDS[-1].extra["shard"].local_len, "error": "no error"}
+           "local_len": side_table().graphs[-1].shard.local_len, "error": "no error"}
 
     def attend(x):  # [2, 1, local tokens, vocab] as q, k, v: attention over a shard, as if it were global
         q = x[:, None]

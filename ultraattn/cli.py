@@ -14,6 +14,19 @@ import json
 import re
 import sys
 
+from rich.console import Console
+
+from ultraattn.masks.convert import pattern_from_mask_mod
+from ultraattn.masks.spec import describe_masks, parse_mask_spec
+from ultraattn.planner.api import method_summaries, overall_ilp_status, plan
+from ultraattn.planner.baselines import BASELINES, ulysses_degree
+from ultraattn.planner.cost import DEFAULT_COST, CostModel
+from ultraattn.planner.plan import AttnShape, Mesh
+from ultraattn.planner.tiling import PlannerOptions
+from ultraattn.report.compile_report import render_saved
+from ultraattn.report.plan_report import print_plan_result
+from ultraattn.report.png import draw_plan_png
+
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
 
@@ -33,7 +46,6 @@ def parse_size(text: str, *, arg: str) -> int:
 
 
 def parse_cp(text: str):
-    from .planner.plan import Mesh
 
     m = re.fullmatch(r"\s*(\d+)\s*(?:[xX*]\s*(\d+))?\s*", text)
     if not m:
@@ -47,7 +59,6 @@ def parse_cp(text: str):
 
 
 def parse_cost(items: list[str]):
-    from .planner.cost import DEFAULT_COST, CostModel
 
     changes = {}
     names = CostModel.field_names()
@@ -74,7 +85,6 @@ def default_block(seq_len: int) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from .planner.baselines import BASELINES
 
     p = argparse.ArgumentParser(prog="ultraattn", description="Context-parallel attention planner (UltraAttn-style).")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -111,8 +121,6 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(args):
-    from .planner.baselines import BASELINES
-    from .planner.plan import AttnShape
 
     seq = parse_size(args.seqlen, arg="--seqlen")
     mesh = parse_cp(args.cp)
@@ -144,7 +152,6 @@ def _validate(args):
     shape = AttnShape(seq_len=seq, num_heads=args.heads, head_dim=args.head_dim, num_kv_heads=args.kv_heads,
                       batch=args.batch, dtype=args.dtype)
     if "ulysses" in baselines and args.baselines not in ("all", ""):
-        from .planner.baselines import ulysses_degree
 
         if not ulysses_degree(mesh, shape, within_node=False):
             raise CliError(f"--baselines ulysses needs the world size {mesh.world} to divide --heads={args.heads} "
@@ -153,13 +160,9 @@ def _validate(args):
 
 
 def _summary_json(args, res, shape, mesh) -> dict:
-    from .planner.api import overall_ilp_status
 
     status, gap = overall_ilp_status(res)
-    methods = {name: ev.summary() for name, ev in res.evaluations.items()}
-    for name, why in res.not_applicable.items():
-        methods[name] = {"fwd_ms": None, "bwd_ms": None, "max_rank_bytes": None,
-                         "max_rank_inter_node_bytes": None, "compute_imbalance": None, "note": why}
+    methods = method_summaries(res)
     best = res.best_baseline(args.backward)
     ours = res.ours
     out = {
@@ -180,18 +183,12 @@ def _summary_json(args, res, shape, mesh) -> dict:
 
 
 def _report(console, args, res, mesh):
-    from .report.plan_report import print_plan_result
 
     print_plan_result(console, res, mesh, backward=args.backward)
 
 
 def cmd_plan(args) -> int:
-    from rich.console import Console
 
-    from .masks.convert import pattern_from_mask_mod
-    from .masks.spec import parse_mask_spec
-    from .planner.api import plan
-    from .planner.tiling import PlannerOptions
 
     seq, mesh, shape, block, baselines = _validate(args)
     cost = parse_cost(args.cost)
@@ -221,7 +218,6 @@ def cmd_plan(args) -> int:
         with open(args.json, "w") as fh:
             json.dump(summary, fh, indent=2)
     if args.png:
-        from .report.png import draw_plan_png
 
         try:
             draw_plan_png(args.png, assign_grid=res.plan.assign_GPP[0].tolist(), owner=list(res.plan.owner),
@@ -238,16 +234,13 @@ def cmd_plan(args) -> int:
 
 
 def cmd_report(args) -> int:
-    import json
-
-    from .passes.report import render_saved
 
     try:
         render_saved(args.file)
     except FileNotFoundError:
         raise CliError(f"{args.file}: no such file (write one with options={{'report_file': ...}})") from None
-    except (json.JSONDecodeError, KeyError) as exc:
-        raise CliError(f"{args.file} is not an ultraattn report ({type(exc).__name__}: {exc})") from None
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     return 0
 
 
@@ -256,8 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.cmd == "masks":
-            from .masks.spec import describe_masks
-
             print(describe_masks())
             return 0
         if args.cmd == "report":

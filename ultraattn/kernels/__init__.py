@@ -6,7 +6,7 @@ description (``BlockSparseLayout``) once per mask; the ops ``torch.ops.ultraattn
 """
 
 from ultraattn.kernels.layout import BlockSparseLayout, make_layout, pack_bits, unpack_bits
-from ultraattn.kernels.ops import block_sparse_attention, bsa_bwd, bsa_fwd, get_layout
+from ultraattn.kernels.ops import block_sparse_attention, bsa_bwd, bsa_fwd, get_layout, uses_triton
 
 __all__ = [
     "BlockSparseLayout",
@@ -17,4 +17,5 @@ __all__ = [
     "make_layout",
     "pack_bits",
     "unpack_bits",
+    "uses_triton",
 ]

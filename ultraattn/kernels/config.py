@@ -32,7 +32,8 @@ def _fit(space, qb: int, kb: int) -> list[tuple[int, int, int, int]]:
 def _configs(space, qb: int, kb: int):
     import triton
 
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _fit(space, qb, kb)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            for m, n, w, s in _fit(space, qb, kb)]
 
 
 def fwd_configs(qb: int, kb: int):

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from ultraattn.masks.convert import _eval_mask, to_block_pattern
+from ultraattn.masks.convert import eval_mask, to_block_pattern
 from ultraattn.masks.factories import generate_causal, generate_full
 from ultraattn.masks.pattern import FULL, PARTIAL, BlockPattern
 
@@ -211,7 +211,8 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
         raise ValueError(f"the mask has {bp} batch entries but batch={batch}; build it for batch {batch} or 1")
     groups = pattern.head_group_of
     if groups is not None and len(groups) != num_heads:
-        raise ValueError(f"the mask has {len(groups)} heads but num_heads={num_heads}; build it for {num_heads} heads or 1")
+        raise ValueError(f"the mask has {len(groups)} heads but num_heads={num_heads}; build it for {num_heads} "
+                         f"heads or 1")
     nq, nk = pattern.grid
     q_len, kv_len = pattern.q_len, pattern.kv_len
     kind_all = pattern.kind_BGQK.clone()
@@ -245,7 +246,7 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
                 qi = (cc[:, 0, None] * qb + rows)[:, :, None]  # [P, qb, 1]
                 ki = (cc[:, 1, None] * kb + cols)[:, None, :]  # [P, 1, kb]
                 # padded positions are evaluated clamped (mask_mods may index tables of the true length)
-                m = _eval_mask(mask_mod, torch.tensor(b), torch.tensor(h), qi.clamp(max=q_len - 1),
+                m = eval_mask(mask_mod, torch.tensor(b), torch.tensor(h), qi.clamp(max=q_len - 1),
                                ki.clamp(max=kv_len - 1))
                 m = m & (qi < q_len) & (ki < kv_len)
                 parts.append(pack_bits(m))

@@ -17,13 +17,13 @@
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.library import custom_op, triton_op, wrap_triton
 
+from ultraattn.cache import LRU
 from ultraattn.kernels import config
 from ultraattn.kernels.layout import BlockSparseLayout, make_layout
 from ultraattn.kernels.reference import reference_bwd, reference_fwd
@@ -45,7 +45,8 @@ def _interpreted(t: Tensor) -> bool:
     return not isinstance(t, FakeTensor) and not torch.compiler.is_compiling()
 
 
-def _use_triton(t: Tensor) -> bool:
+def uses_triton(t: Tensor) -> bool:
+    """Whether the block-sparse ops run the Triton kernels for ``t`` (CUDA, or the interpreter when asked for)."""
     if t.device.type == "cuda":
         if config.kernel_mode() == "reference":
             return False
@@ -113,7 +114,7 @@ def bsa_fwd(q: Tensor, k: Tensor, v: Tensor, pattern_of: Tensor, full_cnt: Tenso
             kv_block: int, scale: float, fp32_out: bool = False) -> tuple[Tensor, Tensor]:
     """Block-sparse attention forward: (out [B, H, Sq, D] in q's dtype, or fp32 with ``fp32_out``
     (partial results that are merged later), lse [B, H, Sq] fp32)."""
-    if not _use_triton(q):
+    if not uses_triton(q):
         return torch.ops.ultraattn.bsa_fwd_ref(q, k, v, pattern_of, full_cnt, full_idx, part_cnt, part_idx,
                                               part_tile, bits, q_block, kv_block, scale, fp32_out)
     from ultraattn.kernels import triton_kernels as tk
@@ -140,7 +141,7 @@ def bsa_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Ten
             scale: float, fp32_grads: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Block-sparse attention backward from the GLOBAL lse and delta = rowsum(dO * O) (minus dlse if given);
     gradients in the inputs' dtypes, or fp32 with ``fp32_grads`` (partial gradients summed later)."""
-    if not _use_triton(q):
+    if not uses_triton(q):
         return torch.ops.ultraattn.bsa_bwd_ref(q, k, v, do, lse, delta, dlse, pattern_of, full_cnt, full_idx,
                                               part_cnt, part_idx, part_tile, bits, q_block, kv_block, scale,
                                               fp32_grads)
@@ -195,8 +196,8 @@ bsa_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------- public API
-_LAYOUTS: OrderedDict = OrderedDict()
-_LAYOUT_CACHE_SIZE = 32
+_LAYOUTS: LRU = LRU(32)
+"""Layouts of the latest masks passed to ``block_sparse_attention`` (mask identity -> (mask, layout))."""
 
 
 def get_layout(mask, *, q_len: int, kv_len: int, batch: int, num_heads: int, device: torch.device,
@@ -209,13 +210,10 @@ def get_layout(mask, *, q_len: int, kv_len: int, batch: int, num_heads: int, dev
                str(device), block_size)
         hit = _LAYOUTS.get(key)
         if hit is not None and (isinstance(mask, str) or hit[0] is mask):
-            _LAYOUTS.move_to_end(key)
             return hit[1]
         lay = make_layout(mask, q_len=q_len, kv_len=kv_len, batch=batch, num_heads=num_heads, mask_mod=mask_mod,
                           block_size=block_size, device=device)
-        _LAYOUTS[key] = (mask, lay)
-        if len(_LAYOUTS) > _LAYOUT_CACHE_SIZE:
-            _LAYOUTS.popitem(last=False)
+        _LAYOUTS.put(key, (mask, lay))
     if (lay.q_len, lay.kv_len, lay.batch, lay.num_heads) != (q_len, kv_len, batch, num_heads):
         raise ValueError(
             f"the layout was built for q_len={lay.q_len}, kv_len={lay.kv_len}, batch={lay.batch}, "

@@ -221,8 +221,8 @@ def bsa_bwd_dq_kernel(Q, K, V, DO, LSE, DD, DLSE, DQ, PAT, FULL_CNT, FULL_IDX, P
 
 
 @triton.jit
-def _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm, sqd, sdm, sdd, BITS, tile, start, sub_in,
-                  c_in, q_len, qk_scale, offs_d, D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
+def _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm, sqd, sdm, sdd, BITS, tile, start,
+                  sub_in, c_in, q_len, qk_scale, offs_d, D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
                   UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_DLSE: tl.constexpr):
     offs_m = start + tl.arange(0, BLOCK_M)

@@ -88,7 +88,7 @@ def _kind_from_count(count: Tensor, area: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- mask evaluation
-def _eval_mask(mask_mod: Callable, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+def eval_mask(mask_mod: Callable, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
     """Evaluate a mask_mod on broadcastable index tensors: bool of their broadcast shape.
 
     Most mask_mods are plain elementwise torch code and take broadcast tensors directly; the
@@ -188,7 +188,7 @@ def _dense_counts(mask_mod: Callable, q_len: int, kv_len: int, qb: int, kb: int,
     for r in range(0, q_len, rows):
         r1 = min(q_len, r + rows)
         q_11R1 = torch.arange(r, r1)[None, None, :, None]
-        m = _eval_mask(mask_mod, b_B111, h_1H11, q_11R1, kv_111T)
+        m = eval_mask(mask_mod, b_B111, h_1H11, q_11R1, kv_111T)
         m = torch.nn.functional.pad(m, (0, pad_k, 0, _cdiv(r1 - r, qb) * qb - (r1 - r)))
         cnt = m.reshape(batch, num_heads, -1, qb, nk, kb).sum(dim=(3, 5))
         out[:, :, r // qb : r // qb + cnt.shape[2]] = cnt
@@ -388,7 +388,7 @@ def pattern_from_block_mask(block_mask: BlockMask) -> BlockPattern:
                 q_N11 = qd[s:e, None, None] * qb + aq[None, :, None]
                 k_N11 = kd[s:e, None, None] * kb + ak[None, None, :]
                 inside = (q_N11 < q_len) & (k_N11 < kv_len)
-                m = _eval_mask(mask_mod, bd[s:e, None, None], hd[s:e, None, None],
+                m = eval_mask(mask_mod, bd[s:e, None, None], hd[s:e, None, None],
                                q_N11.clamp(max=q_len - 1), k_N11.clamp(max=kv_len - 1))
                 cnt_N[s:e] = (m & inside).sum(dim=(1, 2)).cpu()
         count_BHQK[bi, hi, qi, ki] = cnt_N

@@ -1,141 +1,237 @@
-"""The ``ultraattn`` torch.compile backend.
+"""The backend's pipeline for one Dynamo graph, top-down: capture -> rewrite -> analyse -> plan -> lower -> expand.
 
-``torch.compile(model, backend="ultraattn", options={...})`` finds this function through the
-``torch_dynamo_backends`` entry point (pyproject.toml), so a training script needs no import
-of ultraattn. Per Dynamo graph it finds the attention sites (``capture.py``), rewrites the
-ones it can run exactly (``rewrite.py``, ``site_op.py``), records what it did for reports,
-and hands the graph to Inductor.
+``compile_graph`` is what the registered backend (``ultraattn.compiler.ultraattn_backend``) runs
+for every graph Dynamo hands it:
 
-CPU FlexAttention training: PyTorch's flex_attention refuses ``requires_grad`` inputs on CPU
-in its Python front end (``_validate_device``), which Dynamo executes while tracing, before
-any backend sees the graph. Importing this module wraps that check so that, on CPU and only
-while Dynamo is tracing, the backward refusal is skipped (every other check still runs).
-Eager calls and non-CPU devices behave exactly as before. A flex site that the backend
-rewrites then trains on CPU through ultraattn's kernels; one it cannot rewrite still fails
-later with Inductor's own "CPU only supports inference" error.
+1. **capture** (``capture.py``): the SDPA and flex_attention calls, each marked rewritable or not;
+2. **rewrite** (``rewrite.py``): rewritable sites become ``ultraattn::site_attention`` calls;
+3. **analyse** (``shard/analysis.py``, world size > 1): which values carry the sequence and which ops
+   can run on this rank's tokens (pure);
+4. **plan** (here): the graph's token layout, from its first attention's plan, a collective that
+   every rank runs in the same order; and the plans of the sites expanded at compile time;
+5. **lower** (``shard/lowering.py``): the graph rewritten to run on local tokens;
+6. **expand** (``explicit/``): in the forward and backward graphs AOT autograd makes, each site with a
+   compile-time plan becomes this rank's explicit program; communication is put in one order.
+
+State lives in the side table (``state.py``); what was done is reported as records
+(``records.py``) to the observer the caller passes, which decides how to show them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
 
 import torch
 import torch.fx as fx
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
-from ultraattn.passes.capture import Site, _val, estimate_density, find_sites
-from ultraattn.passes.options import BackendOptions, parse_options
+from ultraattn.passes.capture import Site, estimate_density, find_sites
+from ultraattn.passes.explicit.expand import expand_sites, explicit_reason, prepare, schedule_rows
+from ultraattn.passes.explicit.order import order_comm
+from ultraattn.passes.fx_util import placeholders, refresh_fake_values, tensor_value, ultraattn_op
+from ultraattn.passes.options import BackendOptions
+from ultraattn.passes.records import AotGraphRecord, GraphRecord, Observer, PlanEvent, ShardSummary
 from ultraattn.passes.rewrite import rewrite_sites
-from ultraattn.passes.site_op import SiteSpec
+from ultraattn.passes.shard import analyse, inline_checkpoints, lower
+from ultraattn.passes.site import SiteState, seed_plan
+from ultraattn.passes.state import SideTable
+from ultraattn.planner.api import padded_chunk
+from ultraattn.planner.plan import TokenLayout
+from ultraattn.runtime.api import resolve_group
+from ultraattn.runtime.sequence import SequenceShards
 
 
-@dataclass
-class GraphRecord:
-    """What the backend did to one Dynamo graph (for reports and tests)."""
+class _Recorded:
+    """The caller's observer, behind the side table: every record is kept before it is shown."""
 
-    index: int
-    sites: list[Site]
-    specs: list[SiteSpec]
-    options: BackendOptions
-    code_before: str
-    code_after: str
-    world_size: int
-    extra: dict = field(default_factory=dict)
+    def __init__(self, table: SideTable, observer: Observer):
+        self.table, self.observer = table, observer
 
-    @property
-    def rewritten(self) -> int:
-        return len(self.specs)
+    def graph_compiled(self, rec: GraphRecord) -> None:
+        self.table.record_graph(rec)
+        self.observer.graph_compiled(rec)
 
+    def aot_graph_compiled(self, rec: AotGraphRecord) -> None:
+        self.table.record_aot_graph(rec)
+        self.observer.aot_graph_compiled(rec)
 
-RECORDS: list[GraphRecord] = []
-"""Every graph compiled by this process (most recent last)."""
-
-COUNTERS = {"graphs": 0, "sites": 0, "rewritten": 0, "sharded_ops": 0, "fallbacks": 0}
+    def plan_made(self, event: PlanEvent) -> None:
+        self.table.record_plan(event)
+        self.observer.plan_made(event)
 
 
-def reset() -> None:
-    """Forget the records and counters (tests)."""
-    RECORDS.clear()
-    for k in COUNTERS:
-        COUNTERS[k] = 0
-
-
-def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **unused):
-    """torch.compile backend: rewrite attention sites for context parallelism, then Inductor."""
-    if unused:
-        mode = unused.get("mode")
-        raise ValueError(f"the ultraattn backend takes no torch.compile mode (got mode={mode!r}); "
-                         f"pass options={{...}} instead")
-    opts = parse_options(options)
+def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, table: SideTable,
+                  observer: Observer):
+    """Run the pipeline on ``gm`` (module docstring) and compile it with ``opts.compiler``; returns the callable
+    Dynamo keeps. Every rank must call this with the same graphs in the same order (planning is collective)."""
+    observer = _Recorded(table, observer)
+    index = table.next_graph_index()
     before = gm.code
-    sites = find_sites(gm, opts.world_size)
-    values = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs))
+    sites = capture(gm, example_inputs, opts.world_size)
+    states = rewrite_sites(gm, sites, opts, graph_index=index, table=table, observer=observer)
+    shard = None
+    if opts.world_size > 1 and states:
+        check_no_shards(example_inputs)
+        if opts.shard:
+            shard = shard_sequence(gm, states, opts, example_inputs, index, table)
+    reasons = {s.spec.name: explicit_reason(s) for s in states}
+    rec = GraphRecord(index=index, world_size=opts.world_size, code_before=before, code_after=gm.code,
+                      sites=tuple(s.record(_form(reasons, s.name)) for s in sites),
+                      site_keys=tuple(s.spec.key for s in states), report_file=opts.report_file, shard=shard)
+    table.bump("graphs")
+    table.bump("sites", len(sites))
+    observer.graph_compiled(rec)
+    compiled = _compile(gm, example_inputs, rec, opts, table, observer, _devices(sites, states, reasons))
+    table.forget_with(compiled, rec.site_keys, (shard.key,) if shard is not None else ())
+    return compiled
+
+
+# ----------------------------------------------------------------------------- capture
+def capture(gm: fx.GraphModule, example_inputs, world: int) -> list[Site]:
+    """The graph's attention sites, each with its mask density from the example inputs where they hold data."""
+    sites = find_sites(gm, world)
+    values = dict(zip(placeholders(gm), example_inputs))
     for s in sites:
         try:
             s.density = estimate_density(s, values)
         except Exception:  # noqa: BLE001 - fake example inputs (no data): the report shows "?"
             s.density = None
-    specs = rewrite_sites(gm, sites, opts, graph_index=COUNTERS["graphs"])
-    shard = None
-    if opts.world_size > 1 and specs:
-        from ultraattn.passes.shard import check_no_shards, shard_graph
+    return sites
 
-        check_no_shards(example_inputs)
-        if opts.shard:
-            shard = shard_graph(gm, specs, opts, example_inputs, COUNTERS["graphs"])
-    rec = GraphRecord(index=COUNTERS["graphs"], sites=sites, specs=specs, options=opts, code_before=before,
-                      code_after=gm.code, world_size=opts.world_size)
-    if shard is not None:
-        rec.extra["shard"] = shard
-        COUNTERS["sharded_ops"] += shard.sharded_ops
-        COUNTERS["fallbacks"] += len(shard.fallbacks)
-    RECORDS.append(rec)
-    COUNTERS["graphs"] += 1
-    COUNTERS["sites"] += len(sites)
-    COUNTERS["rewritten"] += len(specs)
-    rank0 = _rank0()
-    if opts.report != "off" and rank0:
-        from ultraattn.passes.report import print_graph_report
 
-        print_graph_report(rec, full=opts.report == "full")
-    if opts.report_file and rank0:
-        from ultraattn.passes.report import save_report
+def _form(reasons: dict, name: str) -> str:
+    if name not in reasons:
+        return ""
+    return "explicit" if reasons[name] is None else f"one op: {reasons[name]}"
 
-        save_report(opts.report_file)
+
+def _devices(sites: list[Site], states: list[SiteState], reasons: dict) -> dict[str, torch.device]:
+    """The device of each site that is expanded at compile time (by site key)."""
+    q_of = {s.name: s.q for s in sites}
+    return {st.spec.key: tensor_value(q_of[st.spec.name]).device for st in states if reasons[st.spec.name] is None}
+
+
+def check_no_shards(example_inputs) -> None:
+    """A graph with attention must see the global view: a shard an earlier graph returned is an error."""
+    for v in example_inputs:
+        if isinstance(v, torch.Tensor) and getattr(v, "_ultraattn_shard", None) is not None:
+            raise ValueError(
+                "a graph with attention received a tensor that an earlier ultraattn graph returned sharded "
+                "(options['outputs']='sharded'): gather it first with ultraattn.undispatch(x), or keep "
+                "options['outputs']='global' where the model has graph breaks between attention regions")
+
+
+# ----------------------------------------------------------------------------- analyse, plan, lower
+def _has_site(gm: fx.GraphModule) -> bool:
+    return any(ultraattn_op(n) == "site_attention" for n in gm.graph.nodes) or \
+        any(_has_site(m) for m in gm.children() if isinstance(m, fx.GraphModule))
+
+
+def shard_sequence(gm: fx.GraphModule, states: list[SiteState], opts: BackendOptions, example_inputs, index: int,
+                   table: SideTable) -> ShardSummary | None:
+    """Sequence-shard ``gm`` in place for this rank; None when it has no site to shard around."""
+    if not _has_site(gm):
+        return None
+    inlined = inline_checkpoints(gm, table.next_id)
+    phs = placeholders(gm)
+    refresh_fake_values(gm, phs, example_inputs)
+    an = analyse(gm)  # pure
+    if an is None or not an.sites:
+        return None
+    if any(not isinstance(d, int) for n in an.sites for d in tensor_value(n.args[0]).shape):
+        return None  # dynamic shapes: attention-only CP
+    by_key = {s.spec.key: s for s in states}
+    layout, how = choose_layout(an, by_key, dict(zip(phs, example_inputs)), opts)  # a collective
+    for n in an.sites:
+        by_key[n.args[4]].layout = layout
+    _mesh, ranks, group, me = resolve_group(opts.mesh, None)
+    key = f"g{index}-{layout.to_string()}"
+    table.add_layout(key, SequenceShards(layout, rank=me, global_ranks=ranks, group=group, timeout=opts.timeout))
+    summary = lower(gm, an, key, outputs=opts.outputs, local_len=layout.local_len,
+                    layout_text=f"{layout.to_string()} ({how})", debug=opts.debug)
+    refresh_fake_values(gm, phs, example_inputs)
+    table.bump("sharded_ops", summary.sharded_ops)
+    table.bump("fallbacks", len(summary.fallbacks))
+    return dataclasses.replace(summary, inlined_checkpoints=inlined)
+
+
+def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendOptions) -> tuple[TokenLayout, str]:
+    """The graph's token layout: the first attention's own plan (planned now, without a given layout, where its
+    mask is known at compile time: a static mask or mask tensors among the example inputs), else head-tail
+    chunks (two per rank: balanced for causal-like masks). Every site of the graph is then planned in it.
+
+    Returns (layout, how it was chosen)."""
+    first = an.sites[0]
+    state = states[first.args[4]]
+    spec = state.spec
+    tensors = [values.get(m) for m in first.args[3]]
+    real = tensors and all(isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor)
+                           for t in tensors)
+    if spec.static_mask or real:
+        q = tensor_value(first.args[0])
+        plan = seed_plan(state, q.dtype, q.device, [] if spec.static_mask else tensors)
+        return plan.layout, f"the plan of {spec.name}"
+    block = spec.flex.q_block if spec.flex is not None else opts.block_size
+    world = opts.world_size
+    chunk = padded_chunk(an.seq_len, 2 * world, block)
+    half = list(range(world))
+    return TokenLayout(chunk_size=chunk, owner=tuple(half + half[::-1])), \
+        "head-tail (the first mask is built in the graph)"
+
+
+# ----------------------------------------------------------------------------- compile, expand
+def _compile(gm, example_inputs, rec: GraphRecord, opts: BackendOptions, table: SideTable, observer: Observer,
+             devices: dict[str, torch.device]):
     if opts.compiler == "eager":
-        return _tag_outputs(gm.forward, shard)
-    from ultraattn.passes.explicit import explicit_reason, prepare
+        return tag_outputs(gm.forward, rec.shard, table)
+    for key, device in devices.items():  # compile-time plans (collective): now, not inside Inductor
+        prepare(table.site(key), device)
 
-    by_name = {sp.name: sp for sp in specs}
-    for s in sites:
-        spec = by_name.get(s.name)
-        if spec is not None and explicit_reason(spec) is None:
-            prepare(spec, _val(s.q).device)
+    def expand(g: fx.GraphModule, backward: bool | None = None) -> None:
+        expand_graph(rec, g, table, observer, backward)
+
     if opts.compiler == "aot_eager":
-        from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
-
         def expand_only(g, _inputs):
-            _expand(rec, g)
+            expand(g)
             return make_boxed_func(g.forward)
 
-        return _tag_outputs(aot_autograd(fw_compiler=expand_only, bw_compiler=expand_only)(gm, example_inputs), shard)
+        return tag_outputs(aot_autograd(fw_compiler=expand_only, bw_compiler=expand_only)(gm, example_inputs),
+                           rec.shard, table)
+    # (imported here: Inductor's compile machinery is heavy and only this path needs it)
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(g, inputs, **kw):
-        _expand(rec, g, backward=bool(kw.get("is_backward")))
+        expand(g, backward=bool(kw.get("is_backward")))
         return compile_fx_inner(g, inputs, **kw)
 
-    return _tag_outputs(compile_fx(gm, example_inputs, inner_compile=inner_compile), shard)
+    return tag_outputs(compile_fx(gm, example_inputs, inner_compile=inner_compile), rec.shard, table)
 
 
-def _tag_outputs(fn, shard):
-    """With ``outputs="sharded"``: mark each returned shard (``ultraattn.undispatch`` reads the mark)."""
-    if shard is None or not any(o is not None for o in shard.outputs):
-        return fn
-    from ultraattn.passes.seq_ops import LAYOUTS
+def expand_graph(rec: GraphRecord, g: fx.GraphModule, table: SideTable, observer: Observer,
+                 backward: bool | None = None) -> AotGraphRecord:
+    """Explicit per-rank programs for the sites of one AOT graph, communication in one order; recorded."""
+    names = expand_sites(g, table)
+    table.bump("comm_ordered", order_comm(g))
+    if backward is None:
+        backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in g.graph.nodes)
+    aot = AotGraphRecord(graph=rec.index, kind="backward" if backward else "forward", expanded=tuple(names),
+                         code=g.code, schedule=schedule_rows(g, table) if names else ())
+    observer.aot_graph_compiled(aot)
+    return aot
 
-    marks = [(i, (LAYOUTS[shard.key], *o)) for i, o in enumerate(shard.outputs) if o is not None]
-    boxed = getattr(fn, "_boxed_call", False)
+
+def tag_outputs(fn, shard: ShardSummary | None, table: SideTable):
+    """The callable Dynamo keeps: ``fn`` behind a function of our own, which with ``outputs="sharded"`` marks each
+    returned shard (``ultraattn.undispatch`` reads the mark).
+
+    [Note] Always a new function: the side table drops a graph's sites when Dynamo drops what the backend
+    returned (``SideTable.forget_with``), and Dynamo keeps exactly that object, whereas the compiler's own
+    callable may be referenced only through it."""
+    marks = []
+    if shard is not None and any(o is not None for o in shard.outputs):
+        seq = table.layout(shard.key)
+        marks = [(i, (seq, *o)) for i, o in enumerate(shard.outputs) if o is not None]
 
     def run(*args):
         outs = fn(*args)
@@ -144,58 +240,5 @@ def _tag_outputs(fn, shard):
                 outs[i]._ultraattn_shard = mark
         return outs
 
-    run._boxed_call = boxed
+    run._boxed_call = getattr(fn, "_boxed_call", False)
     return run
-
-
-def _expand(rec: GraphRecord, g: fx.GraphModule, backward: bool | None = None) -> None:
-    """Explicit per-rank nodes for the sites of one AOT graph (``explicit.py``); keep what Inductor receives."""
-    from ultraattn.passes.explicit import expand_sites, order_comm, schedule_rows
-
-    names = expand_sites(g)
-    order_comm(g)
-    if backward is None:
-        backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in g.graph.nodes)
-    entry = {"kind": "backward" if backward else "forward", "expanded": names, "code": g.code,
-             "schedule": schedule_rows(g) if names else []}
-    rec.extra.setdefault("aot_graphs", []).append(entry)
-    opts = rec.options
-    if names and _rank0():
-        if opts.report != "off":
-            from ultraattn.passes.report import print_schedule
-
-            print_schedule(rec.index, entry, full=opts.report == "full")
-        if opts.report_file:
-            from ultraattn.passes.report import save_report
-
-            save_report(opts.report_file)
-
-
-def _rank0() -> bool:
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
-        torch.distributed.get_rank() == 0
-
-
-backend = ultraattn_backend
-
-
-# ----------------------------------------------------------------------------- flex CPU backward shim
-def _install_flex_cpu_shim() -> bool:
-    import torch.nn.attention.flex_attention as fa
-
-    orig = getattr(fa, "_validate_device", None)
-    if orig is None or getattr(orig, "_ultraattn_shim", False):
-        return False
-
-    def _validate_device(query, key, value):
-        if query.device.type == "cpu" and torch.compiler.is_dynamo_compiling():
-            return None  # tracing for a backend: the backward refusal is the backend's call to make
-        return orig(query, key, value)
-
-    _validate_device._ultraattn_shim = True
-    _validate_device.__wrapped__ = orig
-    fa._validate_device = _validate_device
-    return True
-
-
-SHIM_INSTALLED = _install_flex_cpu_shim()

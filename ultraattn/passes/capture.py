@@ -14,29 +14,32 @@ Two kinds of site (shared/PLATFORM.md shows what Dynamo hands a backend):
 
 Every site gets a reason string, shown in reports; a site that is not rewritten runs as the
 user wrote it, so the answer is never wrong.
+
+Find, then rewrite (STYLE.md): ``find_sites`` only reads the graph and returns ``Site`` match
+objects; each carries what its replacement needs (``mask_inputs``, ``flex_info``) and how to put
+it in place (``replace_with``), which ``rewrite.py`` calls.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
+from ultraattn.passes.fx_util import insert_call, tensor_value
+from ultraattn.passes.records import SiteRecord
+from ultraattn.passes.site import FlexMaskInfo
+
+_INV_LN2 = 1.0 / math.log(2.0)
 _SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
 
 
 def _is_flex(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "__name__", "") == "flex_attention" and \
         type(node.target).__name__ == "FlexAttentionHOP"
-
-
-def _val(node) -> torch.Tensor | None:
-    if isinstance(node, fx.Node):
-        v = node.meta.get("example_value", node.meta.get("val"))
-        return v if isinstance(v, torch.Tensor) else None
-    return None
 
 
 @dataclass
@@ -75,6 +78,59 @@ class Site:
         self.rewritable = False
         self.reason = reason
 
+    def mask_inputs(self) -> list[fx.Node]:
+        """The graph values that hold the mask's content: the bool mask, or the BlockMask's tensors and
+        mask_mod buffers (kv_num_blocks, kv_indices[, full_kv_num_blocks, full_kv_indices], buffers...)."""
+        if self.mask == "bool_mask":
+            return [self.mask_node]
+        if self.mask == "block_mask":
+            kvn, kvi, fkn, fki = self.block_mask["tensors"]
+            full = [fkn, fki] if self.has_full_blocks else []
+            return [kvn, kvi, *full, *self.block_mask["buffers"]]
+        return []
+
+    @property
+    def has_full_blocks(self) -> bool:
+        _, _, fkn, fki = self.block_mask["tensors"]
+        return isinstance(fkn, fx.Node) and isinstance(fki, fx.Node)
+
+    def flex_info(self) -> FlexMaskInfo | None:
+        if self.mask != "block_mask":
+            return None
+        bm = self.block_mask
+        return FlexMaskInfo(q_len=bm["q_len"], kv_len=bm["kv_len"], q_block=bm["q_block"], kv_block=bm["kv_block"],
+                            has_full=self.has_full_blocks, mask_mod=bm["mask_mod"])
+
+    def replace_with(self, res: fx.Node) -> None:
+        """Route the site's outputs to ``res`` (a node returning (out, lse in natural log, ...)) and erase the
+        site. SDPA's one output is ``res[0]``; flex_attention's (out, lse, max) tuple is read through getitem
+        nodes: ``[0]`` becomes ``res[0]``, ``[1]`` becomes ``res[1] / ln 2`` (the HOP's lse is in log2 units),
+        unused ones (checkpoint bodies unpack all three) are dropped."""
+        graph = self.node.graph
+        with graph.inserting_before(self.node):
+            out = insert_call(graph, operator.getitem, (res, 0))
+        if self.op == "sdpa":
+            self.node.replace_all_uses_with(out)
+        else:
+            lse = None
+            for user in list(self.node.users):
+                idx = user.args[1]
+                if user.users and idx == 0:
+                    user.replace_all_uses_with(out)
+                elif user.users:  # idx == 1 (capture refused a used max)
+                    if lse is None:
+                        with graph.inserting_before(user):
+                            nat = insert_call(graph, operator.getitem, (res, 1))
+                            lse = insert_call(graph, operator.mul, (nat, _INV_LN2))
+                    user.replace_all_uses_with(lse)
+                graph.erase_node(user)
+        graph.erase_node(self.node)
+
+    def record(self, form: str = "") -> SiteRecord:
+        return SiteRecord(name=self.name, op=self.op, q_shape=tuple(self.q_shape), kv_shape=tuple(self.kv_shape),
+                          dtype=str(self.dtype).replace("torch.", "") if self.dtype is not None else "",
+                          mask=self.mask, density=self.density, rewritten=self.rewritable, why=self.reason, form=form)
+
 
 def _identity_score_mod(gm) -> bool:
     """A score_mod graph whose output is its first input (the score) unchanged."""
@@ -97,7 +153,7 @@ def _sdpa_site(index: int, node: fx.Node, world: int) -> Site:
     args = dict(zip(names, node.args))
     args.update(node.kwargs)
     s = Site(index=index, node=node, op="sdpa", q=args["query"], k=args["key"], v=args["value"])
-    qv, kv, vv = _val(s.q), _val(s.k), _val(s.v)
+    qv, kv, vv = tensor_value(s.q), tensor_value(s.k), tensor_value(s.v)
     if qv is None or kv is None or vv is None:
         s.skip("q/k/v shapes are unknown in the graph")
         return s
@@ -130,7 +186,7 @@ def _sdpa_site(index: int, node: fx.Node, world: int) -> Site:
         if s.is_causal:
             s.skip("attn_mask together with is_causal=True (SDPA rejects this)")
             return s
-        mv = _val(mask)
+        mv = tensor_value(mask)
         if mv is None:
             s.skip("attn_mask is not a tensor in the graph")
             return s
@@ -152,7 +208,7 @@ def _sdpa_site(index: int, node: fx.Node, world: int) -> Site:
 def _flex_site(index: int, node: fx.Node, world: int) -> Site:
     q, k, v, score_mod, bm, scale, kernel_options, score_buffers, mask_buffers = node.args[:9]
     s = Site(index=index, node=node, op="flex", q=q, k=k, v=v, scale=float(scale) if scale is not None else None)
-    qv, kv, vv = _val(q), _val(k), _val(v)
+    qv, kv, vv = tensor_value(q), tensor_value(k), tensor_value(v)
     if qv is None or kv is None or vv is None:
         s.skip("q/k/v shapes are unknown in the graph")
         return s

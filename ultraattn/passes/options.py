@@ -1,44 +1,57 @@
-"""Options of the ``ultraattn`` backend: ``torch.compile(model, backend="ultraattn", options={...})``."""
+"""Options of the ``ultraattn`` backend: ``torch.compile(model, backend="ultraattn", options={...})``.
+
+``parse_options`` checks a user's dict and returns a frozen ``BackendOptions`` with every default
+filled in (the world size from the process group, the default mesh). Errors name the option,
+the value and the valid choices.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Literal, get_args
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
+from ultraattn.planner.baselines import BASELINES
 from ultraattn.planner.cost import DEFAULT_COST, CostModel
 from ultraattn.planner.tiling import PlannerOptions
 
-_REPORTS = ("off", "summary", "full")
-_OUTPUTS = ("global", "sharded")
+ReportMode = Literal["off", "summary", "full"]
+Outputs = Literal["global", "sharded"]
+Compiler = Literal["inductor", "aot_eager", "eager"]
+Method = Literal["ultraattn", "ring", "zigzag", "allgather", "ulysses", "usp"]
+assert set(get_args(Method)) == {"ultraattn", *BASELINES}, "Method must list the planner and every baseline"
 
 
-@dataclass
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BackendOptions:
-    """Validated backend options (see ``parse_options`` for the keys users pass)."""
+    """Validated backend options (``parse_options`` builds them from the dict users pass)."""
 
     mesh: Any = None
     """A DeviceMesh (1-D, or 2-D nodes x devices); None: the default group as one node, or split by LOCAL_WORLD_SIZE."""
-    report: str = "off"
-    """off | summary | full: what is printed (rich) when a graph is compiled."""
+    report: ReportMode = "off"
+    """What is printed (rich) when a graph is compiled and when a site is planned."""
     shard: bool = True
-    """Sequence sharding (``shard.py``): every activation that carries the sequence lives on this rank's tokens,
-    so memory scales with the ranks. False: attention-only context parallelism (each attention gathers its
-    output; the rest of the model runs replicated on the full sequence)."""
-    outputs: str = "global"
+    """Sequence sharding (``passes/shard/``): every activation that carries the sequence lives on this rank's
+    tokens, so memory scales with the ranks. False: attention-only context parallelism (each attention gathers
+    its output; the rest of the model runs replicated on the full sequence)."""
+    outputs: Outputs = "global"
     """global: graph outputs that carry the sequence are all-gathered, so every rank returns what one process
     would. sharded: they are returned as this rank's shard (``ultraattn.undispatch(x)`` gathers one later), so
     logits need not be materialised in full."""
     ilp_time_limit: float | None = None
     balance_tol: float | None = None
     time_budget: float | None = None
-    cost: dict = field(default_factory=dict)
+    cost: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     """Cost-model overrides (fields of ultraattn.planner.cost.CostModel)."""
-    method: str = "ultraattn"
-    """ultraattn or a baseline plan (ring, zigzag, allgather, ulysses, usp), for comparisons."""
+    method: Method = "ultraattn"
+    """The planner, or a baseline plan for comparisons."""
     block_size: int = 128
     """Block size of masks the backend builds (SDPA sites); a BlockMask keeps its own."""
     timeout: float = 300.0
@@ -52,17 +65,12 @@ class BackendOptions:
     explicit: bool = True
     """Expand sites whose plan is known at compile time into explicit per-rank tile and communication nodes
     in the forward and backward graphs Inductor compiles (False: one opaque op per site)."""
-    compiler: str = "inductor"
+    compiler: Compiler = "inductor"
     """What compiles the rewritten graph: inductor, aot_eager (debugging) or eager (run the FX graph as is)."""
 
     def planner_options(self) -> PlannerOptions:
-        kw = {}
-        if self.ilp_time_limit is not None:
-            kw["ilp_time_limit"] = self.ilp_time_limit
-        if self.balance_tol is not None:
-            kw["balance_tol"] = self.balance_tol
-        if self.time_budget is not None:
-            kw["time_budget"] = self.time_budget
+        kw = {nm: getattr(self, nm) for nm in ("ilp_time_limit", "balance_tol", "time_budget")
+              if getattr(self, nm) is not None}
         return PlannerOptions(**kw)
 
     def cost_model(self) -> CostModel:
@@ -70,72 +78,77 @@ class BackendOptions:
 
 
 VALID = tuple(f.name for f in fields(BackendOptions))
+_CHOICES = {"report": ReportMode, "outputs": Outputs, "compiler": Compiler, "method": Method}
 
 
-def parse_options(options: dict | None, *, require_group: bool = True) -> BackendOptions:
+def _check_values(opts: BackendOptions) -> None:
+    for nm, lit in _CHOICES.items():
+        if getattr(opts, nm) not in get_args(lit):
+            raise ValueError(f"options[{nm!r}]={getattr(opts, nm)!r}: expected one of {', '.join(get_args(lit))}")
+    for nm in ("shard", "debug", "explicit"):
+        if not isinstance(getattr(opts, nm), bool):
+            raise ValueError(f"options[{nm!r}]={getattr(opts, nm)!r}: expected True or False")
+    if opts.outputs == "sharded" and not opts.shard:
+        raise ValueError("options['outputs']='sharded' needs the sequence-sharding pass: drop options['shard']=False")
+    for nm in ("ilp_time_limit", "balance_tol", "time_budget", "timeout"):
+        v = getattr(opts, nm)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v <= 0):
+            raise ValueError(f"options[{nm!r}]={v!r}: expected a positive number")
+    if opts.report_file is not None and not isinstance(opts.report_file, str | os.PathLike):
+        raise ValueError(f"options['report_file'] must be a path, got {type(opts.report_file).__name__}")
+    if not isinstance(opts.block_size, int) or opts.block_size < 16 or opts.block_size & (opts.block_size - 1):
+        raise ValueError(f"options['block_size']={opts.block_size!r}: expected a power of two >= 16")
+    w = opts.world_size
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+        raise ValueError(f"options['world_size']={w!r}: expected a positive int (or leave it unset)")
+
+
+def _check_cost(cost) -> Mapping[str, float]:
+    if not isinstance(cost, Mapping):
+        raise ValueError(f"options['cost'] must be a dict of CostModel fields, got {type(cost).__name__}")
+    names = {f.name for f in fields(CostModel)}
+    bad = sorted(set(cost) - names)
+    if bad:
+        raise ValueError(f"options['cost'] has unknown field(s) {bad}; CostModel fields: {', '.join(sorted(names))}")
+    return MappingProxyType(dict(cost))
+
+
+def parse_options(options: dict | None, *, require_group: bool = True, meshes: dict | None = None) -> BackendOptions:
     """Check ``options`` and fill defaults. Unknown keys or bad values raise ``ValueError`` naming them.
 
-    ``require_group=False`` (``ultraattn.explain``) plans for ``world_size`` ranks without a process group.
+    Args:
+        require_group: False (``ultraattn.explain``): plan for ``world_size`` ranks without a process group.
+        meshes: where default meshes are cached (the side table's), so each is created once per process.
     """
     options = dict(options or {})
     unknown = sorted(set(options) - set(VALID))
     if unknown:
         raise ValueError(f"unknown ultraattn backend option(s) {unknown}; valid options: {', '.join(VALID)}")
-    opts = BackendOptions(**options)
-    if opts.report not in _REPORTS:
-        raise ValueError(f"options['report']={opts.report!r}: expected one of {', '.join(_REPORTS)}")
-    if opts.compiler not in ("inductor", "aot_eager", "eager"):
-        raise ValueError(f"options['compiler']={opts.compiler!r}: expected inductor, aot_eager or eager")
-    if opts.outputs not in _OUTPUTS:
-        raise ValueError(f"options['outputs']={opts.outputs!r}: expected one of {', '.join(_OUTPUTS)}")
-    if not isinstance(opts.shard, bool):
-        raise ValueError(f"options['shard']={opts.shard!r}: expected True or False")
-    if opts.outputs == "sharded" and not opts.shard:
-        raise ValueError("options['outputs']='sharded' needs the sequence-sharding pass: drop options['shard']=False")
-    from ultraattn.runtime.api import METHODS
-
-    if opts.method not in METHODS:
-        raise ValueError(f"options['method']={opts.method!r}: expected one of {', '.join(METHODS)}")
-    if not isinstance(opts.cost, dict):
-        raise ValueError(f"options['cost'] must be a dict of CostModel fields, got {type(opts.cost).__name__}")
-    if opts.cost:
-        cm_fields = {f.name for f in fields(CostModel)}
-        bad = sorted(set(opts.cost) - cm_fields)
-        if bad:
-            raise ValueError(f"options['cost'] has unknown field(s) {bad}; CostModel fields: {', '.join(sorted(cm_fields))}")
-    for nm in ("ilp_time_limit", "balance_tol", "time_budget", "timeout"):
-        v = getattr(opts, nm)
-        if v is not None and (not isinstance(v, int | float) or v <= 0):
-            raise ValueError(f"options[{nm!r}]={v!r}: expected a positive number")
-    if opts.report_file is not None and not isinstance(opts.report_file, str | os.PathLike):
-        raise ValueError(f"options['report_file'] must be a path, got {type(opts.report_file).__name__}")
-    if opts.block_size < 16 or opts.block_size & (opts.block_size - 1):
-        raise ValueError(f"options['block_size']={opts.block_size}: expected a power of two >= 16")
+    if "report_file" in options and isinstance(options["report_file"], os.PathLike):
+        options["report_file"] = os.fspath(options["report_file"])
+    opts = BackendOptions(**{**options, "cost": _check_cost(options.get("cost", {}))})
+    _check_values(opts)
     world = opts.world_size
+    grouped = dist.is_available() and dist.is_initialized()
     if world is None:
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = dist.get_world_size() if grouped else 1
         if world == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError(
                 f"WORLD_SIZE={os.environ['WORLD_SIZE']} but torch.distributed is not initialised: call "
-                f"torch.distributed.init_process_group() before running the compiled model"
-            )
-        opts.world_size = world
-    elif world > 1 and require_group and not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            f"options['world_size']={world} needs an initialised process group: call "
-            f"torch.distributed.init_process_group() first"
-        )
-    if opts.mesh is None and require_group and world > 1:
-        opts.mesh = default_mesh(world)
-    return opts
+                f"torch.distributed.init_process_group() before running the compiled model")
+    elif world > 1 and require_group and not grouped:
+        raise ValueError(f"options['world_size']={world} needs an initialised process group: call "
+                         f"torch.distributed.init_process_group() first")
+    mesh = opts.mesh
+    if mesh is None and require_group and world > 1:
+        mesh = default_mesh(world, {} if meshes is None else meshes)
+    return dataclasses.replace(opts, world_size=world, mesh=mesh)
 
 
-_MESHES: dict = {}
-
-
-def default_mesh(world: int):
+def default_mesh(world: int, cache: dict):
     """None (the group as one node), or nodes x devices from ``LOCAL_WORLD_SIZE`` (set by torchrun) when it
-    splits the world into several nodes. Created once per process (a collective: every rank compiles the same graphs)."""
+    splits the world into several nodes. Created once per ``cache`` (a collective: every rank compiles the
+    same graphs)."""
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     except ValueError:
@@ -143,10 +156,7 @@ def default_mesh(world: int):
     if not 1 < local < world or world % local:
         return None
     key = (world, local)
-    if key not in _MESHES:
-        import torch
-        from torch.distributed.device_mesh import init_device_mesh
-
+    if key not in cache:
         dev = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        _MESHES[key] = init_device_mesh(dev, (world // local, local), mesh_dim_names=("node", "device"))
-    return _MESHES[key]
+        cache[key] = init_device_mesh(dev, (world // local, local), mesh_dim_names=("node", "device"))
+    return cache[key]

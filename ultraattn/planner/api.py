@@ -331,3 +331,13 @@ def overall_ilp_status(result: PlanResult) -> tuple[str, float | None]:
     worst = min((i["status"] for i in ran), key=lambda s: order.index(s) if s in order else 0)
     gaps = [i["gap"] for i in ran if i["gap"] is not None]
     return worst, (max(gaps) if gaps else None)
+
+
+def method_summaries(result: PlanResult) -> dict[str, dict]:
+    """Modeled figures of ultraattn and every baseline, json-able (``Evaluation.summary`` per method; a
+    baseline that does not apply has None figures and a ``note`` saying why)."""
+    methods = {name: ev.summary() for name, ev in result.evaluations.items()}
+    for name, why in result.not_applicable.items():
+        methods[name] = {"fwd_ms": None, "bwd_ms": None, "max_rank_bytes": None, "max_rank_inter_node_bytes": None,
+                         "compute_imbalance": None, "note": why}
+    return methods

@@ -159,7 +159,8 @@ def usp_plan(nonempty_GPP, *, mesh: Mesh, shape: AttnShape, chunk: int, backward
         pos_of_super = owner_pos
     p = len(owner)
     if nonempty_GPP.shape[0] != u or nonempty_GPP.shape[1] != p:
-        raise ValueError(f"usp_plan needs the pattern on {u} head groups and {p} chunks, got {tuple(nonempty_GPP.shape)}")
+        raise ValueError(f"usp_plan needs the pattern on {u} head groups and {p} chunks, "
+                         f"got {tuple(nonempty_GPP.shape)}")
 
     def computer(i: int, g: int) -> int:
         return g if pure_ulysses else pos_of_super[super_of[i]] * u + g

@@ -81,7 +81,7 @@ def solve(prob: pulp.LpProblem, *, name: str, time_limit: float, max_nodes: int 
             # relative gap; CBC's own "Gap:" line is not always relative
             info.gap = max(0.0, (info.objective - info.bound) / abs(info.objective))
         info.note = result or ""
-    except Exception as exc:  # a solver failure must never break planning
+    except Exception as exc:  # noqa: BLE001 - a solver failure must never break planning
         info.status, info.note = "Error", f"{type(exc).__name__}: {exc}"
     finally:
         info.seconds = time.perf_counter() - t0

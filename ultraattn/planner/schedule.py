@@ -148,7 +148,7 @@ class Schedule:
                     per[s].append((self.start[t.id], self.end[t.id], t.id))
         for s, iv in per.items():
             iv.sort()
-            for (a0, a1, ia), (b0, b1, ib) in zip(iv, iv[1:]):
+            for (_a0, a1, ia), (b0, _b1, ib) in zip(iv, iv[1:]):
                 if b0 < a1 - tol:
                     raise AssertionError(f"tasks {ia} and {ib} overlap on stream {s}")
 

@@ -26,9 +26,9 @@ from .cost import CostModel
 from .ilp import SolveInfo
 from .partition import Level, Solution, heuristic, solve_ilp
 from .partition import evaluate as evaluate_level
+from .plan import AttnShape, Mesh
 
 MAX_NODE_ITEMS = 64
-from .plan import AttnShape, Mesh
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,16 +1,16 @@
-"""Plan reports: terminal renderings (``render``) and the optional PNG picture (``png``)."""
+"""Reports: pure renderings from plain data and records to ``rich`` (and an optional PNG).
 
-from .png import draw_plan_png
-from .render import (
-    assignment_heatmap,
-    comparison_table,
-    format_bytes,
-    format_ms,
-    gantt,
-    mask_heatmap,
-    rank_table,
-    solver_panel,
-)
+Plans: ``heatmaps`` (mask block kinds, tile assignment), ``gantt`` (schedules), ``tables`` (per-rank
+traffic, baselines, solver), ``plan_report`` (all of them for one planning result), ``png``.
+Compiles: ``compile_report`` renders the records of ``ultraattn.passes.records``, live and saved.
+``style`` holds what they share. Nothing here plans or compiles; callers pass what to show.
+"""
+
+from ultraattn.report.gantt import gantt
+from ultraattn.report.heatmaps import assignment_heatmap, mask_heatmap
+from ultraattn.report.png import draw_plan_png
+from ultraattn.report.style import format_bytes, format_ms
+from ultraattn.report.tables import comparison_table, rank_table, solver_panel
 
 __all__ = [
     "assignment_heatmap",

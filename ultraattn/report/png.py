@@ -1,6 +1,6 @@
 """PNG picture of a plan: tile assignment next to one node's schedule (``ultraattn plan --png``).
 
-Same plain-data inputs as ``render.py`` (lists/dicts or tensors), drawn with matplotlib.
+Same plain-data inputs as the terminal renderings (lists/dicts or tensors), drawn with matplotlib.
 matplotlib is an optional extra (``pip install 'ultraattn[plot]'``), imported lazily so
 the core install and the terminal report work without it.
 
@@ -16,7 +16,9 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .render import _as_grid, _check_assignment, _check_mesh, _plain, _stream_key
+from ultraattn.report.gantt import stream_key
+from ultraattn.report.heatmaps import check_assignment, check_mesh
+from ultraattn.report.style import as_grid, plain
 
 __all__ = ["draw_plan_png"]
 
@@ -66,11 +68,11 @@ def draw_plan_png(
 
     Args:
         path: output file (``.png``).
-        assign_grid: P x P ranks, -1 = empty (as in ``render.assignment_heatmap``).
+        assign_grid: P x P ranks, -1 = empty (as in ``heatmaps.assignment_heatmap``).
         owner: length-P chunk owners.
         nodes, devices: mesh shape; ``rank = node * devices + device``.
         tasks: dicts ``{rank, stream, start, end, kind}`` with times in seconds
-            (as in ``render.gantt``); tasks of other nodes are ignored.
+            (as in ``gantt.gantt``); tasks of other nodes are ignored.
         title: figure title.
         node_to_draw: which node's ranks the Gantt panel shows.
 
@@ -84,54 +86,62 @@ def draw_plan_png(
     try:
         import matplotlib  # noqa: F401  (import the parent first so a missing install fails here)
         from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.colors import ListedColormap
         from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
     except ImportError as e:
         raise RuntimeError(_MISSING) from e
 
-    _check_mesh(nodes, devices)
+    check_mesh(nodes, devices)
     if not isinstance(node_to_draw, int) or not 0 <= node_to_draw < nodes:
         raise ValueError(f"`node_to_draw` must be a node index in [0, {nodes}), got {node_to_draw!r}")
-    grid = _as_grid(assign_grid, "assign_grid")
-    owner = [int(v) for v in _plain(owner)]
-    world = nodes * devices
-    _check_assignment(grid, owner, world)
-    p = len(grid)
+    grid = as_grid(assign_grid, "assign_grid")
+    owner = [int(v) for v in plain(owner)]
+    check_assignment(grid, owner, nodes * devices)
 
     fig = Figure(figsize=(16, 7), layout="constrained")
     FigureCanvasAgg(fig)
     fig.suptitle(title)
     ax_grid, ax_gantt = fig.subplots(1, 2, width_ratios=[1, 1.5])
+    _draw_assignment(fig, ax_grid, grid, owner, devices, nodes * devices)
+    _draw_gantt(ax_gantt, tasks, node_to_draw, devices)
+    fig.savefig(path, dpi=120)
+    return path
 
-    # --- left: tile assignment ---------------------------------------------------------
-    cmap = ListedColormap(_rank_colors(world)).with_extremes(bad="white")
+
+def _draw_assignment(fig, ax, grid: list[list[int]], owner: list[int], devices: int, world: int) -> None:
+    """The tile assignment panel: cells by computing rank, owner strips, node boundaries."""
     import numpy as np  # a matplotlib dependency, so present whenever matplotlib is
+    from matplotlib.colors import ListedColormap
 
+    p = len(grid)
+    cmap = ListedColormap(_rank_colors(world)).with_extremes(bad="white")
     cells = np.ma.masked_less(np.asarray(grid, dtype=float), 0)
     style = dict(cmap=cmap, vmin=-0.5, vmax=world - 0.5, interpolation="nearest", aspect="equal")
-    image = ax_grid.imshow(cells, extent=(0, p, p, 0), **style)
+    image = ax.imshow(cells, extent=(0, p, p, 0), **style)
     strip, gap = max(0.04 * p, 0.6), max(0.01 * p, 0.15)
-    ax_grid.imshow([owner], extent=(0, p, -gap, -gap - strip), **style)
-    ax_grid.imshow([[o] for o in owner], extent=(-gap - strip, -gap, p, 0), **style)
+    ax.imshow([owner], extent=(0, p, -gap, -gap - strip), **style)
+    ax.imshow([[o] for o in owner], extent=(-gap - strip, -gap, p, 0), **style)
     for i in range(1, p):
         if owner[i] // devices != owner[i - 1] // devices:
-            ax_grid.axhline(i, color="black", lw=0.8)
-            ax_grid.axvline(i, color="black", lw=0.8)
-    ax_grid.set_xlim(-gap - strip, p)
-    ax_grid.set_ylim(p, -gap - strip)
-    ax_grid.set_xlabel("KV chunk (top strip: owner)")
-    ax_grid.set_ylabel("Q chunk (left strip: owner)")
+            ax.axhline(i, color="black", lw=0.8)
+            ax.axvline(i, color="black", lw=0.8)
+    ax.set_xlim(-gap - strip, p)
+    ax.set_ylim(p, -gap - strip)
+    ax.set_xlabel("KV chunk (top strip: owner)")
+    ax.set_ylabel("Q chunk (left strip: owner)")
     n_tiles = sum(v >= 0 for row in grid for v in row)
-    ax_grid.set_title(f"tile assignment ({p}×{p} chunks, {n_tiles} tiles)")
-    bar = fig.colorbar(image, ax=ax_grid, shrink=0.8, label="computing rank")
+    ax.set_title(f"tile assignment ({p}×{p} chunks, {n_tiles} tiles)")
+    bar = fig.colorbar(image, ax=ax, shrink=0.8, label="computing rank")
     if world <= 32:
         bar.set_ticks(range(world))
 
-    # --- right: one node's Gantt chart -------------------------------------------------
-    ranks = range(node_to_draw * devices, (node_to_draw + 1) * devices)
+
+def _draw_gantt(ax, tasks: Sequence[Mapping[str, Any]], node: int, devices: int) -> None:
+    """One node's schedule: a row per (rank, stream), bars coloured by kind, time in ms."""
+    from matplotlib.patches import Patch
+
+    ranks = range(node * devices, (node + 1) * devices)
     mine = [t for t in tasks if int(t["rank"]) in ranks]
-    rows = sorted({(int(t["rank"]), str(t["stream"])) for t in mine}, key=lambda k: (k[0], _stream_key(k[1])))
+    rows = sorted({(int(t["rank"]), str(t["stream"])) for t in mine}, key=lambda k: (k[0], stream_key(k[1])))
     y_of = {k: y for y, k in enumerate(rows)}
     kind_colors: dict[str, str] = {}
     bars: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
@@ -146,27 +156,18 @@ def draw_plan_png(
         bars[(y_of[(int(t["rank"]), str(t["stream"]))], kind)].append((start, end - start))
     # One broken_barh per (row, kind): thousands of tasks stay one artist each.
     for (y, kind), spans in bars.items():
-        ax_gantt.broken_barh(spans, (y - 0.4, 0.8), facecolors=kind_colors[kind], edgecolor="none")
+        ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=kind_colors[kind], edgecolor="none")
     for y in range(1, len(rows)):
         if rows[y][0] != rows[y - 1][0]:
-            ax_gantt.axhline(y - 0.5, color="grey", lw=0.5)
-    ax_gantt.set_yticks(range(len(rows)), [f"r{r} {s}" for r, s in rows])
-    ax_gantt.set_ylim(len(rows) - 0.5, -0.5)
-    ax_gantt.set_xlabel("time (ms)")
-    ax_gantt.set_title(f"schedule of node {node_to_draw} (ranks {ranks.start}–{ranks.stop - 1})")
-    ax_gantt.grid(axis="x", alpha=0.3)
-    if mine:
-        ax_gantt.set_xlim(left=min(0.0, min(float(t["start"]) for t in mine) * 1e3))
-        ax_gantt.legend(
-            handles=[Patch(color=c, label=k) for k, c in kind_colors.items()],
-            loc="upper center",
-            bbox_to_anchor=(0.5, -0.08),
-            fontsize="small",
-            ncols=min(len(kind_colors), 8),
-            frameon=False,
-        )
-    else:
-        ax_gantt.text(0.5, 0.5, f"no tasks on node {node_to_draw}", ha="center", va="center", transform=ax_gantt.transAxes)
-
-    fig.savefig(path, dpi=120)
-    return path
+            ax.axhline(y - 0.5, color="grey", lw=0.5)
+    ax.set_yticks(range(len(rows)), [f"r{r} {s}" for r, s in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("time (ms)")
+    ax.set_title(f"schedule of node {node} (ranks {ranks.start}–{ranks.stop - 1})")
+    ax.grid(axis="x", alpha=0.3)
+    if not mine:
+        ax.text(0.5, 0.5, f"no tasks on node {node}", ha="center", va="center", transform=ax.transAxes)
+        return
+    ax.set_xlim(left=min(0.0, min(float(t["start"]) for t in mine) * 1e3))
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in kind_colors.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.08), fontsize="small", ncols=min(len(kind_colors), 8), frameon=False)

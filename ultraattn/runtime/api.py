@@ -130,8 +130,9 @@ class AttentionPlan:
 
 
 # ----------------------------------------------------------------------------- process group / mesh
-def _resolve_group(mesh, group) -> tuple[Mesh, tuple[int, ...], object, int]:
-    """(planner mesh, global ranks in plan order, communication group, this plan rank)."""
+def resolve_group(mesh, group) -> tuple[Mesh, tuple[int, ...], object, int]:
+    """The process group a plan runs on: (planner mesh, global ranks in plan order, communication group, this
+    plan rank)."""
     if not (dist.is_available() and dist.is_initialized()):
         env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if mesh is not None or group is not None:
@@ -254,7 +255,7 @@ def plan_attention(
         raise ValueError(f"`timeout` must be positive seconds, got {timeout!r}")
     shape = AttnShape(seq_len=seqlen, num_heads=num_heads, head_dim=head_dim, num_kv_heads=num_kv_heads,
                       batch=batch, dtype=_DTYPES[dtype])
-    pmesh, ranks, comm_group, me = _resolve_group(mesh, group)
+    pmesh, ranks, comm_group, me = resolve_group(mesh, group)
     pattern, mm = _resolve_mask(mask, seqlen=seqlen, batch=batch, num_heads=num_heads, block_size=block_size,
                                 mask_mod=mask_mod)
     if pattern.num_batch_patterns not in (1, batch):
@@ -374,7 +375,8 @@ def _check_plan(plan) -> AttentionPlan:
             raise ValueError(f"the plan was made on global rank {plan.global_ranks[plan.rank]} but this process is "
                              f"rank {dist.get_rank()}")
         if plan.group is not dist.group.WORLD and dist.get_world_size(plan.group) != plan.world:
-            raise ValueError(f"the plan is for {plan.world} ranks but its group now has {dist.get_world_size(plan.group)}")
+            raise ValueError(f"the plan is for {plan.world} ranks but its group now has "
+                             f"{dist.get_world_size(plan.group)}")
     elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and plan.group is None:
         # a 1-rank plan inside a multi-rank job is legal only when made for a 1-rank group
         pass
@@ -403,7 +405,7 @@ class _Undispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan: AttentionPlan, d: int):
         ctx.plan, ctx.d = plan, d
-        return _gather(x, plan, d)
+        return gather_tokens(x, plan, d)
 
     @staticmethod
     def backward(ctx, g):
@@ -411,8 +413,9 @@ class _Undispatch(torch.autograd.Function):
         return dispatch(g, ctx.plan, ctx.d), None, None
 
 
-def _gather(x: Tensor, plan: AttentionPlan, d: int) -> Tensor:
-    return plan.seq.gather(x, d, plan.seq_len)
+def gather_tokens(x: Tensor, plan: AttentionPlan, seq_dim: int = 2) -> Tensor:
+    """The global tensor from every rank's tokens of ``x`` (an all-gather; not differentiable: see ``undispatch``)."""
+    return plan.seq.gather(x, seq_dim, plan.seq_len)
 
 
 def undispatch(x_local: Tensor, plan: AttentionPlan | None = None, seq_dim: int = 2) -> Tensor:

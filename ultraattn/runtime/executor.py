@@ -226,7 +226,7 @@ class EagerIO:
     schedule code is shared by both.
     """
 
-    def __init__(self, ex: "Executor"):
+    def __init__(self, ex: Executor):
         self.ex = ex
         self.sends: list = []
 

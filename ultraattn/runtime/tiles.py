@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..masks.convert import _eval_mask
+from ..masks.convert import eval_mask
 from ..masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
 
 #: bytes of cached element masks per plan before the cache stops growing
@@ -160,7 +160,8 @@ class TileGeometry:
         return out
 
     def _mask(self, g: int, qa0: int, nq: int, blocks: Tensor) -> Tensor:
-        """bool [mb, hk|1, r|1, nq*bq, m*bk] for Q blocks ``qa0 .. qa0+nq`` against KV blocks ``blocks`` (global ids)."""
+        """bool [mb, hk|1, r|1, nq*bq, m*bk] for Q blocks ``qa0 .. qa0+nq`` against KV blocks ``blocks``
+        (global ids)."""
         key = (g, qa0, nq, tuple(blocks.tolist()))
         hit = self.mask_cache.get(key)
         if hit is not None:
@@ -183,7 +184,7 @@ class TileGeometry:
                 h = (g * self.hq + torch.arange(self.hq)).view(1, -1, 1, 1)
                 qi = q_pos.clamp(max=s - 1).view(1, 1, -1, 1)
                 ki = kv_pos.clamp(max=s - 1).view(1, 1, 1, -1)
-                m = _eval_mask(self.mask_mod, b, h, qi, ki)
+                m = eval_mask(self.mask_mod, b, h, qi, ki)
             # keep the smallest broadcast shape: a mask that ignores b or h stays size 1 there
             if bool((m == m[:1]).all()):
                 m = m[:1]
@@ -203,9 +204,9 @@ class TileGeometry:
 
 
 def _kernels_on(t: Tensor) -> bool:
-    from ..kernels.ops import _use_triton
+    from ..kernels.ops import uses_triton
 
-    return _use_triton(t)
+    return uses_triton(t)
 
 
 def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: torch.device):
@@ -234,7 +235,7 @@ def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: to
         ok = (gq < s) & (gk < s)
         if mask_mod is None:
             return ok
-        return ok & _eval_mask(mask_mod, b, h + h0, gq.clamp(max=s - 1), gk.clamp(max=s - 1))
+        return ok & eval_mask(mask_mod, b, h + h0, gq.clamp(max=s - 1), gk.clamp(max=s - 1))
 
     pattern = BlockPattern(kind_BGQK=kinds[None, None].to(torch.int8),
                            count_BGQK=torch.zeros((1, 1, *kinds.shape), dtype=torch.int64),

@@ -1,8 +1,9 @@
 """The ops a sequence-sharded graph calls to move data between the global view and this rank's tokens.
 
-Each op names a layout by a string key (``LAYOUTS``: a ``runtime.sequence.SequenceShards`` per
-compiled graph) and, where a dimension carries the sequence, that dimension, the coordinate's
-``length`` and the ``inner`` elements per position (``runtime/sequence.py``).
+Each op names a layout by a string key (the side table's ``layouts``: a
+``runtime.sequence.SequenceShards`` per compiled graph) and, where a dimension carries the
+sequence, that dimension, the coordinate's ``length`` and the ``inner`` elements per position
+(``runtime/sequence.py``).
 
 Gradient invariant (what makes every rank's gradients the single-device ones):
 
@@ -27,16 +28,19 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-LAYOUTS: dict = {}
-"""layout key -> SequenceShards (set by the sharding pass when it rewrites a graph)."""
+from ultraattn.passes.state import side_table
+
+
+def _shards(key: str):
+    return side_table().layout(key)
 
 
 def _local_size(size: int, key: str, length: int, inner: int) -> int:
-    return size // (length * inner) * LAYOUTS[key].local_len * inner
+    return size // (length * inner) * _shards(key).local_len * inner
 
 
 def _global_size(size: int, key: str, length: int, inner: int) -> int:
-    return size // (LAYOUTS[key].local_len * inner) * length * inner
+    return size // (_shards(key).local_len * inner) * length * inner
 
 
 @custom_op("ultraattn::sp_dispatch", mutates_args=())
@@ -45,8 +49,8 @@ def sp_dispatch(x: Tensor, key: str, dim: int, length: int, inner: int, check: s
 
     ``check`` (the ``debug`` option): the input's name; every rank must hold the same ``x``."""
     if check:
-        LAYOUTS[key].check_same(x, check)
-    return LAYOUTS[key].shard(x, dim, length, inner).contiguous()
+        _shards(key).check_same(x, check)
+    return _shards(key).shard(x, dim, length, inner).contiguous()
 
 
 @sp_dispatch.register_fake
@@ -60,8 +64,8 @@ def _(x, key, dim, length, inner, check):
 def sp_gather(x: Tensor, key: str, dim: int, length: int, inner: int, after: Tensor | None = None) -> Tensor:
     """The global tensor from every rank's local ``x`` (an all-gather), positions past ``length`` dropped.
 
-    ``after`` (unused data): orders this collective after another (``explicit.order_comm``)."""
-    return LAYOUTS[key].gather(x, dim, length, inner).contiguous()
+    ``after`` (unused data): orders this collective after another (``explicit/order.py``)."""
+    return _shards(key).gather(x, dim, length, inner).contiguous()
 
 
 @sp_gather.register_fake
@@ -71,7 +75,7 @@ def _(x, key, dim, length, inner, after=None):
     return x.new_empty(shape)
 
 
-# [Note] ``after`` is only ever set by ``explicit.order_comm`` in the graphs AOT autograd has already made,
+# [Note] ``after`` is only ever set by ``explicit/order.py`` in the graphs AOT autograd has already made,
 # never in a differentiated call, and the autograd wrapper expects gradient slots for the arguments a call
 # passed: so the backward formulas have none for it.
 def _dispatch_bwd(ctx, g):
@@ -93,7 +97,7 @@ sp_gather.register_autograd(_gather_bwd, setup_context=_keep_args)
 @custom_op("ultraattn::sp_all_reduce", mutates_args=())
 def sp_all_reduce(x: Tensor, key: str, after: Tensor | None = None) -> Tensor:
     """Sum of ``x`` over the layout's ranks (partial sums of a reduction over the sequence)."""
-    return LAYOUTS[key].all_reduce(x)
+    return _shards(key).all_reduce(x)
 
 
 @sp_all_reduce.register_fake
@@ -111,7 +115,7 @@ sp_all_reduce.register_autograd(_all_reduce_bwd, setup_context=lambda ctx, input
 @custom_op("ultraattn::sp_weight_grad", mutates_args=())
 def sp_weight_grad(g: Tensor, key: str, after: Tensor | None = None) -> Tensor:
     """A replicated weight's gradient: the sum of every rank's part (``sp_enter``'s backward)."""
-    return LAYOUTS[key].all_reduce(g)
+    return _shards(key).all_reduce(g)
 
 
 @sp_weight_grad.register_fake
@@ -138,9 +142,9 @@ def sp_enter(x: Tensor, key: str) -> Tensor:
 @custom_op("ultraattn::sp_valid", mutates_args=())
 def sp_valid(key: str, length: int, device: torch.device) -> Tensor:
     """bool [local_len]: which of this rank's tokens are real positions of a ``length``-token coordinate."""
-    return LAYOUTS[key].valid(length, device)
+    return _shards(key).valid(length, device)
 
 
 @sp_valid.register_fake
 def _(key, length, device):
-    return torch.empty(LAYOUTS[key].local_len, dtype=torch.bool, device=device)
+    return torch.empty(_shards(key).local_len, dtype=torch.bool, device=device)

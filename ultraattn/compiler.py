@@ -1,0 +1,200 @@
+"""The compile entry points users meet: the registered ``ultraattn`` backend, and ``explain`` (a dry run).
+
+``torch.compile(model, backend="ultraattn", options={...})`` finds ``ultraattn_backend`` through the
+``torch_dynamo_backends`` entry point (pyproject.toml), so a training script needs no import of
+ultraattn; ``ultraattn.backend`` is the same callable.
+
+Why this module sits at the top of the package, not in ``passes/``: it composes the pass pipeline
+(``passes.backend.compile_graph``) with the reports (``ultraattn/report/``), and the reports render
+the passes' records, so they sit above the passes. ``LiveReport`` is the observer that decides how
+a compile is shown: printed on rank 0 per ``options["report"]``, saved to ``options["report_file"]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from rich.console import Console
+
+from ultraattn.passes.backend import capture, compile_graph
+from ultraattn.passes.flex_shim import install_flex_cpu_shim
+from ultraattn.passes.fx_util import meta_value, placeholders, refresh_fake_values
+from ultraattn.passes.options import BackendOptions, parse_options
+from ultraattn.passes.records import AotGraphRecord, GraphRecord, NullObserver, PlanEvent, ShardSummary, SiteStats
+from ultraattn.passes.rewrite import rewrite_sites
+from ultraattn.passes.shard import analyse, inline_checkpoints, summarize
+from ultraattn.passes.site import plan_offline
+from ultraattn.passes.state import SideTable, private_side_table, side_table
+from ultraattn.report.compile_report import (
+    print_graph_report,
+    print_plan_event,
+    print_schedule,
+    render_graph,
+    report_console,
+    save_report,
+)
+from ultraattn.report.plan_report import print_plan_result
+
+SHIM_INSTALLED = install_flex_cpu_shim()
+"""Dynamo can trace CPU flex_attention training for this backend (``passes/flex_shim.py``)."""
+
+
+def _rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class LiveReport:
+    """Shows one compile as its options ask, on rank 0: printed (``report``), saved (``report_file``)."""
+
+    def __init__(self, opts: BackendOptions, table: SideTable):
+        self.opts, self.table = opts, table
+        self.full = opts.report == "full"
+
+    def _save(self) -> None:
+        if self.opts.report_file:
+            save_report(self.opts.report_file, self.table.snapshot(self.opts.report_file))
+
+    def graph_compiled(self, rec: GraphRecord) -> None:
+        if _rank0():
+            if self.opts.report != "off":
+                print_graph_report(rec, full=self.full)
+            self._save()
+
+    def aot_graph_compiled(self, rec: AotGraphRecord) -> None:
+        if rec.expanded and _rank0():
+            if self.opts.report != "off":
+                print_schedule(rec, full=self.full)
+            self._save()
+
+    def plan_made(self, event: PlanEvent) -> None:
+        if event.rank == 0 and _rank0():
+            if self.opts.report != "off":
+                print_plan_event(event, full=self.full)
+            self._save()
+
+
+def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **unused):
+    """torch.compile backend: context-parallel attention for ``gm`` (``passes/backend.py``), then the compiler."""
+    if unused:
+        raise ValueError(f"the ultraattn backend takes no torch.compile mode (got mode={unused.get('mode')!r}); "
+                         f"pass options={{...}} instead")
+    table = side_table()
+    opts = parse_options(options, meshes=table.meshes)
+    return compile_graph(gm, example_inputs, opts, table=table, observer=LiveReport(opts, table))
+
+
+backend = ultraattn_backend
+
+
+# ----------------------------------------------------------------------------- explain
+@dataclass
+class Explanation:
+    records: list[GraphRecord] = field(default_factory=list)
+    """One record per graph Dynamo produced."""
+    plans: dict = field(default_factory=dict)
+    """"graph<i>/<site>" -> PlanResult (world > 1), BlockSparseLayout (world 1) or a string saying why not planned."""
+    sharding: dict[int, ShardSummary] = field(default_factory=dict)
+    """graph index -> what sequence sharding would do (world > 1)."""
+    stats: list[SiteStats] = field(default_factory=list)
+    """Run-time counts of every site (all zero: nothing runs)."""
+
+
+def _zeros_like_outputs(gm: fx.GraphModule):
+    """A stand-in for the compiled graph: zeros shaped like its outputs (from Dynamo's example values)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = fx.node.map_arg(out.args[0], meta_value)
+
+    def run(*args):
+        return fx.node.map_aggregate(vals, lambda v: torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+                                     if isinstance(v, torch.Tensor) else v)
+
+    return run
+
+
+def _print_sharding(console: Console, index: int, sh: ShardSummary, world: int) -> None:
+    fb = sh.fallbacks
+    console.print(f"graph {index}: sequence sharding would run {sh.sharded_ops} ops on local tokens ({world} ranks), "
+                  f"{sh.reductions} reductions over the sequence as local sums + all-reduce, "
+                  + (f"[bold red]{len(fb)} ops on gathered data: " + ", ".join(f"{f.op} ({f.why})" for f in fb)
+                     + "[/bold red]" if fb else "[bold green]no gathered fallbacks[/bold green]"))
+
+
+def _explain_graph(gm, example_inputs, *, opts, table, result: Explanation, console: Console, nodes: int) -> None:
+    """Capture, rewrite, analyse and plan one graph (nothing compiles, nothing runs)."""
+    world = opts.world_size
+    index = table.next_graph_index()
+    before = gm.code
+    sites = capture(gm, example_inputs, world)
+    states = rewrite_sites(gm, sites, opts, graph_index=index, table=table, observer=NullObserver())
+    rec = GraphRecord(index=index, world_size=world, sites=tuple(s.record() for s in sites),
+                      site_keys=tuple(s.spec.key for s in states), code_before=before, code_after=gm.code)
+    result.records.append(rec)
+    console.print(render_graph(rec, full=True))
+    if world > 1 and opts.shard and states:
+        inline_checkpoints(gm, table.next_id)
+        refresh_fake_values(gm, placeholders(gm), example_inputs)
+        an = analyse(gm)
+        if an is not None:
+            result.sharding[index] = summarize(gm, an)
+            _print_sharding(console, index, result.sharding[index], world)
+    values = dict(zip(placeholders(gm), example_inputs))
+    site_nodes = {n.args[4]: n for mod in gm.modules() if isinstance(mod, fx.GraphModule)
+                  for n in mod.graph.nodes if n.target is torch.ops.ultraattn.site_attention.default}
+    for state in states:
+        spec = state.spec
+        name = f"graph{index}/{spec.name}"
+        tensors = [values.get(m) for m in site_nodes[spec.key].args[3]]
+        if any(t is None for t in tensors):
+            result.plans[name] = "the mask is computed inside the graph: planned at run time"
+            console.print(f"[yellow]{name}: {result.plans[name]}[/yellow]")
+            continue
+        res = result.plans[name] = plan_offline(spec, tensors, nodes=nodes, devices=world // nodes)
+        if world == 1:
+            density = res.attended_pairs() / (math.prod(spec.q_shape[:3]) * spec.kv_shape[2])
+            console.print(f"{name}: block-sparse kernels, {res!r}, density {density:.3f}")
+        else:
+            print_plan_result(console, res, res.plan.mesh,
+                              title=f"{name} · {res.pattern.name} · S={spec.q_shape[2]} · {world} ranks")
+    result.stats.extend(s.stats() for s in states)
+
+
+def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict | None = None,
+            console: Console | None = None, **kwargs) -> Explanation:
+    """Capture, rewrite and plan ``model(*inputs, **kwargs)``'s attention for ``world_size`` ranks; print; don't run.
+
+    Dynamo traces the model and hands each graph to a backend that captures and rewrites the attention sites
+    exactly as ``backend="ultraattn"`` does (on a private side table: the process's own state is untouched),
+    plans every rewritten site for ``world_size`` ranks with the example inputs' masks (no process group
+    needed: planning is pure) and prints the report. No graph runs: each graph returns zeros of its outputs'
+    shapes, so Dynamo goes on to the graphs after a graph break (the Python between graphs runs on those
+    zeros; a model whose control flow depends on tensor values may take another path).
+
+    Args:
+        world_size: ranks to plan for (``nodes`` x devices per node); 1 shows the kernel layouts.
+        options: backend options (as for ``torch.compile(..., options=)``), e.g. planner settings.
+    """
+    if not isinstance(world_size, int) or not isinstance(nodes, int) or world_size < 1 or nodes < 1 or \
+            world_size % nodes:
+        raise ValueError(f"world_size={world_size!r} must be a positive multiple of nodes={nodes!r}")
+    opts = parse_options({**(options or {}), "world_size": world_size}, require_group=False)
+    console = console or report_console()
+    result = Explanation()
+    with private_side_table() as table:
+
+        def backend(gm, example_inputs):
+            _explain_graph(gm, example_inputs, opts=opts, table=table, result=result, console=console, nodes=nodes)
+            return _zeros_like_outputs(gm)
+
+        torch._dynamo.reset()
+        try:
+            with torch.no_grad():
+                torch.compile(model, backend=backend)(*inputs, **kwargs)
+        finally:
+            torch._dynamo.reset()
+    if not result.records:
+        console.print("[yellow]Dynamo produced no graph: nothing to explain[/yellow]")
+    return result

@@ -1,0 +1,151 @@
+"""FX helpers every pass shares: a node's fake value, fake values for inserted nodes, splicing a graph in.
+
+Invariant the passes keep (STYLE.md): every node they insert carries a correct ``meta["val"]``
+(and ``meta["example_value"]`` in Dynamo's graphs, which is what Dynamo's nodes carry), so any
+later pass, ours or Inductor's, can read shapes and dtypes without re-tracing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+
+def meta_value(n):
+    """The value recorded on node ``n`` (Dynamo's ``example_value`` or AOT's ``val``), or None."""
+    if isinstance(n, fx.Node):
+        return n.meta.get("example_value", n.meta.get("val"))
+    return None
+
+
+def tensor_value(n) -> torch.Tensor | None:
+    """``meta_value`` when it is a tensor."""
+    v = meta_value(n)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def is_tensor_node(n) -> bool:
+    return tensor_value(n) is not None
+
+
+def set_value(n: fx.Node, value) -> None:
+    """Record ``value`` (a fake tensor, or a tuple of them) as node ``n``'s ``val`` and ``example_value``."""
+    n.meta["val"] = value
+    n.meta["example_value"] = value
+
+
+def fake_call(target: Callable, args: tuple, kwargs: dict | None = None):
+    """``target`` applied to the fake values of ``args``'s nodes (in their fake mode): the value a new node
+    computing ``target(*args)`` will have."""
+    vals = fx.node.map_aggregate(args, lambda a: meta_value(a) if isinstance(a, fx.Node) else a)
+    kw = fx.node.map_aggregate(kwargs or {}, lambda a: meta_value(a) if isinstance(a, fx.Node) else a)
+    flat = [v for v in _flatten(vals) if isinstance(v, torch.Tensor)]
+    mode = value_fake_mode(flat)
+    if mode is None:
+        raise RuntimeError(f"ultraattn: no fake values on the inputs of {getattr(target, '__name__', target)}")
+    with mode:
+        return target(*vals, **kw)
+
+
+def value_fake_mode(values):
+    """The fake mode of the fake tensors among ``values``: their own, not the tracing context's (in torch 2.13
+    Dynamo's tracing context may hold another mode than the one its example values were made in)."""
+    return next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None) or \
+        detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+
+
+def _flatten(x):
+    if isinstance(x, list | tuple):
+        for y in x:
+            yield from _flatten(y)
+    else:
+        yield x
+
+
+def insert_call(graph: fx.Graph, target: Callable, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """A ``call_function`` node at the graph's insertion point, with its fake value."""
+    node = graph.call_function(target, args, kwargs)
+    set_value(node, fake_call(target, args, kwargs))
+    return node
+
+
+def splice(gm: fx.GraphModule, before: fx.Node, sub: fx.GraphModule, args: Sequence, *,
+           meta: Callable[[fx.Node, fx.Node], dict] | None = None, attr_name: Callable[[], str] | None = None):
+    """Copy ``sub``'s nodes into ``gm`` before ``before``, its placeholders bound to ``args``; returns what its
+    output returns (nodes, in the same structure).
+
+    ``meta(old, new)``: the meta the copied node gets (default: the copy's own). ``attr_name()``: a fresh
+    attribute name for each of ``sub``'s ``get_attr`` constants (default: constants are refused).
+    """
+    graph = gm.graph
+    env: dict[fx.Node, object] = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], args))
+    outs = None
+    with graph.inserting_before(before):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                outs = fx.map_arg(n.args[0], lambda a: env[a])
+                continue
+            if n.op == "get_attr":
+                if attr_name is None:
+                    raise RuntimeError(f"ultraattn: cannot splice constant {n.target} of a subgraph")
+                name = attr_name()
+                setattr(gm, name, getattr(sub, n.target))
+                new = graph.get_attr(name)
+                new.meta = dict(n.meta)
+            else:
+                new = graph.node_copy(n, lambda a: env[a])
+                if meta is not None:
+                    new.meta = meta(n, new)
+            env[n] = new
+    return outs
+
+
+def set_input(n: fx.Node, where: int | str, value: fx.Node) -> None:
+    """Set argument ``where`` (position or keyword) of ``n``, and the fake input Inductor keeps for it
+    (``eager_input_vals``: it lays a custom op's inputs out by those fakes' strides)."""
+    if isinstance(where, int):
+        n.update_arg(where, value)
+    else:
+        n.update_kwarg(where, value)
+    vals = n.meta.get("eager_input_vals")
+    if vals is not None:
+        args, kwargs = list(vals[0]), dict(vals[1])
+        if isinstance(where, int):
+            args[where] = value.meta.get("val")
+        else:
+            kwargs[where] = value.meta.get("val")
+        n.meta["eager_input_vals"] = (tuple(args), kwargs)
+
+
+def refresh_fake_values(gm: fx.GraphModule, old_placeholders: list[fx.Node], example_inputs) -> None:
+    """Fake values for every node of a rewritten graph, propagated from the original inputs' fakes
+    (``old_placeholders``: the placeholders before the rewrite, which hold them)."""
+    fakes = [n.meta.get("example_value") for n in old_placeholders]
+    mode = value_fake_mode(fakes)
+    if mode is None:
+        return
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n, f in zip(phs, fakes):
+        n.meta["example_value"] = f
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    for n in gm.graph.nodes:
+        if "val" in n.meta and n.op != "placeholder":
+            n.meta["example_value"] = n.meta["val"]
+
+
+def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def ultraattn_op(n: fx.Node) -> str | None:
+    """The op name of an ``ultraattn::`` call node (``cp_start``, ``site_attention``, ...), else None."""
+    if n.op == "call_function" and getattr(n.target, "namespace", None) == "ultraattn":
+        return n.target._opname
+    return None

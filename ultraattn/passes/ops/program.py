@@ -1,0 +1,213 @@
+"""The ops of an explicit per-rank program (``passes/explicit/``): communication stages, tiles, stash, gather.
+
+Each op names its site by the ``site`` key and finds the site's ``ExplicitProgram`` in the side
+table (``side_table().site(site).program``): the plan, and two tables that tracing the
+program filled, ``stages`` (what each communication stage sends and receives) and ``tiles``
+(which kv chunks each tile row covers).
+
+[Note] Table order. ``TracedIO`` appends a stage (or tile) to its table *before* it emits the op
+that refers to it by index, and the tables are append-only; so every op node, and every fake
+kernel that runs while the graph is traced or re-traced by Inductor, finds its entry. The fake
+kernel of ``cp_wait`` reads the shapes it returns from ``Stage.recv_specs``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.library import custom_op
+
+from ultraattn.passes.site import check_same_inputs
+from ultraattn.passes.state import side_table
+from ultraattn.runtime.api import gather_tokens
+from ultraattn.runtime.tiles import kernel_layout, row_backward, row_forward
+
+
+def _program(site: str):
+    program = side_table().site(site).program
+    if program is None:
+        raise RuntimeError(f"ultraattn: site {site!r} has no explicit program (it was not prepared at compile time)")
+    return program
+
+
+def new_token() -> Tensor:
+    """A fresh communication token: every communicating op takes the previous one, so all ranks post in one order."""
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _fake_token() -> Tensor:
+    return torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@custom_op("ultraattn::cp_start", mutates_args=())
+def cp_start(token: Tensor, pieces: list[Tensor], site: str, stage: int) -> Tensor:
+    """Post one schedule stage's sends (``pieces``, message after message) and receives; returns a handle."""
+    prog = _program(site)
+    st = prog.stages[stage]
+    io = prog.executor.io
+    if st.first:
+        io.begin(st.phase)
+        if st.phase == "fwd":
+            prog.state.calls += 1
+    it = iter(pieces)
+    msgs = [(tag, t, [next(it) for _ in range(n)]) for tag, t, n in st.sends]
+    return torch.tensor(prog.post(io.start(st.phase, msgs, st.recvs, prog.device)), dtype=torch.int64)
+
+
+@cp_start.register_fake
+def _(token, pieces, site, stage):
+    return _fake_token()
+
+
+@custom_op("ultraattn::cp_wait", mutates_args=())
+def cp_wait(handle: Tensor, site: str, stage: int) -> list[Tensor]:
+    """Wait for a stage's receives: [token, pieces of each received message in order]."""
+    prog = _program(site)
+    got = prog.executor.io.wait(prog.collect(int(handle)))
+    return [new_token()] + [p.clone() for _t, pieces in got for p in pieces]
+
+
+@cp_wait.register_fake
+def _(handle, site, stage):
+    prog = _program(site)
+    return [_fake_token()] + [torch.empty(shape, dtype=dt, device=prog.device)
+                              for shape, dt in prog.stages[stage].recv_specs]
+
+
+@custom_op("ultraattn::cp_finish", mutates_args=())
+def cp_finish(token: Tensor, site: str, phase: str) -> Tensor:
+    """Wait until this rank's sends of ``phase`` are delivered (their buffers live until then)."""
+    _program(site).executor.io.finish(phase)
+    return new_token()
+
+
+@cp_finish.register_fake
+def _(token, site, phase):
+    return _fake_token()
+
+
+@custom_op("ultraattn::cp_check_inputs", mutates_args=())
+def cp_check_inputs(token: Tensor, tensors: list[Tensor], site: str) -> Tensor:
+    """The ``debug`` option: every rank must call this site with the same inputs (``site.check_same_inputs``)."""
+    check_same_inputs(_program(site).state, tensors)
+    return new_token()
+
+
+@cp_check_inputs.register_fake
+def _(token, tensors, site):
+    return _fake_token()
+
+
+def _tile_layout(site: str, tile: int):
+    prog = _program(site)
+    row = prog.tiles[tile]
+    with unset_fake_temporarily():
+        return kernel_layout(prog.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), prog.device)
+
+
+@custom_op("ultraattn::cp_tile_layout", mutates_args=())
+def cp_tile_layout(site: str, tile: int) -> list[Tensor]:
+    """The kernel layout of one tile row (``runtime.tiles.kernel_layout``, cached), copied like ``cp_layout``."""
+    return [t.clone() for t in _tile_layout(site, tile).bwd_tensors()]
+
+
+@cp_tile_layout.register_fake
+def _(site, tile):
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in _tile_layout(site, tile).bwd_tensors()]
+
+
+@custom_op("ultraattn::cp_tile_fwd", mutates_args=())
+def cp_tile_fwd(q: Tensor, ks: list[Tensor], vs: list[Tensor], site: str, tile: int) -> tuple[Tensor, Tensor]:
+    """Partial attention of one (head group, q chunk) over its kv chunks: (o fp32, lse fp32)."""
+    prog = _program(site)
+    row = prog.tiles[tile]
+    o, lse = row_forward(prog.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, list(zip(ks, vs)),
+                         row.scale)
+    return o.contiguous(), lse.contiguous()
+
+
+@cp_tile_fwd.register_fake
+def _(q, ks, vs, site, tile):
+    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@custom_op("ultraattn::cp_tile_bwd", mutates_args=())
+def cp_tile_bwd(q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, ks: list[Tensor], vs: list[Tensor], site: str,
+                tile: int) -> list[Tensor]:
+    """Gradients of one tile row (global lse and delta): [dq, dk per kv chunk..., dv per kv chunk...], fp32."""
+    prog = _program(site)
+    row = prog.tiles[tile]
+    dq, per_col = row_backward(prog.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, do, lse, delta,
+                               list(zip(ks, vs)), row.scale)
+    # the per-column gradients are slices of one buffer: a custom op's outputs must not share storage
+    own = (lambda t: t.clone()) if len(per_col) > 1 else (lambda t: t.contiguous())
+    return [dq.contiguous()] + [own(dk) for dk, _ in per_col] + [own(dv) for _, dv in per_col]
+
+
+@cp_tile_bwd.register_fake
+def _(q, do, lse, delta, ks, vs, site, tile):
+    f32 = torch.float32
+    return [q.new_empty(q.shape, dtype=f32)] + [k.new_empty(k.shape, dtype=f32) for k in ks] + \
+        [v.new_empty(v.shape, dtype=f32) for v in vs]
+
+
+@custom_op("ultraattn::cp_gather", mutates_args=())
+def cp_gather(token: Tensor, x: Tensor, site: str) -> list[Tensor]:
+    """All-gather this rank's tokens (dim 2) into the global tensor: [token, global x]."""
+    return [new_token(), gather_tokens(x, _program(site).runner).contiguous()]
+
+
+@cp_gather.register_fake
+def _(token, x, site):
+    shape = list(x.shape)
+    shape[2] = _program(site).runner.seq_len
+    return [_fake_token(), x.new_empty(shape)]
+
+
+@custom_op("ultraattn::cp_stash", mutates_args=())
+def cp_stash(token: Tensor, tensors: list[Tensor], site: str) -> Tensor:
+    """Keep the units the backward reuses (received in the forward); returns their ticket."""
+    # copies: the tensors are the graph's buffers, which Inductor reuses once the graph no longer reads them
+    ticket = _program(site).state.put_state([t.clone() for t in tensors])
+    return torch.tensor(ticket, dtype=torch.int64)
+
+
+@cp_stash.register_fake
+def _(token, tensors, site):
+    return _fake_token()
+
+
+@custom_op("ultraattn::cp_unstash", mutates_args=())
+def cp_unstash(ticket: Tensor, site: str) -> list[Tensor]:
+    return _program(site).state.take_state(int(ticket))
+
+
+@cp_unstash.register_fake
+def _(ticket, site):
+    prog = _program(site)
+    return [torch.empty(shape, dtype=dt, device=prog.device) for _kind, _u, specs in prog.saved_layout
+            for shape, dt in specs]
+
+
+@custom_op("ultraattn::cp_layout", mutates_args=())
+def cp_layout(site: str) -> list[Tensor]:
+    """The block-sparse layout of a world-1 site (copies: the graph may reuse its buffers after the kernel).
+
+    A graph constant would be simpler, but Inductor's fake-tensor passes refuse real constant tensors as
+    arguments of an op; the layout is small (2 KiB per partially masked block).
+    """
+    return [t.clone() for t in _program(site).runner.bwd_tensors()]
+
+
+@cp_layout.register_fake
+def _(site):
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in _program(site).runner.bwd_tensors()]
+
+
+COMM_OPS = ("cp_start", "cp_wait", "cp_finish", "cp_gather", "cp_check_inputs")
+"""Ops that communicate (reports highlight them)."""
+TOKEN_OPS = ("cp_start", "cp_finish", "cp_gather", "cp_check_inputs", "cp_stash")
+"""Ops of a program whose first argument is the program's communication token."""
+TILE_ROW_OPS = ("cp_tile_fwd", "cp_tile_bwd", "cp_tile_layout")
+"""Ops whose last argument indexes the program's tile table."""

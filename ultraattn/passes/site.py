@@ -1,0 +1,272 @@
+"""A rewritten attention site: its static description, its run-time state, and how its mask becomes a plan.
+
+* ``SiteSpec`` (frozen, built at compile time): shapes, mask kind, the flex ``mask_mod``
+  submodule, scale, backend options. The graph refers to a site by ``spec.key`` (a string
+  baked into the graph); the mask's *content* (BlockMask tensors, mask_mod buffers such as
+  document ids, a boolean ``attn_mask``) arrives as op inputs at run time.
+* ``SiteState`` (mutable, one per site in the side table): the plan cache, the forward state
+  waiting for its backward, call counts, the explicit program, and the observer that shows
+  plan events.
+* ``runner_for``: the plan (world > 1) or kernel layout (world 1) for one call's mask content,
+  cached on that content, so a new batch's document mask is planned again without recompiling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from ultraattn.cache import LRU
+from ultraattn.kernels import BlockSparseLayout, make_layout
+from ultraattn.masks.convert import pattern_from_mask_mod, to_block_pattern
+from ultraattn.passes.records import NullObserver, Observer, PlanEvent, SiteStats
+from ultraattn.planner.api import PlanResult, method_summaries, plan
+from ultraattn.planner.plan import AttnShape, Mesh
+from ultraattn.runtime.api import AttentionPlan, plan_attention
+from ultraattn.runtime.comm import ranks_differing
+from ultraattn.runtime.plan_cache import PlanCache, content_digest
+
+if TYPE_CHECKING:
+    from ultraattn.passes.options import BackendOptions
+    from ultraattn.planner.plan import TokenLayout
+
+MAX_PENDING = 8
+"""Forwards of one site that may await their backward (gradient accumulation, checkpointing); read when a
+graph is compiled."""
+
+Runner = AttentionPlan | BlockSparseLayout
+"""What a site runs: a plan across ranks, or (world size 1) the block-sparse kernels' layout."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FlexMaskInfo:
+    """The static part of a site's BlockMask (its tensors and mask_mod buffers are run-time inputs)."""
+
+    q_len: int
+    kv_len: int
+    q_block: int
+    kv_block: int
+    has_full: bool
+    """Whether the BlockMask has full_kv_num_blocks/full_kv_indices (they follow kv_num_blocks/kv_indices)."""
+    mask_mod: fx.GraphModule
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SiteSpec:
+    key: str
+    """Process-unique (baked into the graph's op calls)."""
+    name: str
+    """``sdpa#i`` / ``flex#i``."""
+    graph: int
+    """Index of the Dynamo graph the site is in."""
+    op: str
+    mask: str
+    """full | causal | bool_mask | block_mask."""
+    q_shape: tuple
+    kv_shape: tuple
+    dtype: torch.dtype
+    scale: float
+    options: BackendOptions
+    flex: FlexMaskInfo | None = None
+
+    @property
+    def sync_key(self) -> str:
+        """Identical on every rank (graph index and site name), for store exchanges."""
+        return f"g{self.graph}-{self.name}"
+
+    @property
+    def static_mask(self) -> bool:
+        """The mask has no run-time content (causal or none): its plan is known at compile time."""
+        return self.mask in ("causal", "full")
+
+
+@dataclass(eq=False)
+class SiteState:
+    """What one site accumulates at run time (owned by the side table, under ``spec.key``)."""
+
+    spec: SiteSpec
+    next_id: Callable[[], int]
+    """The side table's id counter (tickets of forward state)."""
+    observer: Observer = field(default_factory=NullObserver)
+    """Shows this site's plan events (installed by the backend's caller)."""
+    layout: TokenLayout | None = None
+    """The graph's token layout when the sequence-sharding pass runs the site on local tokens: every plan
+    of the site keeps it (None: the planner chooses)."""
+    device: torch.device | None = None
+    """The graph's device (set when the site is planned at compile time)."""
+    plans: PlanCache = field(default_factory=PlanCache)
+    stash: LRU = field(default_factory=lambda: LRU(MAX_PENDING))
+    """ticket -> forward state its backward needs (bounded: a forward whose backward never runs is dropped)."""
+    program: object = None
+    """The site's explicit per-rank program (``passes.explicit.program.ExplicitProgram``), when expanded."""
+    calls: int = 0
+
+    def put_state(self, value) -> int:
+        """Keep ``value`` for the backward; returns its ticket."""
+        ticket = self.next_id()
+        self.stash.put(ticket, value)
+        return ticket
+
+    def take_state(self, ticket: int):
+        value = self.stash.pop(ticket)
+        if value is None:
+            raise RuntimeError(
+                f"ultraattn site {self.spec.name}: the backward's forward state is gone (more than {MAX_PENDING} "
+                f"forwards of this attention ran before its backward, or backward ran twice); raise "
+                f"ultraattn.passes.site.MAX_PENDING before compiling, or call backward sooner")
+        return value
+
+    def stats(self) -> SiteStats:
+        return SiteStats(graph=self.spec.graph, site=self.spec.name, calls=self.calls, plans=self.plans.plans,
+                         cache_hits=self.plans.hits, planning_seconds=self.plans.seconds)
+
+
+# ----------------------------------------------------------------------------- mask content -> mask
+def _bool_mask(spec: SiteSpec, tensors: Sequence[Tensor], batch: int, heads: int):
+    m = tensors[0].detach().to(torch.bool)
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    m = m.cpu()
+    bm, hm = m.shape[0], m.shape[1]
+
+    def dense_mask(b, h, q_idx, kv_idx):
+        return m[b if bm > 1 else b * 0, h if hm > 1 else h * 0, q_idx, kv_idx]
+
+    pat = pattern_from_mask_mod(dense_mask, spec.q_shape[2], spec.kv_shape[2], block_size=spec.options.block_size,
+                                batch=batch if bm > 1 else 1, num_heads=heads if hm > 1 else 1)
+    return pat, dense_mask
+
+
+def _block_mask(info: FlexMaskInfo, tensors: Sequence[Tensor]):
+    kvn, kvi = tensors[0], tensors[1]
+    fkn, fki = (tensors[2], tensors[3]) if info.has_full else (None, None)
+    buffers = [t.detach().cpu() for t in tensors[4 if info.has_full else 2:]]
+    gm = info.mask_mod
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return gm(b, h, q_idx, kv_idx, *buffers)
+
+    # [Note] A BlockMask without its transposed (q-side) tensors: BlockMask's constructors compute them with
+    # vmap, which is unavailable below the autograd dispatch key where custom ops run; only the kv side is
+    # read by ultraattn.
+    bmask = object.__new__(BlockMask)
+    for name, val in (("seq_lengths", (info.q_len, info.kv_len)), ("kv_num_blocks", kvn.cpu()),
+                      ("kv_indices", kvi.cpu()), ("full_kv_num_blocks", None if fkn is None else fkn.cpu()),
+                      ("full_kv_indices", None if fki is None else fki.cpu()),
+                      ("BLOCK_SIZE", (info.q_block, info.kv_block)), ("mask_mod", mask_mod)):
+        object.__setattr__(bmask, name, val)
+    return bmask, mask_mod
+
+
+def mask_from_content(spec: SiteSpec, tensors: Sequence[Tensor], batch: int, heads: int):
+    """(mask, mask_mod) for ``plan_attention`` / ``make_layout`` from the site's spec and one call's mask tensors."""
+    if spec.static_mask:
+        return spec.mask, None
+    if spec.mask == "bool_mask":
+        return _bool_mask(spec, tensors, batch, heads)
+    assert spec.flex is not None, spec
+    return _block_mask(spec.flex, tensors)
+
+
+# ----------------------------------------------------------------------------- planning
+def make_runner(spec: SiteSpec, layout: TokenLayout | None, q_shape: tuple, kv_shape: tuple, dtype: torch.dtype,
+                device, tensors: Sequence[Tensor]) -> Runner:
+    """Plan the site for this mask content (a collective across the site's ranks), or build its kernel layout."""
+    B, H, S, D = q_shape
+    mask, mask_mod = mask_from_content(spec, tensors, B, H)
+    opts = spec.options
+    if opts.world_size == 1:
+        return make_layout(mask, q_len=S, kv_len=kv_shape[2], batch=B, num_heads=H, mask_mod=mask_mod,
+                           block_size=opts.block_size, device=device)
+    return plan_attention(mask, seqlen=S, num_heads=H, head_dim=D, num_kv_heads=kv_shape[1], batch=B, mesh=opts.mesh,
+                          dtype=dtype, block_size=opts.block_size, mask_mod=mask_mod, method=opts.method,
+                          options=opts.planner_options(), cost=opts.cost_model(), timeout=opts.timeout,
+                          layout=layout)
+
+
+def plan_offline(spec: SiteSpec, tensors: Sequence[Tensor], *, nodes: int, devices: int
+                 ) -> PlanResult | BlockSparseLayout:
+    """Plan the site for ``nodes x devices`` ranks with the pure planner (no process group: ``ultraattn.explain``),
+    or build its kernel layout for one rank."""
+    B, H, S, D = spec.q_shape
+    mask, mask_mod = mask_from_content(spec, tensors, B, H)
+    if nodes * devices == 1:
+        return make_layout(mask, q_len=S, kv_len=spec.kv_shape[2], batch=B, num_heads=H, mask_mod=mask_mod,
+                           block_size=spec.options.block_size)
+    pattern = to_block_pattern(mask, q_len=S, kv_len=S, block_size=spec.options.block_size, batch=B, num_heads=H)
+    shape = AttnShape(seq_len=S, num_heads=H, head_dim=D, num_kv_heads=spec.kv_shape[1], batch=B)
+    return plan(pattern, shape, Mesh(nodes=nodes, devices=devices), cost=spec.options.cost_model(),
+                options=spec.options.planner_options())
+
+
+def _plan_key(state: SiteState, q_shape, kv_shape, dtype, device, tensors: Sequence[Tensor]) -> str:
+    spec = state.spec
+    return content_digest(tensors, (spec.mask, tuple(q_shape), tuple(kv_shape), str(dtype), str(device),
+                                    repr(state.layout)))
+
+
+def plan_event(state: SiteState, runner: Runner, seconds: float) -> PlanEvent:
+    spec = state.spec
+    if isinstance(runner, AttentionPlan):
+        res = runner.planner_result
+        return PlanEvent(site=spec.name, graph=spec.graph, rank=runner.rank, world=runner.world, seconds=seconds,
+                         hash=runner.tile_plan.content_hash()[:16],
+                         structure=str(runner.tile_plan.meta.get("structure")),
+                         method=runner.tile_plan.method, comparison=method_summaries(res) if res is not None else None,
+                         result=res)
+    return PlanEvent(site=spec.name, graph=spec.graph, rank=0, world=1, seconds=seconds, hash="kernels",
+                     structure=repr(runner))
+
+
+def runner_for(state: SiteState, q_shape: tuple, kv_shape: tuple, dtype: torch.dtype, device,
+               tensors: Sequence[Tensor]) -> Runner:
+    """The cached runner for this call's mask content, else a new one (planned, reported, cached)."""
+    key = _plan_key(state, q_shape, kv_shape, dtype, device, tensors)
+    hit = state.plans.lookup(key)
+    if hit is not None:
+        return hit
+    t0 = time.perf_counter()
+    runner = make_runner(state.spec, state.layout, q_shape, kv_shape, dtype, device, tensors)
+    seconds = time.perf_counter() - t0
+    state.plans.store(key, runner, seconds)
+    state.observer.plan_made(plan_event(state, runner, seconds))
+    return runner
+
+
+def global_shapes(spec: SiteSpec) -> tuple[tuple, tuple]:
+    return tuple(spec.q_shape), tuple(spec.kv_shape)
+
+
+def seed_plan(state: SiteState, dtype: torch.dtype, device, tensors: Sequence[Tensor]) -> AttentionPlan:
+    """Plan the site now (a collective), letting the planner choose the token layout, and make that layout the
+    site's: a sequence-sharded graph takes its layout from its first attention. The plan stays cached under it."""
+    state.layout = None
+    q_shape, kv_shape = global_shapes(state.spec)
+    plan = runner_for(state, q_shape, kv_shape, dtype, device, tensors)
+    assert isinstance(plan, AttentionPlan), plan
+    state.layout = plan.layout
+    state.plans.alias(_plan_key(state, q_shape, kv_shape, dtype, device, tensors), plan)
+    return plan
+
+
+def check_same_inputs(state: SiteState, tensors: Sequence[Tensor]) -> None:
+    """The ``debug`` option: every rank of the group must call this site with the same tensors (a fingerprint
+    through the process group's store); ranks that differ from rank 0 are named."""
+    spec = state.spec
+    call = state.calls
+    bad = ranks_differing(f"ultraattn/debug/{spec.sync_key}/{call}", tensors, rank=dist.get_rank(),
+                          world=dist.get_world_size(), timeout=spec.options.timeout)
+    if bad:
+        raise RuntimeError(
+            f"ultraattn site {spec.name} (call {call}): rank(s) {bad} got different q/k/v or mask than rank 0. "
+            f"Every rank of a context-parallel group must run the same batch: give all of them the same data "
+            f"(same seed, no DistributedSampler across the CP group)")
+

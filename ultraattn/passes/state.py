@@ -1,0 +1,187 @@
+"""The side table: all process state of the ultraattn backend, in one object.
+
+Why it exists. A compiled graph can only hold what FX can put in a graph: tensors, numbers,
+strings. Everything else a rewritten graph needs at run time (a site's plans cached on mask
+content, the forward state its backward takes back, the explicit program's stage tables, a
+sequence layout's process group) must live outside the graph, found again through a string
+key that the graph carries. PyTorch does the same for user Triton kernels
+(``torch/_higher_order_ops/triton_kernel_wrap.py``: ``KernelSideTable``). Keeping all of it in
+one object makes the state visible, bounded and resettable:
+
+* ``sites``: ``SiteState`` per rewritten site (``passes/site.py``), keyed by ``SiteSpec.key``;
+* ``layouts``: ``runtime.sequence.SequenceShards`` per sequence-sharded graph;
+* ``graphs`` / ``aot_graphs`` / ``plan_events``: the records of what was compiled and planned;
+* ``meshes``: the default DeviceMesh per (world, local world), created once (a collective);
+* ``counters``: ``torch._dynamo.utils.counters["ultraattn"]`` for the process table (a private
+  table, as ``ultraattn.explain`` uses, counts apart).
+
+The custom ops look their state up in ``side_table()``, the active table. ``reset()`` forgets
+everything (tests call it through one fixture; graphs compiled before it can no longer run:
+call ``torch._dynamo.reset()`` too). A site's state is also dropped when the compiled graph that
+holds it is garbage collected (``forget_with``), so recompiles do not grow the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from collections import Counter, deque
+from collections.abc import Iterator
+
+from torch._dynamo.utils import counters as dynamo_counters
+
+from ultraattn.passes.records import AotGraphRecord, CompileReport, GraphRecord, Observer, PlanEvent
+from ultraattn.passes.site import SiteSpec, SiteState
+
+MAX_PLAN_EVENTS = 256
+"""Plan events kept (the newest); reports show the latest plan of each site."""
+
+
+class SideTable:
+    """All process state of the backend (see the module docstring)."""
+
+    def __init__(self, *, private: bool = True):
+        self.lock = threading.RLock()
+        self._own_counters: Counter | None = Counter() if private else None
+        self.sites: dict[str, SiteState] = {}
+        self.layouts: dict[str, object] = {}
+        self.graphs: list[GraphRecord] = []
+        self.aot_graphs: list[AotGraphRecord] = []
+        self.plan_events: deque[PlanEvent] = deque(maxlen=MAX_PLAN_EVENTS)
+        self.meshes: dict = {}
+        self._ids = itertools.count(1)
+        self._graph_count = 0
+
+    # ------------------------------------------------------------------ ids and counters
+    @property
+    def counters(self) -> Counter:
+        """``torch._dynamo.utils.counters["ultraattn"]`` for the process table (looked up each time: Dynamo's
+        test utilities may clear that dict), a table's own ``Counter`` for a private one."""
+        return dynamo_counters["ultraattn"] if self._own_counters is None else self._own_counters
+
+    def next_id(self) -> int:
+        """A process-unique positive int (tickets, handles, generated attribute names)."""
+        with self.lock:
+            return next(self._ids)
+
+    def next_graph_index(self) -> int:
+        """The next Dynamo graph's number (every rank compiles the same graphs in the same order)."""
+        with self.lock:
+            self._graph_count += 1
+            return self._graph_count - 1
+
+    def bump(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    # ------------------------------------------------------------------ sites and layouts
+    def add_site(self, spec: SiteSpec, observer: Observer) -> SiteState:
+        state = SiteState(spec=spec, next_id=self.next_id, observer=observer)
+        with self.lock:
+            self.sites[spec.key] = state
+        return state
+
+    def site(self, key: str) -> SiteState:
+        state = self.sites.get(key)
+        if state is None:
+            raise RuntimeError(
+                f"ultraattn: no state for site {key!r}: the side table was reset (or the graph was freed) after this "
+                f"graph was compiled; call torch._dynamo.reset() together with ultraattn's reset so graphs recompile")
+        return state
+
+    def add_layout(self, key: str, shards) -> None:
+        with self.lock:
+            self.layouts[key] = shards
+
+    def layout(self, key: str):
+        shards = self.layouts.get(key)
+        if shards is None:
+            raise RuntimeError(f"ultraattn: no sequence layout {key!r} (the side table was reset after this graph "
+                               f"was compiled; call torch._dynamo.reset() too)")
+        return shards
+
+    def forget(self, site_keys: tuple[str, ...], layout_keys: tuple[str, ...] = ()) -> None:
+        with self.lock:
+            for k in site_keys:
+                self.sites.pop(k, None)
+            for k in layout_keys:
+                self.layouts.pop(k, None)
+
+    def forget_with(self, owner: object, site_keys: tuple[str, ...], layout_keys: tuple[str, ...] = ()) -> None:
+        """Drop these sites and layouts once ``owner`` (the compiled callable Dynamo keeps) is garbage collected."""
+        weakref.finalize(owner, self.forget, tuple(site_keys), tuple(layout_keys))
+
+    # ------------------------------------------------------------------ records
+    def record_graph(self, rec: GraphRecord) -> None:
+        with self.lock:
+            self.graphs.append(rec)
+
+    def record_aot_graph(self, rec: AotGraphRecord) -> None:
+        with self.lock:
+            self.aot_graphs.append(rec)
+
+    def record_plan(self, event: PlanEvent) -> None:
+        with self.lock:
+            self.plan_events.append(event)
+
+    def aot_graphs_of(self, graph: int) -> list[AotGraphRecord]:
+        return [g for g in self.aot_graphs if g.graph == graph]
+
+    def sites_of(self, rec: GraphRecord) -> list[SiteState]:
+        """The states of a graph's rewritten sites that are still held (in site order)."""
+        return [self.sites[k] for k in rec.site_keys if k in self.sites]
+
+    def snapshot(self, report_file: str | None = None) -> CompileReport:
+        """The report of every graph (or of those compiled with ``report_file``), with plans and counts so far."""
+        with self.lock:
+            graphs = [g for g in self.graphs if report_file is None or g.report_file == report_file]
+            idx = {g.index for g in graphs}
+            latest: dict[tuple[int, str], PlanEvent] = {}
+            for ev in self.plan_events:
+                if ev.graph in idx:
+                    latest[(ev.graph, ev.site)] = ev
+            return CompileReport(graphs=tuple(graphs), aot_graphs=tuple(g for g in self.aot_graphs if g.graph in idx),
+                                 plans=tuple(latest.values()),
+                                 stats=tuple(s.stats() for g in graphs for s in self.sites_of(g)))
+
+    # ------------------------------------------------------------------ reset
+    def reset(self) -> None:
+        """Forget every site, layout, record and count (mesh handles too)."""
+        with self.lock:
+            self.sites.clear()
+            self.layouts.clear()
+            self.graphs.clear()
+            self.aot_graphs.clear()
+            self.plan_events.clear()
+            self.meshes.clear()
+            self.counters.clear()
+            self._graph_count = 0
+
+
+_PROCESS_TABLE = SideTable(private=False)
+_active: list[SideTable] = [_PROCESS_TABLE]
+_active_lock = threading.Lock()
+
+
+def side_table() -> SideTable:
+    """The active side table: the process's own, or a private one inside ``private_side_table()``."""
+    return _active[-1]
+
+
+@contextlib.contextmanager
+def private_side_table() -> Iterator[SideTable]:
+    """Run with a fresh side table (``ultraattn.explain``: plans and records that the process table never sees)."""
+    table = SideTable()
+    with _active_lock:
+        _active.append(table)
+    try:
+        yield table
+    finally:
+        with _active_lock:
+            _active.remove(table)
+
+
+def reset() -> None:
+    """Forget the active side table's state (tests; see ``SideTable.reset``)."""
+    side_table().reset()

@@ -1,0 +1,186 @@
+"""Reports of what the compile backend did: sites, sequence sharding, schedules, plans made at run time.
+
+Renders the records of ``ultraattn.passes.records`` and nothing else, for the live report (printed
+as graphs compile and sites are planned) and for saved reports (``options={"report_file": ...}``,
+rendered by ``ultraattn report FILE``), which hold the same records as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from rich.console import Console, Group, RenderableType
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from ultraattn.passes.records import TILE_OPS, AotGraphRecord, CompileReport, GraphRecord, PlanEvent, SiteStats
+from ultraattn.report.plan_report import print_plan_result
+from ultraattn.report.tables import comparison_table
+
+
+def report_console() -> Console:
+    """A console for reports: the terminal's width, or 120 columns when output is a file or pipe."""
+    c = Console()
+    return c if c.is_terminal else Console(width=120)
+
+
+def _short(name: str) -> str:
+    for pre in ("l_self_modules_", "l_", "L_"):
+        name = name.removeprefix(pre)
+    return name.rstrip("_")
+
+
+# ----------------------------------------------------------------------------- one graph
+def sites_table(rec: GraphRecord) -> Table:
+    t = Table(title=f"graph {rec.index}: attention sites (world size {rec.world_size})", title_justify="left")
+    for col in ("site", "op", "q shape", "k/v shape", "dtype", "mask", "density", "rewritten", "why", "form"):
+        t.add_column(col)
+    for s in rec.sites:
+        t.add_row(s.name, s.op, str(s.q_shape), str(s.kv_shape), s.dtype, s.mask,
+                  "?" if s.density is None else f"{s.density:.3f}",
+                  Text("yes", style="bold green") if s.rewritten else Text("no", style="bold red"), s.why, s.form)
+    return t
+
+
+def shard_summary(rec: GraphRecord) -> Text | None:
+    """One paragraph: what the sequence-sharding pass did to the graph (None: it did not run)."""
+    sh = rec.shard
+    if sh is None:
+        return None
+    n_fb = len(sh.fallbacks)
+    t = Text()
+    t.append(f"graph {rec.index}: sequence sharding", style="bold")
+    t.append(f" · layout {sh.layout} · {sh.seq_len} tokens, {sh.local_len} per rank\n")
+    t.append(f"  ops on local tokens {sh.sharded_ops} · inputs sliced {len(sh.dispatched)}")
+    names = sorted({_short(n) for n in sh.dispatched})
+    if names:
+        t.append(f" ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''})")
+    t.append(f" · weights entering (gradients all-reduced) {sh.entered} · reductions over the sequence "
+             f"{sh.reductions} · replicated ops {sh.replicated_ops} · ")
+    t.append(f"gathered fallbacks {n_fb}", style="bold red" if n_fb else "bold green")
+    if sh.inlined_checkpoints:
+        t.append(f"\n  {sh.inlined_checkpoints} activation-checkpoint regions inlined (still recomputed in the "
+                 "backward)")
+    for site, why in sh.skipped_sites:
+        t.append(f"\n  {site} stays a global-view op: {why}", style="yellow")
+    return t
+
+
+def fallbacks_table(rec: GraphRecord) -> Table | None:
+    """Sharded tensors an op outside the region needed whole: each is an all-gather (its bytes, per rank)."""
+    sh = rec.shard
+    if sh is None or not sh.fallbacks:
+        return None
+    t = Table(title=f"graph {rec.index}: ops run on gathered data", title_justify="left")
+    for col in ("gathered", "for op", "why", "bytes"):
+        t.add_column(col, justify="right" if col == "bytes" else "left")
+    for f in sh.fallbacks:
+        t.add_row(f.node, f.op, f.why, f"{f.bytes:,}")
+    return t
+
+
+def graph_code(code: str) -> Syntax:
+    code = code.strip()
+    lines = {i + 1 for i, ln in enumerate(code.splitlines()) if "ultraattn" in ln}
+    return Syntax(code, "python", line_numbers=True, highlight_lines=lines, word_wrap=True)
+
+
+def render_graph(rec: GraphRecord, *, full: bool = False, stats: tuple[SiteStats, ...] = ()) -> RenderableType:
+    parts: list[RenderableType] = [sites_table(rec)]
+    parts += [x for x in (shard_summary(rec), fallbacks_table(rec)) if x is not None]
+    mine = [s for s in stats if s.graph == rec.index]
+    if any(s.calls for s in mine):  # at compile time nothing has run yet
+        parts.append(plans_table(mine))
+    if full:
+        parts.append(Panel(graph_code(rec.code_after), title="rewritten graph (ultraattn nodes highlighted)"))
+    return Group(*parts)
+
+
+def print_graph_report(rec: GraphRecord, *, full: bool = False, console: Console | None = None) -> None:
+    (console or report_console()).print(render_graph(rec, full=full))
+
+
+# ----------------------------------------------------------------------------- the graphs a compiler receives
+def _counts(rec: AotGraphRecord) -> str:
+    return f"{rec.stages} communication stages, {rec.tiles} tile nodes"
+
+
+def schedule_table(rec: AotGraphRecord) -> Table:
+    """The ultraattn nodes of one graph the compiler receives, in order; communication nodes highlighted."""
+    t = Table(title=f"graph {rec.graph} · {rec.kind} graph for Inductor: {_counts(rec)}", title_justify="left")
+    for col in ("node", "site", "op", "what", "bytes sent"):
+        t.add_column(col, justify="right" if col == "bytes sent" else "left")
+    for r in rec.schedule:
+        style = "bold magenta" if r.comm else ("cyan" if r.op in TILE_OPS else "")
+        t.add_row(r.node, r.site, Text(r.op, style=style), r.what, str(r.bytes) if r.bytes else "")
+    return t
+
+
+def print_schedule(rec: AotGraphRecord, *, full: bool, console: Console | None = None) -> None:
+    console = console or report_console()
+    if full:
+        console.print(schedule_table(rec))
+    else:
+        console.print(f"[bold]ultraattn[/bold] graph {rec.graph} {rec.kind}: sites {list(rec.expanded)} as "
+                      f"explicit nodes ({_counts(rec)})")
+
+
+# ----------------------------------------------------------------------------- plans made at run time
+def plans_table(stats: list[SiteStats] | tuple[SiteStats, ...]) -> Table:
+    t = Table(title="plans made at run time (cached on the mask's content)", title_justify="left")
+    for col in ("site", "calls", "plans", "cache hits", "planning s"):
+        t.add_column(col, justify="right")
+    for s in stats:
+        t.add_row(s.site, str(s.calls), str(s.plans), str(s.cache_hits), f"{s.planning_seconds:.2f}")
+    return t
+
+
+def plan_line(ev: PlanEvent) -> str:
+    return (f"[bold]ultraattn[/bold] {ev.site}: planned in {ev.seconds:.2f} s ({ev.structure}, plan {ev.hash}, "
+            f"{ev.world} ranks)")
+
+
+def print_plan_event(ev: PlanEvent, *, full: bool, console: Console | None = None) -> None:
+    console = console or report_console()
+    console.print(plan_line(ev))
+    if full and ev.result is not None:
+        print_plan_result(console, ev.result, ev.result.plan.mesh, title=f"{ev.site} · run-time plan")
+
+
+# ----------------------------------------------------------------------------- saved reports
+def save_report(path: str | os.PathLike, report: CompileReport) -> None:
+    with open(path, "w") as fh:
+        json.dump(report.to_json(), fh, indent=1, default=str)
+
+
+def load_report(path: str | os.PathLike) -> CompileReport:
+    """A report saved with ``options={"report_file": path}``; ``ValueError`` if the file is not one."""
+    with open(path) as fh:
+        try:
+            data = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not JSON ({exc})") from None
+    try:
+        return CompileReport.from_json(data)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not an ultraattn report ({type(exc).__name__}: {exc})") from None
+
+
+def render_saved(path: str | os.PathLike, console: Console | None = None) -> None:
+    """Print a report saved with ``options={"report_file": path}``."""
+    report = load_report(path)
+    console = console or Console()
+    for g in report.graphs:
+        console.print(render_graph(g, stats=report.stats))
+        console.print(graph_code(g.code_after))
+        for aot in report.aot_graphs:
+            if aot.graph == g.index and aot.expanded:
+                console.print(schedule_table(aot))
+    for p in report.plans:
+        console.print(f"[bold]{p.site}[/bold]: planned in {p.seconds:.2f} s, plan {p.hash}, {p.world} ranks, "
+                      f"structure {p.structure}")
+        if p.comparison:
+            console.print(comparison_table(p.comparison, title=f"{p.site}: modeled time against the baselines"))
