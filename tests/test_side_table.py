@@ -1,0 +1,144 @@
+"""The backend's house rules: all state in the side table, records as its output, FX hygiene, frozen options.
+
+World size 1 throughout (the multi-rank behaviour is in test_backend.py and test_shard.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import io
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from backend_models import build, inputs, make_masks, step
+from numerics import fresh_dynamo  # noqa: F401 - an autouse fixture
+from rich.console import Console
+from torch._dynamo.utils import counters
+
+import ultraattn
+from ultraattn.cache import LRU
+from ultraattn.passes import find_sites, parse_options, side_table
+from ultraattn.passes.records import CompileReport
+from ultraattn.passes.rewrite import rewrite_sites
+from ultraattn.report.compile_report import load_report
+
+
+def _sdpa(q):
+    return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_a_compiled_graph_owns_its_sites_until_dynamo_drops_it():
+    table = side_table()
+    f = torch.compile(_sdpa, backend="ultraattn")
+    f(torch.randn(1, 2, 64, 16))
+    (rec,) = table.graphs
+    assert len(rec.site_keys) == 1 and set(table.sites) == set(rec.site_keys)
+    assert counters["ultraattn"]["graphs"] == 1 and counters["ultraattn"]["rewritten"] == 1
+    assert table.site(rec.site_keys[0]).program is not None  # expanded: the static site's compile-time plan
+    del f
+    torch._dynamo.reset()
+    gc.collect()
+    assert table.sites == {}, "recompiles must not grow the side table"
+    assert len(table.graphs) == 1  # the records stay (reports), the run-time state goes
+
+
+def test_reset_forgets_everything_and_a_stale_graph_says_what_to_do():
+    f = torch.compile(_sdpa, backend="ultraattn", options={"explicit": False})
+    q = torch.randn(1, 2, 64, 16)
+    f(q)
+    table = side_table()
+    assert table.sites and table.graphs and counters["ultraattn"]["rewritten"] == 1
+    table.reset()
+    assert not table.sites and not table.graphs and not table.plan_events and counters["ultraattn"]["rewritten"] == 0
+    with pytest.raises(RuntimeError, match=r"side table was reset.*call torch._dynamo.reset\(\)"):
+        f(q)
+
+
+def test_explain_runs_on_a_private_table():
+    spec = {"attn": "flex", "mask": "document", "lengths": [100, 156], "seqlen": 256}
+    tokens, bm, _ = inputs(spec)
+    res = ultraattn.explain(build(spec), tokens, bm, world_size=2, options={"ilp_time_limit": 1.0},
+                            console=Console(file=io.StringIO(), width=120))
+    assert res.records and len(res.stats) == 2
+    table = side_table()
+    assert not table.graphs and not table.sites and not counters["ultraattn"], "explain touched process state"
+
+
+def test_every_node_the_rewrite_inserts_carries_its_fake_value():
+    """meta["val"] (and Dynamo's example_value) on every inserted node, matching what the node computes."""
+    got = {}
+
+    def backend(gm, example_inputs):
+        before = set(gm.graph.nodes)
+        states = rewrite_sites(gm, find_sites(gm, 1), parse_options({}), graph_index=0, table=side_table())
+        got["n"] = len(states)
+        got["new"] = [n for n in gm.graph.nodes if n not in before and n.op == "call_function"]
+        return gm.forward
+
+    model = build({"attn": "flex"})
+    tokens = torch.randint(0, 64, (1, 128))
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(tokens, make_masks("document", 128, lengths=[40, 88])[0])
+    assert got["n"] == 2 and got["new"], got
+    for n in got["new"]:
+        val = n.meta.get("val")
+        assert val is not None and n.meta.get("example_value") is val, n.format_node()
+        if n.target is torch.ops.ultraattn.site_attention.default:
+            q = n.args[0].meta["example_value"]
+            assert val[0].shape == q.shape and val[1].shape == q.shape[:3] and val[1].dtype == torch.float32
+        else:  # getitem and the log2 conversion of the lse
+            assert isinstance(val, torch.Tensor), n.format_node()
+
+
+def test_records_round_trip_through_a_saved_report(tmp_path):
+    path = tmp_path / "report.json"
+    spec = {"attn": "flex", "seqlen": 160}
+    tokens, _, _ = inputs({"attn": "causal", "seqlen": 160})
+    cm = torch.compile(build(spec), backend="ultraattn", options={"report_file": str(path)})
+    for lengths in ([50, 70, 40], [100, 60]):
+        step(cm, tokens, make_masks("document", 160, lengths=lengths)[0])
+    snap = side_table().snapshot(str(path))
+    assert snap.graphs and len(snap.plans) == 2 and {s.plans for s in snap.stats} == {2}
+    assert CompileReport.from_json(json.loads(json.dumps(snap.to_json()))) == snap
+    loaded = load_report(path)  # written at the last plan event: the graphs and both sites' latest plans
+    assert loaded.graphs == snap.graphs and {p.site for p in loaded.plans} == {"flex#0", "flex#1"}
+    path.write_text(json.dumps({"version": 1, "graphs": []}))
+    with pytest.raises(ValueError, match="report version 1 is not 2: save the report again"):
+        load_report(path)
+
+
+def test_options_are_frozen_and_parsing_returns_a_new_object():
+    opts = parse_options({"report": "summary", "cost": {"intra_bw_GBps": 10.0}})
+    assert opts.world_size == 1 and opts.report == "summary" and dict(opts.cost) == {"intra_bw_GBps": 10.0}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.report = "full"
+    with pytest.raises(TypeError):
+        opts.cost["intra_bw_GBps"] = 1.0
+    assert opts.cost_model().intra_bw_GBps == 10.0
+    with pytest.raises(ValueError, match=r"options\['compiler'\]='tvm': expected one of inductor, aot_eager, eager"):
+        parse_options({"compiler": "tvm"})
+    with pytest.raises(ValueError, match=r"options\['world_size'\]=0: expected a positive int"):
+        parse_options({"world_size": 0})
+
+
+def test_lru_keeps_the_most_recent():
+    lru = LRU(2)
+    lru.put("a", 1)
+    lru.put("b", 2)
+    assert lru.get("a") == 1  # a is now the most recent
+    lru.put("c", 3)
+    assert "b" not in lru and list(lru) == ["a", "c"] and lru.pop("a") == 1 and len(lru) == 1
+    with pytest.raises(ValueError, match="`capacity` must be a positive int, got 0"):
+        LRU(0)
+
+
+def test_a_graph_without_attention_gets_no_site():
+    """Must not fire: a graph without attention gets no site, no state, no counter but ``graphs``."""
+    f = torch.compile(lambda x: (x * 2).sin(), backend="ultraattn")
+    f(torch.randn(4))
+    (rec,) = side_table().graphs
+    assert rec.sites == () and rec.site_keys == () and not side_table().sites
+    assert counters["ultraattn"]["graphs"] == 1 and counters["ultraattn"]["rewritten"] == 0
