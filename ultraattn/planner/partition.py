@@ -321,59 +321,16 @@ def solve_ilp(lv: Level, incumbent: Solution, *, time_limit: float, max_nodes: i
     prob = pulp.LpProblem(lv.name.replace(" ", "_"), pulp.LpMinimize)
     B = range(nb)
     x = {(c, b): pulp.LpVariable(f"x_{c}_{b}", cat="Binary") for c in range(len(lv.cells)) for b in B}
-    y = {}
-    first_counted = {}
-    rank = 0
-    for i in range(lv.items):
-        if lv.counted[i]:
-            first_counted[i] = rank
-            rank += 1
-    for i in range(lv.items):
-        for b in B:
-            if lv.counted[i] and lv.fixed is not None:  # a given layout: constants
-                y[(i, b)] = int(lv.fixed[i] == b)
-            # symmetry breaking: bin b's first counted item is at least its b-th counted item
-            elif lv.counted[i] and first_counted[i] < b:
-                y[(i, b)] = 0
-            else:
-                y[(i, b)] = pulp.LpVariable(f"y_{i}_{b}", cat="Binary")
+    y = _owner_vars(lv, B)
     V = pulp.LpVariable("V", lowBound=0)
     rows_of: dict[int, list[int]] = {}
     cols_of: dict[int, list[int]] = {}
     for c, (i, j) in enumerate(lv.cells):
         rows_of.setdefault(i, []).append(c)
         cols_of.setdefault(j, []).append(c)
-    a = {(i, b): pulp.LpVariable(f"a_{i}_{b}", 0, 1) for i in rows_of for b in B}
-    ac = {(j, b): pulp.LpVariable(f"ac_{j}_{b}", 0, 1) for j in cols_of for b in B}
-    f = {(i, b): pulp.LpVariable(f"f_{i}_{b}", 0, 1) for i in rows_of for b in B}
-    fc = {(j, b): pulp.LpVariable(f"fc_{j}_{b}", 0, 1) for j in cols_of for b in B}
-    u = {(i, b): pulp.LpVariable(f"u_{i}_{b}", 0) for i in rows_of for b in B}
-    uc = {(j, b): pulp.LpVariable(f"uc_{j}_{b}", 0) for j in cols_of for b in B}
-    for c in range(len(lv.cells)):
-        prob += pulp.lpSum(x[(c, b)] for b in B) == 1
-    for i in range(lv.items):
-        if any(not isinstance(y[(i, b)], int) for b in B):  # (a fixed item's row is constant)
-            prob += pulp.lpSum(y[(i, b)] for b in B) == 1
-    for b in B:
-        if lv.fixed is None:
-            prob += pulp.lpSum(y[(i, b)] for i in range(lv.items) if lv.counted[i]) == lv.per_bin
-        prob += pulp.lpSum(lv.weight[c] * x[(c, b)] for c in range(len(lv.cells))) <= lv.cap
-    for i, cs in rows_of.items():
-        for b in B:
-            for c in cs:
-                prob += a[(i, b)] >= x[(c, b)]
-            prob += f[(i, b)] >= a[(i, b)] - y[(i, b)]
-        F = pulp.lpSum(f[(i, b)] for b in B)
-        for b in B:
-            prob += u[(i, b)] >= F - nb * (1 - y[(i, b)])
-    for j, cs in cols_of.items():
-        for b in B:
-            for c in cs:
-                prob += ac[(j, b)] >= x[(c, b)]
-            prob += fc[(j, b)] >= ac[(j, b)] - y[(j, b)]
-        F = pulp.lpSum(fc[(j, b)] for b in B)
-        for b in B:
-            prob += uc[(j, b)] >= F - nb * (1 - y[(j, b)])
+    _assignment_constraints(prob, lv, x, y, B)
+    f, u = _crossing_vars(prob, rows_of, x, y, B, "")
+    fc, uc = _crossing_vars(prob, cols_of, x, y, B, "c")
     total_in = []
     for b in B:
         tin = (pulp.lpSum(lv.RI * f[(i, b)] + lv.RO * u[(i, b)] for i in rows_of)
@@ -388,15 +345,7 @@ def solve_ilp(lv: Level, incumbent: Solution, *, time_limit: float, max_nodes: i
     # secondary objective: least total traffic among min-max solutions (tiny weight)
     eps = 1e-3 / max(1, nb)
     prob += V + eps * pulp.lpSum(total_in)
-    # warm start from the incumbent, its bins relabelled to satisfy the symmetry breaking
-    inc = canonical(lv, incumbent)
-    for c, b0 in enumerate(inc.at):
-        for b in B:
-            x[(c, b)].setInitialValue(1 if b == b0 else 0)
-    for i, b0 in enumerate(inc.own):
-        for b in B:
-            if not isinstance(y[(i, b)], int):
-                y[(i, b)].setInitialValue(1 if b == b0 else 0)
+    _warm_start(lv, incumbent, x, y, B)
     info = solve(prob, name=lv.name, time_limit=time_limit, max_nodes=max_nodes)
     if info.status not in ("Optimal", "Stopped"):
         return incumbent, info
@@ -410,6 +359,71 @@ def solve_ilp(lv: Level, incumbent: Solution, *, time_limit: float, max_nodes: i
         return sol, info
     info.note = (info.note + "; " if info.note else "") + "incumbent kept (ILP answer not better)"
     return incumbent, info
+
+
+def _owner_vars(lv: Level, B: range) -> dict:
+    """y[(item, bin)]: 1 if the bin owns the item; constants for a given layout, and 0 where symmetry breaking
+    rules it out (bin b's first counted item is at least its b-th counted item)."""
+    first_counted = {}
+    rank = 0
+    for i in range(lv.items):
+        if lv.counted[i]:
+            first_counted[i] = rank
+            rank += 1
+    y = {}
+    for i in range(lv.items):
+        for b in B:
+            if lv.counted[i] and lv.fixed is not None:  # a given layout: constants
+                y[(i, b)] = int(lv.fixed[i] == b)
+            elif lv.counted[i] and first_counted[i] < b:
+                y[(i, b)] = 0
+            else:
+                y[(i, b)] = pulp.LpVariable(f"y_{i}_{b}", cat="Binary")
+    return y
+
+
+def _assignment_constraints(prob, lv: Level, x: dict, y: dict, B: range) -> None:
+    """Every cell computed once, every item owned once, equal counted items per bin, compute within the cap."""
+    for c in range(len(lv.cells)):
+        prob += pulp.lpSum(x[(c, b)] for b in B) == 1
+    for i in range(lv.items):
+        if any(not isinstance(y[(i, b)], int) for b in B):  # (a fixed item's row is constant)
+            prob += pulp.lpSum(y[(i, b)] for b in B) == 1
+    for b in B:
+        if lv.fixed is None:
+            prob += pulp.lpSum(y[(i, b)] for i in range(lv.items) if lv.counted[i]) == lv.per_bin
+        prob += pulp.lpSum(lv.weight[c] * x[(c, b)] for c in range(len(lv.cells))) <= lv.cap
+
+
+def _crossing_vars(prob, groups: dict[int, list[int]], x: dict, y: dict, B: range, tag: str) -> tuple[dict, dict]:
+    """For each item (a row of cells, or with ``tag`` "c" a column): f[(i, b)] >= 1 when bin b computes one of its
+    cells without owning it (the item travels in), u[(i, b)] >= the number of such bins when b owns it (it
+    travels out that many times). Variables are named ``a{tag}``, ``f{tag}``, ``u{tag}``."""
+    nb = len(B)
+    a = {(i, b): pulp.LpVariable(f"a{tag}_{i}_{b}", 0, 1) for i in groups for b in B}
+    f = {(i, b): pulp.LpVariable(f"f{tag}_{i}_{b}", 0, 1) for i in groups for b in B}
+    u = {(i, b): pulp.LpVariable(f"u{tag}_{i}_{b}", 0) for i in groups for b in B}
+    for i, cs in groups.items():
+        for b in B:
+            for c in cs:
+                prob += a[(i, b)] >= x[(c, b)]
+            prob += f[(i, b)] >= a[(i, b)] - y[(i, b)]
+        total = pulp.lpSum(f[(i, b)] for b in B)
+        for b in B:
+            prob += u[(i, b)] >= total - nb * (1 - y[(i, b)])
+    return f, u
+
+
+def _warm_start(lv: Level, incumbent: Solution, x: dict, y: dict, B: range) -> None:
+    """The incumbent as the MILP's starting point, its bins relabelled to satisfy the symmetry breaking."""
+    inc = canonical(lv, incumbent)
+    for c, b0 in enumerate(inc.at):
+        for b in B:
+            x[(c, b)].setInitialValue(1 if b == b0 else 0)
+    for i, b0 in enumerate(inc.own):
+        for b in B:
+            if not isinstance(y[(i, b)], int):
+                y[(i, b)].setInitialValue(1 if b == b0 else 0)
 
 
 def canonical(lv: Level, sol: Solution) -> Solution:

@@ -273,6 +273,29 @@ def _view5(x: Tensor, hk: int) -> Tensor:
     return x.view(b, hk, hq // hk, ln, d)
 
 
+def _column_blocks(geo: TileGeometry, cols: list[int], kvs: list[tuple[Tensor, Tensor]]
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """The row's K and V, fp32, as blocks [B, hk, blocks, bk, D], and each block's global KV block id."""
+    k_cat = torch.cat([k for k, _ in kvs], dim=2).float()
+    v_cat = torch.cat([v for _, v in kvs], dim=2).float()
+    bsz, hk, _, d = k_cat.shape
+    nbk = geo.chunk // geo.kv_block
+    kv_ids = torch.cat([j * nbk + torch.arange(nbk) for j in cols])
+    return k_cat.view(bsz, hk, -1, geo.kv_block, d), v_cat.view(bsz, hk, -1, geo.kv_block, d), kv_ids
+
+
+def _scores(geo: TileGeometry, g: int, qa0: int, nq: int, masked_ids: Tensor | None, qs: Tensor, ks: Tensor,
+            r: int) -> Tensor:
+    """Scaled scores ``qs @ ks^T`` [B, hk, r*T, M], -inf where the mask is False (``masked_ids``: the KV block ids
+    of ``ks`` when its blocks need the mask evaluated, None when they are all FULL)."""
+    s = torch.matmul(qs, ks.transpose(-1, -2))
+    if masked_ids is not None:
+        m = geo._mask(g, qa0, nq, masked_ids).to(s.device)
+        bsz, hk = s.shape[:2]
+        s.view(bsz, hk, r, nq * geo.q_block, -1).masked_fill_(~m, -math.inf)
+    return s
+
+
 def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, kvs: list[tuple[Tensor, Tensor]],
                 scale: float) -> tuple[Tensor, Tensor]:
     """Partial attention of Q chunk ``i`` (head group ``g``) over KV chunks ``cols``.
@@ -287,15 +310,10 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
     """
     if _kernels_on(q):
         return kernel_row_forward(geo, kernel_layout(geo, g, i, cols, q.device).bwd_tensors(), q, kvs, scale)
-    c, bq, bk, hk = geo.chunk, geo.q_block, geo.kv_block, geo.hk
+    c, bq, hk = geo.chunk, geo.q_block, geo.hk
     bsz, hq, _, d = q.shape
     r = hq // hk
-    k_cat = torch.cat([k for k, _ in kvs], dim=2).float()
-    v_cat = torch.cat([v for _, v in kvs], dim=2).float()
-    nbk = c // bk
-    kv_ids = torch.cat([j * nbk + torch.arange(nbk) for j in cols])
-    kb = k_cat.view(bsz, hk, -1, bk, d)
-    vb = v_cat.view(bsz, hk, -1, bk, d)
+    kb, vb, kv_ids = _column_blocks(geo, cols, kvs)
     q5 = _view5(q, hk)
     o = torch.zeros(bsz, hk, r, c, d, dtype=torch.float32, device=q.device)
     lse = torch.full((bsz, hk, r, c), -math.inf, dtype=torch.float32, device=q.device)
@@ -308,10 +326,7 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
         vs = vb[:, :, sel].reshape(bsz, hk, -1, d)
         # [B, Hk, r*T, D]: the r query heads of a KV head share one matmul against it (GQA, no repeat)
         qs = (q5[:, :, :, rows].float() * scale).reshape(bsz, hk, r * t, d)
-        s = torch.matmul(qs, ks.transpose(-1, -2))
-        if need_mask:
-            m = geo._mask(g, i * nqb + a, b - a, kv_ids[sel]).to(s.device)
-            s.view(bsz, hk, r, t, -1).masked_fill_(~m, -math.inf)
+        s = _scores(geo, g, i * nqb + a, b - a, kv_ids[sel] if need_mask else None, qs, ks, r)
         lse_t = torch.logsumexp(s, -1)
         s.sub_(torch.where(torch.isinf(lse_t), torch.zeros_like(lse_t), lse_t)[..., None]).exp_()
         part = (torch.matmul(s, vs).view(bsz, hk, r, t, d), lse_t.view(bsz, hk, r, t))
@@ -335,12 +350,7 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
         return kernel_row_backward(geo, lay, q, do, lse, delta, kvs, scale)
     bsz, hq, _, d = q.shape
     r = hq // hk
-    k_cat = torch.cat([k for k, _ in kvs], dim=2).float()
-    v_cat = torch.cat([v for _, v in kvs], dim=2).float()
-    nbk = c // bk
-    kv_ids = torch.cat([j * nbk + torch.arange(nbk) for j in cols])
-    kb = k_cat.view(bsz, hk, -1, bk, d)
-    vb = v_cat.view(bsz, hk, -1, bk, d)
+    kb, vb, kv_ids = _column_blocks(geo, cols, kvs)
     dkb = torch.zeros_like(kb)
     dvb = torch.zeros_like(vb)
     q5, do5 = _view5(q, hk), _view5(do, hk)
@@ -357,10 +367,7 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
         vs = vb[:, :, sel].reshape(bsz, hk, -1, d)
         qs = (q5[:, :, :, rows].float() * scale).reshape(bsz, hk, r * t, d)
         dos = do5[:, :, :, rows].float().reshape(bsz, hk, r * t, d)
-        s = torch.matmul(qs, ks.transpose(-1, -2))
-        if need_mask:
-            m = geo._mask(g, i * nqb + a, b - a, kv_ids[sel]).to(s.device)
-            s.view(bsz, hk, r, t, -1).masked_fill_(~m, -math.inf)
+        s = _scores(geo, g, i * nqb + a, b - a, kv_ids[sel] if need_mask else None, qs, ks, r)
         p = s.sub_(lse5[:, :, :, rows].reshape(bsz, hk, r * t, 1)).exp_()       # P with the GLOBAL lse
         dv = torch.matmul(p.transpose(-1, -2), dos)                              # sums the r heads
         ds = torch.matmul(dos, vs.transpose(-1, -2))
