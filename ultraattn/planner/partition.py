@@ -103,20 +103,14 @@ def evaluate(lv: Level, own: list[int], at: list[int]) -> Solution:
         load[b] += w
         rows.add((i, b))
         cols.add((j, b))
-    for i, b in rows:
-        o = own[i]
-        if o != b:
-            tin[b] += lv.RI
-            tout[b] += lv.RO
-            tout[o] += lv.RI
-            tin[o] += lv.RO
-    for j, b in cols:
-        o = own[j]
-        if o != b:
-            tin[b] += lv.CI
-            tout[b] += lv.CO
-            tout[o] += lv.CI
-            tin[o] += lv.CO
+    for pairs, come, back in ((rows, lv.RI, lv.RO), (cols, lv.CI, lv.CO)):
+        for i, b in pairs:  # bin b computes a cell of item i, which bin o owns: it comes in, results go back
+            o = own[i]
+            if o != b:
+                tin[b] += come
+                tout[b] += back
+                tout[o] += come
+                tin[o] += back
     for i, b in enumerate(own):
         tin[b] += lv.extra_in[i]
         tout[b] += lv.extra_out[i]
