@@ -10,7 +10,6 @@ serves which op is ``table.py``.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -33,9 +32,6 @@ from ultraattn.passes.shard.links import (
     view_link,
 )
 
-if TYPE_CHECKING:
-    from ultraattn.passes.shard.lowering import Lowering
-
 
 class Rule:
     """How one op relates its inputs' and output's sequence dims, whether it can run sharded, how it lowers.
@@ -43,7 +39,9 @@ class Rule:
     ``links``: the alignment relations. ``rep_args``: argument nodes that are replicated by design
     (weights, a type_as reference, a site's mask). ``mode``: "shard", "reduce" or None (the
     default: "shard" when the output is aligned, every aligned input maps onto it and at least one
-    input carries it). ``lower``: the local op (default: the same op, arguments mapped).
+    input carries it). ``lower``: the local op (default: the same op, arguments mapped); ``cx`` is the
+    ``lowering.Lowering`` building the new graph (not imported here: lowering looks rules up, so the rules
+    stay below it).
     """
 
     def links(self, n: fx.Node) -> list[Link]:
@@ -59,7 +57,7 @@ class Rule:
     def mode(self, n: fx.Node, sp: Specs) -> str | None:
         return "shard" if generic_shardable(self, n, sp) and self.tokenwise(n, sp) else None
 
-    def lower(self, cx: Lowering, n: fx.Node) -> fx.Node:
+    def lower(self, cx, n: fx.Node) -> fx.Node:
         return cx.copy_sharded(n)
 
 
