@@ -341,8 +341,38 @@ def pattern_from_block_mask(block_mask: BlockMask) -> BlockPattern:
     q_len, kv_len = (int(x) for x in block_mask.seq_lengths)
     qb, kb = (int(x) for x in block_mask.BLOCK_SIZE)
     qe, ke = _edges(q_len, qb), _edges(kv_len, kb)
-    nq, nk = qe.numel() - 1, ke.numel() - 1
     area_QK = qe.diff()[:, None] * ke.diff()[None, :]
+    partial, full = _block_mask_kinds(block_mask, qe.numel() - 1, ke.numel() - 1)
+    count_BHQK = torch.where(full | partial, area_QK, 0)
+    mask_mod = block_mask.mask_mod
+    cells = torch.nonzero(partial)  # [N, 4]: b, h, i, j
+    counter = getattr(mask_mod, "count_pairs", None)
+    sliced = getattr(mask_mod, "__name__", "") == "_sliced_mask_mod_error"
+    exact = bool(cells.numel()) and not sliced and (
+        counter is not None or int(area_QK[cells[:, 2], cells[:, 3]].sum()) <= MAX_PARTIAL_EVAL_PAIRS
+    )
+    kind_BHQK = None  # exact counts: kinds follow them
+    if exact:
+        bi, hi, qi, ki = cells.unbind(1)
+        if counter is not None:
+            cnt_N = torch.empty(cells.shape[0], dtype=torch.int64)
+            for b in bi.unique().tolist():
+                sel = bi == b
+                cnt_N[sel] = _count_cells(counter, b, qe[qi[sel]], qe[qi[sel] + 1], ke[ki[sel]], ke[ki[sel] + 1])
+        else:
+            cnt_N = _count_partial_cells(block_mask, cells)
+        count_BHQK[bi, hi, qi, ki] = cnt_N
+    elif cells.numel():
+        # Upper estimates (count = area): keep the BlockMask's own kinds.
+        kind_BHQK = torch.where(full, FULL, torch.where(partial, PARTIAL, EMPTY)).to(torch.int8)
+    kind, count, group_of = _group(count_BHQK, area_QK, kind_BHQK)
+    return BlockPattern(kind_BGQK=kind, count_BGQK=count, q_len=q_len, kv_len=kv_len, q_block=qb, kv_block=kb,
+                        head_group_of=group_of, name=getattr(mask_mod, "__name__", "block_mask"))
+
+
+def _block_mask_kinds(block_mask: BlockMask, nq: int, nk: int) -> tuple[Tensor, Tensor]:
+    """(partial, full) bool [B, H, nq, nk] of a BlockMask's listed blocks, broadcast to one shape; a block listed
+    as both counts as PARTIAL."""
 
     def to4(x: Tensor) -> Tensor:
         x = x.cpu()
@@ -359,45 +389,28 @@ def pattern_from_block_mask(block_mask: BlockMask) -> BlockPattern:
         fnum = to4(block_mask.full_kv_num_blocks.unsqueeze(-1))[..., 0]
         full = _ordered_to_dense_BHQK(fnum, fidx, nq, nk)
     shape = torch.broadcast_shapes(partial.shape, full.shape)
-    partial, full = partial.expand(shape), full.expand(shape) & ~partial.expand(shape)
-    count_BHQK = torch.where(full | partial, area_QK, 0)
+    return partial.expand(shape), full.expand(shape) & ~partial.expand(shape)
 
-    mask_mod = block_mask.mask_mod
-    name = getattr(mask_mod, "__name__", "block_mask")
-    cells = torch.nonzero(partial)  # [N, 4]: b, h, i, j
-    counter = getattr(mask_mod, "count_pairs", None)
-    sliced = getattr(mask_mod, "__name__", "") == "_sliced_mask_mod_error"
-    exact = bool(cells.numel()) and not sliced and (
-        counter is not None or int(area_QK[cells[:, 2], cells[:, 3]].sum()) <= MAX_PARTIAL_EVAL_PAIRS
-    )
-    kind_BHQK = None  # exact counts: kinds follow them
-    if exact:
-        bi, hi, qi, ki = cells.unbind(1)
-        cnt_N = torch.empty(cells.shape[0], dtype=torch.int64)
-        if counter is not None:
-            for b in bi.unique().tolist():
-                sel = bi == b
-                cnt_N[sel] = _count_cells(counter, b, qe[qi[sel]], qe[qi[sel] + 1], ke[ki[sel]], ke[ki[sel] + 1])
-        else:  # evaluate on the BlockMask's device: tensors the mask_mod captured live there
-            dev = block_mask.kv_indices.device
-            per = max(1, _STEP // (qb * kb))
-            aq, ak = torch.arange(qb, device=dev), torch.arange(kb, device=dev)
-            bd, hd, qd, kd = (x.to(dev) for x in (bi, hi, qi, ki))
-            for s in range(0, cells.shape[0], per):
-                e = s + per
-                q_N11 = qd[s:e, None, None] * qb + aq[None, :, None]
-                k_N11 = kd[s:e, None, None] * kb + ak[None, None, :]
-                inside = (q_N11 < q_len) & (k_N11 < kv_len)
-                m = eval_mask(mask_mod, bd[s:e, None, None], hd[s:e, None, None],
-                               q_N11.clamp(max=q_len - 1), k_N11.clamp(max=kv_len - 1))
-                cnt_N[s:e] = (m & inside).sum(dim=(1, 2)).cpu()
-        count_BHQK[bi, hi, qi, ki] = cnt_N
-    elif cells.numel():
-        # Upper estimates (count = area): keep the BlockMask's own kinds.
-        kind_BHQK = torch.where(full, FULL, torch.where(partial, PARTIAL, EMPTY)).to(torch.int8)
-    kind, count, group_of = _group(count_BHQK, area_QK, kind_BHQK)
-    return BlockPattern(kind_BGQK=kind, count_BGQK=count, q_len=q_len, kv_len=kv_len, q_block=qb, kv_block=kb,
-                        head_group_of=group_of, name=name)
+
+def _count_partial_cells(block_mask: BlockMask, cells: Tensor) -> Tensor:
+    """Attending pairs of each listed cell (``cells`` [N, 4]: b, h, q block, kv block), by evaluating the
+    mask_mod over the cells in batches, on the BlockMask's device (tensors the mask_mod captured live there)."""
+    q_len, kv_len = (int(x) for x in block_mask.seq_lengths)
+    qb, kb = (int(x) for x in block_mask.BLOCK_SIZE)
+    dev = block_mask.kv_indices.device
+    cnt_N = torch.empty(cells.shape[0], dtype=torch.int64)
+    per = max(1, _STEP // (qb * kb))
+    aq, ak = torch.arange(qb, device=dev), torch.arange(kb, device=dev)
+    bd, hd, qd, kd = (x.to(dev) for x in cells.unbind(1))
+    for s in range(0, cells.shape[0], per):
+        e = s + per
+        q_N11 = qd[s:e, None, None] * qb + aq[None, :, None]
+        k_N11 = kd[s:e, None, None] * kb + ak[None, None, :]
+        inside = (q_N11 < q_len) & (k_N11 < kv_len)
+        m = eval_mask(block_mask.mask_mod, bd[s:e, None, None], hd[s:e, None, None],
+                      q_N11.clamp(max=q_len - 1), k_N11.clamp(max=kv_len - 1))
+        cnt_N[s:e] = (m & inside).sum(dim=(1, 2)).cpu()
+    return cnt_N
 
 
 def pattern_from_dense(mask: Tensor, *, block_size: int | tuple[int, int] = 128, name: str = "dense") -> BlockPattern:
