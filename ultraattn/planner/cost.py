@@ -75,6 +75,22 @@ class CostModel:
             flops = flops * self.bwd_flops_factor
         return self.launch_us * 1e-6 + flops / (rate * 1e12 * eff)
 
+    def kernel_seconds_array(self, *, flops, kv_tokens_per_row, phase: str):
+        """``kernel_seconds`` of many launches at once (numpy arrays; 0 where ``flops`` is 0)."""
+        import numpy as np
+
+        flops = np.asarray(flops, dtype=np.float64)
+        kv = np.asarray(kv_tokens_per_row, dtype=np.float64)
+        eff = kv / (kv + self.eff_half_tokens)
+        if phase == "fwd":
+            rate = self.fwd_tflops
+        else:
+            rate = self.bwd_tflops
+            flops = flops * self.bwd_flops_factor
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sec = self.launch_us * 1e-6 + flops / (rate * 1e12 * eff)
+        return np.where(flops > 0, sec, 0.0)
+
     # ------------------------------------------------------------------ messages
     def message_seconds(self, nbytes: int, *, inter_node: bool) -> float:
         if inter_node:
