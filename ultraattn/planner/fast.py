@@ -53,16 +53,11 @@ from ..masks.pattern import BlockPattern
 from .baselines import BASELINES, ulysses_degree, zigzag_owner
 from .build import kernel_groups
 from .cost import DEFAULT_COST, CostModel
-from .plan import AttnShape, Mesh, TilePlan, TokenLayout
+from .plan import AttnShape, Mesh, TilePlan, TokenLayout, padded_chunk
 from .price import Grid, Kernels, Messages, assemble, compute_bound, price, ring_messages, route
 
 #: chunks per rank tried for our own structure (the ILP planner starts at 2 and refines to 8)
 CHUNKS_PER_RANK = (1, 2, 4, 8)
-
-
-def padded_chunk(seq_len: int, num_chunks: int, block: int) -> int:
-    """Smallest chunk (a multiple of ``block``) with num_chunks * chunk >= seq_len (as ``planner.api``)."""
-    return math.ceil(seq_len / (num_chunks * block)) * block
 
 
 # ----------------------------------------------------------------------------- ownership and placement
