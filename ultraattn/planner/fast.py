@@ -488,7 +488,9 @@ class FastPlanner:
             pure = name == "ulysses"
             u = ulysses_degree(mesh, shape, within_node=not pure)
             rd = w // u
-            pos = np.zeros(p, dtype=np.int64) if pure else np.asarray(zigzag_owner(rd), dtype=np.int64)[np.arange(p) // u]
+            # ring position of each chunk's super chunk (zigzag over the u-groups)
+            pos = (np.zeros(p, dtype=np.int64) if pure
+                   else np.asarray(zigzag_owner(rd), dtype=np.int64)[np.arange(p) // u])
             out["owner"] = np.arange(w, dtype=np.int64) if pure else pos * u + np.arange(p) % u
             out["computer_GP"] = (np.broadcast_to(np.arange(u)[:, None], (u, p)).copy() if pure
                                   else pos[None, :] * u + np.arange(u)[:, None])
