@@ -88,6 +88,11 @@ class BlockCells:
         return _cdiv(self.q_len, self.q_block), _cdiv(self.kv_len, self.kv_block)
 
     @property
+    def num_batch_patterns(self) -> int:
+        """``num_batch`` (the name ``BlockPattern`` uses)."""
+        return self.num_batch
+
+    @property
     def num_cells(self) -> int:
         return int(self.row_N.shape[0])
 
@@ -118,7 +123,8 @@ class BlockCells:
     def chunk_stats(self, chunk: int, num_chunks: int, heads_in_groups: list[list[int]] | None = None,
                     num_heads: int = 1) -> dict[str, np.ndarray]:
         """``BlockPattern.chunk_stats`` from the cell lists: float64 [Hg, P, P] ``full`` and ``partial`` block
-        counts summed over batch entries and heads (same arguments, same numbers; O(cells), no dense grid)."""
+        counts and ``pairs`` summed over batch entries and heads (same arguments, same numbers; O(cells), no dense
+        grid)."""
         if self.q_len != self.kv_len or self.q_block != self.kv_block:
             raise NotImplementedError(
                 f"context parallel planning needs self-attention shapes (q_len == kv_len, equal blocks), "
@@ -139,9 +145,10 @@ class BlockCells:
         group_N = self.entry_N % g_count
         flat = (group_N * p + self.row_N // per) * p + self.col_N // per
         out = {}
-        for name, kind in (("full", FULL), ("partial", PARTIAL)):
-            sel = self.kind_N == kind
-            per_group = np.bincount(flat[sel], minlength=g_count * p * p).astype(np.float64).reshape(g_count, p * p)
+        for name, sel, w in (("full", self.kind_N == FULL, None), ("partial", self.kind_N == PARTIAL, None),
+                             ("pairs", slice(None), self.count_N)):
+            per_group = np.bincount(flat[sel], None if w is None else w.astype(np.float64),
+                                    minlength=g_count * p * p).astype(np.float64).reshape(g_count, p * p)
             out[name] = (weight_HG @ per_group).reshape(len(heads_in_groups), p, p)
         return out
 

@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from ..masks.cells import BlockCells
 from ..masks.pattern import BlockPattern
 from .baselines import BASELINES, NotApplicable, allgather_plan, ring_plan, ulysses_degree, usp_plan
 from .build import make_plan
@@ -31,17 +32,18 @@ from .schedule_ilp import refine_schedule
 from .tiling import PlannerOptions, tile
 
 
-def workload(pattern: BlockPattern, shape: AttnShape, *, num_chunks: int, head_groups: int = 1,
+def workload(pattern: BlockPattern | BlockCells, shape: AttnShape, *, num_chunks: int, head_groups: int = 1,
              chunk: int | None = None) -> Workload:
     """Per-cell work of ``pattern`` on a num_chunks grid with ``head_groups`` equal head groups
-    (chunks of ``chunk`` tokens; default: the smallest block multiple that covers the sequence)."""
+    (chunks of ``chunk`` tokens; default: the smallest block multiple that covers the sequence).
+    ``BlockCells`` give the same numbers without a dense grid (``evaluate`` takes them too)."""
     if pattern.q_len != shape.seq_len:
         raise ValueError(f"pattern q_len {pattern.q_len} must equal seq_len {shape.seq_len}")
     if chunk is None:
         chunk = padded_chunk(shape.seq_len, num_chunks, pattern.q_block)
     h = shape.num_heads
     hg = [list(range(g * h // head_groups, (g + 1) * h // head_groups)) for g in range(head_groups)]
-    st = pattern.chunk_stats(chunk, num_chunks, hg, num_heads=h)
+    st = {k: torch.as_tensor(v) for k, v in pattern.chunk_stats(chunk, num_chunks, hg, num_heads=h).items()}
     bmul = shape.batch if pattern.num_batch_patterns == 1 else 1
     if pattern.num_batch_patterns not in (1, shape.batch):
         raise ValueError(f"pattern has {pattern.num_batch_patterns} batch entries, shape.batch is {shape.batch}")
