@@ -85,6 +85,10 @@ class OnlineStats:
     """Plans made at the call (no plan ahead for this mask content)."""
     reread: int = 0
     """Masks read at the call (not handed over, or handed over but modified or freed)."""
+    seconds_inline: float = 0.0
+    """Time spent planning at the call (the step waits for it), reading masks included."""
+    seconds_ahead: float = 0.0
+    """Time the worker spent reading and planning handed-over masks (off the step's path)."""
 
 
 class OnlinePlanner:
@@ -122,7 +126,10 @@ class OnlinePlanner:
             except Exception:  # noqa: BLE001 - the worker could not read it: read (and raise) here
                 pass
         self.stats.reread += 1
-        return cells_from_block_mask(block_mask)
+        t0 = time.perf_counter()
+        cells = cells_from_block_mask(block_mask)
+        self.stats.seconds_inline += time.perf_counter() - t0
+        return cells
 
     def plan(self, planner: FastPlanner, cells: BlockCells) -> tuple[TilePlan, bool]:
         """(plan of ``cells`` for ``planner``'s configuration, whether it was made ahead)."""
@@ -138,8 +145,10 @@ class OnlinePlanner:
                 return tp, True
             except Exception:  # noqa: BLE001 - plan again here, so the error surfaces in the step
                 pass
+        t0 = time.perf_counter()
         with self._lock:
             tp = planner.plan(cells)
+        self.stats.seconds_inline += time.perf_counter() - t0
         done: Future = Future()
         done.set_result(tp)
         self._plans.put(key, done)
@@ -185,6 +194,13 @@ class OnlinePlanner:
                 self._queue.task_done()
 
     def _plan_entry(self, entry: _Handed) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._read_and_plan(entry)
+        finally:
+            self.stats.seconds_ahead += time.perf_counter() - t0
+
+    def _read_and_plan(self, entry: _Handed) -> None:
         try:
             cells = cells_from_block_mask(entry.mask)
         except Exception as exc:  # noqa: BLE001 - reported to whoever asks for this mask
