@@ -21,12 +21,14 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    row at a time to the rank with room where they add the least traffic per unit of work (``place``).
    A given token layout (a sequence-sharded model's) fixes ownership: only placement is chosen.
 3. The baselines (ring, zigzag, all-gather, Ulysses, USP) in the same array form.
-4. Every candidate gets a cheap bound (its busiest rank's work at peak rate); in increasing bound order,
-   candidates are priced in closed form (``price.replay_bound``: a lower bound of the simulator's
-   replay, from release times of every task on every stream), skipping those whose bound exceeds the
-   best price so far. The cheapest is built as the ``TilePlan``. Our structure must meet the balance
-   tolerance when one of its granularities does (the ILP planner's rule); a baseline is taken on its
-   price alone.
+4. Every candidate gets cheap bounds (its busiest rank's work at peak rate, its busiest stream); in
+   increasing bound order, candidates are priced in closed form (``price.replay_bound``: a lower bound
+   of the simulator's replay, from release times of every task on every stream), skipping those whose
+   bound exceeds the best price so far. The cheapest is built as the ``TilePlan``; when the runner-up
+   is priced within ``NEAR_TIE`` of it and both plans are small (``REPLAY_TASKS``), the simulator
+   replays both and the faster replay wins (a size bound, not a time limit: still deterministic). Our
+   structure must meet the balance tolerance when one of its granularities does (the ILP planner's
+   rule); a baseline is taken on its price alone.
 
 Determinism: integer and float64 arithmetic in a fixed order (bincounts and sorts, no threaded BLAS in
 a decision), ties broken by index; pruning only skips candidates that cannot win.
@@ -50,14 +52,21 @@ import numpy as np
 
 from ..masks.cells import BlockCells, cells_from_pattern
 from ..masks.pattern import BlockPattern
+from .api import workload
 from .baselines import BASELINES, ulysses_degree, zigzag_owner
 from .build import kernel_groups
 from .cost import DEFAULT_COST, CostModel
-from .plan import AttnShape, Mesh, TilePlan, TokenLayout, padded_chunk
-from .price import Grid, Kernels, Messages, assemble, compute_bound, price, ring_messages, route
+from .plan import AttnShape, Mesh, TilePlan, TokenLayout, Transfer, padded_chunk
+from .price import Grid, Kernels, Messages, assemble, busy_bound, compute_bound, price, ring_messages, route
+from .schedule import build_graph, simulate
 
 #: chunks per rank tried for our own structure (the ILP planner starts at 2 and refines to 8)
 CHUNKS_PER_RANK = (1, 2, 4, 8)
+#: the runner-up priced within this fraction of the cheapest is a near-tie ...
+NEAR_TIE = 0.10
+#: ... and both are replayed by the simulator when they have at most this many tasks together (kernels x phases
+#: + messages: replays cost ~10 us a task here)
+REPLAY_TASKS = 2500
 
 
 # ----------------------------------------------------------------------------- ownership and placement
@@ -95,12 +104,14 @@ def _node_affinity(weight_PP: np.ndarray, nodes: int, per_node: int, tol: float)
     load = [0.0] * nodes
     room = [per_node] * nodes
     wk = work.tolist()
+    least = float(work.min())  # every chunk still to come weighs at least this
     node_of = np.empty(p, dtype=np.int64)
     for c in np.lexsort((np.arange(p), -work)).tolist():
         col = aff[:, c].tolist()
         best, best_key = -1, None
         for n in range(nodes):
-            if room[n] and load[n] + wk[c] <= cap:
+            # room for this chunk and for the (room - 1) chunks the node must still take
+            if room[n] and load[n] + wk[c] + (room[n] - 1) * least <= cap:
                 key = (-col[n], load[n], n)  # most shared cells, then least load, then lowest index
                 if best_key is None or key < best_key:
                     best, best_key = n, key
@@ -113,13 +124,63 @@ def _node_affinity(weight_PP: np.ndarray, nodes: int, per_node: int, tol: float)
     return node_of
 
 
-def ownership(weight_PP: np.ndarray, mesh: Mesh, k: int, tol: float) -> np.ndarray:
-    """int64 [P]: the rank owning each chunk (node affinity greedy, then a min-heap balancer per node)."""
+def _node_contiguous(weight_PP: np.ndarray, nodes: int, per_node: int) -> np.ndarray:
+    """Chunks to nodes in sequence order, cut where the work balances (documents stay whole); then each node with
+    too many chunks hands its most self-contained light chunks (fewest non-empty cells shared with its other
+    chunks, then least work) to the least loaded nodes with too few."""
+    p = weight_PP.shape[0]
+    work = weight_PP.sum(1)
+    total = float(work.sum())
+    mid = np.cumsum(work) - work / 2
+    node_of = np.clip((nodes * mid / total).astype(np.int64), 0, nodes - 1) if total > 0 else np.arange(p) // per_node
+    ii, jj = np.nonzero(weight_PP > 0)
+    off = ii != jj
+    count = np.bincount(node_of, minlength=nodes)
+    load = np.bincount(node_of, work, minlength=nodes)
+    for n in np.flatnonzero(count > per_node).tolist():
+        mine = node_of == n
+        shared = np.bincount(np.concatenate([ii[off & mine[jj] & mine[ii]], jj[off & mine[jj] & mine[ii]]]),
+                             minlength=p)
+        items = np.flatnonzero(mine)
+        for c in items[np.lexsort((items, work[items], shared[items]))][: count[n] - per_node].tolist():
+            short = np.flatnonzero(count < per_node)
+            t = int(short[np.lexsort((short, load[short]))[0]])
+            node_of[c] = t
+            count[n] -= 1
+            count[t] += 1
+            load[n] -= work[c]
+            load[t] += work[c]
+    return node_of
+
+
+def node_seconds(weight_PP: np.ndarray, node_of: np.ndarray, nodes: int, devices: int, block_seconds: float,
+                 col_cost_inter: float) -> float:
+    """Node-level price of a chunk-to-node assignment (rows computed where they live): the busiest node's compute
+    (spread over its devices, at ``block_seconds`` per cost-weighted block) or its NIC traffic (the K/V units its
+    rows need from other nodes, in and out, spread over its devices' NICs)."""
+    ii, jj = np.nonzero(weight_PP > 0)
+    comp = np.bincount(node_of[ii], weight_PP[ii, jj], minlength=nodes) * block_seconds / devices
+    ni, nj = node_of[ii], node_of[jj]
+    cross = ni != nj
+    pairs = np.unique(jj[cross] * nodes + ni[cross])
+    units_in = np.bincount(pairs % nodes, minlength=nodes)
+    units_out = np.bincount(node_of[pairs // nodes], minlength=nodes)
+    nic = np.maximum(units_in, units_out) * col_cost_inter / devices
+    return float(np.maximum(comp, nic).max())
+
+
+def ownership(weight_PP: np.ndarray, mesh: Mesh, k: int, tol: float, *, block_seconds: float = 0.0,
+              col_cost_inter: float = 0.0) -> np.ndarray:
+    """int64 [P]: the rank owning each chunk. Across nodes: the cheaper (``node_seconds``) of the affinity greedy
+    and the balanced contiguous cut; inside a node: the min-heap balancer."""
     p = weight_PP.shape[0]
     work = weight_PP.sum(1)
     if mesh.nodes == 1:
         return _lpt(work, np.arange(p), mesh.devices, k)
-    node_of = _node_affinity(weight_PP, mesh.nodes, mesh.devices * k, tol)
+    per_node = mesh.devices * k
+    cands = [_node_affinity(weight_PP, mesh.nodes, per_node, tol), _node_contiguous(weight_PP, mesh.nodes, per_node)]
+    node_of = min(cands, key=lambda a: node_seconds(weight_PP, a, mesh.nodes, mesh.devices, block_seconds,
+                                                    col_cost_inter))
     owner = np.empty(p, dtype=np.int64)
     for n in range(mesh.nodes):
         items = np.flatnonzero(node_of == n)
@@ -223,6 +284,8 @@ class Draft:
     """Tokens per chunk."""
     meta: dict
     """``TilePlan.meta`` of the built plan."""
+    transfers: Callable[[], tuple[Transfer, ...]] | None = None
+    """``messages`` as ``Transfer`` objects, from cached mask-independent parts (None: made from the arrays)."""
 
 
 @dataclass(slots=True)
@@ -342,10 +405,23 @@ class FastPlanner:
         """The cheapest candidate's ``TilePlan``; ``meta`` says planner ("fast"), structure, estimate_ms,
         planning_ms and every candidate's price (None: skipped)."""
         t0 = time.perf_counter()
-        cands = self.candidates(self._check(mask))
-        best = min((c for c in cands if c.seconds is not None), key=lambda c: (c.seconds, c.name))
-        tp = self.build(best, candidates={c.name: None if c.seconds is None else round(c.seconds * 1e3, 6)
-                                          for c in cands})
+        cells = self._check(mask)
+        cands = self.candidates(cells)
+        priced = sorted((c for c in cands if c.seconds is not None), key=lambda c: (c.seconds, c.name))
+        summary = {c.name: None if c.seconds is None else round(c.seconds * 1e3, 6) for c in cands}
+        best, tp, replayed = priced[0], None, {}
+        # [Note] near-ties: the price is a lower bound of the replay, closer for some structures than for others;
+        # the cheapest two, when within NEAR_TIE and small (a task count, not a time limit: still deterministic),
+        # are replayed to decide
+        close = [c for c in priced if c.seconds <= priced[0].seconds * (1 + NEAR_TIE)][:2]
+        if len(close) > 1 and sum(_tasks(c.get()) for c in close) <= REPLAY_TASKS:
+            plans = {c.name: self.build(c) for c in close}
+            replayed = {n: evaluate_plan(p, cells, self.cost, backward=self.backward) for n, p in plans.items()}
+            best = min(close, key=lambda c: (replayed[c.name], c.name))
+            tp = plans[best.name]
+        if tp is None:
+            tp = self.build(best)
+        tp.meta.update(candidates=summary, replayed={n: round(v * 1e3, 6) for n, v in replayed.items()})
         tp.meta["planning_ms"] = (time.perf_counter() - t0) * 1e3
         return tp
 
@@ -355,7 +431,8 @@ class FastPlanner:
         meta = {**d.meta, "planner": "fast", **({} if cand.seconds is None else {"estimate_ms": cand.seconds * 1e3}),
                 **meta}
         return assemble(owner=d.owner, assign_GPP=d.assign_GPP, kern=d.kernels, msgs=d.messages, mesh=self.mesh,
-                        shape=self.shape, chunk=d.chunk, meta=meta)
+                        shape=self.shape, chunk=d.chunk, meta=meta,
+                        transfers=None if d.transfers is None else d.transfers())
 
     def _check(self, mask) -> BlockCells:
         if isinstance(mask, BlockPattern):
@@ -388,6 +465,10 @@ class FastPlanner:
         tol = 1 + self.balance_tol + 1e-9
         strict = any(c.imbalance <= tol for c in cands if c.name.startswith("tiled"))
         eligible = [c for c in cands if not (strict and c.name.startswith("tiled") and c.imbalance > tol)]
+        # bounds below the price, cheap to costly: compute at peak rate, then the busiest stream (needs the draft)
+        for c in eligible:
+            d = c.get()
+            c.bound = max(c.bound, busy_bound(d.kernels, d.messages, self.mesh, self.cost))
         best = math.inf
         for c in sorted(eligible, key=lambda c: (c.bound, c.name)):
             if c.bound > best:
@@ -406,7 +487,8 @@ class FastPlanner:
         if self.layout is not None:
             owner = np.asarray(self.layout.owner, dtype=np.int64)
         else:
-            owner = ownership(weight, mesh, k, self.balance_tol)
+            owner = ownership(weight, mesh, k, self.balance_tol, block_seconds=self._block_seconds(grid),
+                              col_cost_inter=float(sc.col_cost[1]))
         assign = place(weight, owner, mesh, self.balance_tol, sc.row_cost, sc.col_cost)[None]
         per_rank = _work_per_rank(weight, assign, w)
 
@@ -419,6 +501,10 @@ class FastPlanner:
 
         return Candidate(name="tiled" if self.layout is not None else f"tiled-k{k}", draft=draft,
                          bound=self._bound(per_rank, grid), imbalance=_ratio(per_rank))
+
+    def _block_seconds(self, grid: Grid) -> float:
+        """Seconds of one cost-weighted block at the peak rates (fwd + bwd when planned)."""
+        return compute_bound(np.ones(1), grid, head_dim=self.shape.head_dim, cost=self.cost, phases=self._phases)
 
     def _bound(self, per_rank: np.ndarray, grid: Grid) -> float:
         return compute_bound(per_rank, grid, head_dim=self.shape.head_dim, cost=self.cost, phases=self._phases)
@@ -450,10 +536,10 @@ class FastPlanner:
                 kern = Kernels.of_groups(grid, kernel_groups(owner, assign), head_dim=shape.head_dim, cost=self.cost,
                                          phases=self._phases)
                 if name == "allgather":
-                    msgs = fixed["msgs"]
-                else:
-                    msgs = ring_messages(owner, assign[0], ring=np.arange(w), start_of=owner, shape=shape,
-                                         chunk=sc.chunk, backward=self.backward)
+                    return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=fixed["msgs"], chunk=sc.chunk,
+                                 meta={"structure": name}, transfers=lambda: fixed["transfers"][0])
+                msgs = ring_messages(owner, assign[0], ring=np.arange(w), start_of=owner, shape=shape, chunk=sc.chunk,
+                                     backward=self.backward)
                 return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=msgs, chunk=sc.chunk,
                              meta={"structure": name})
         else:
@@ -462,9 +548,16 @@ class FastPlanner:
             assign[g, i, j] = fixed["computer_GP"][g, i]
 
             def draft() -> Draft:
-                kern, msgs = self._usp_parts(grid, fixed, assign, u, name == "ulysses")
+                kern, rings = self._usp_parts(grid, fixed, assign, u, name == "ulysses")
+                a2a = fixed["msgs"]
+                # per head group: its all-to-all, then its ring (the builder's order)
+                msgs = Messages.concat([m for g in range(u) for m in (a2a.select(a2a.group == g), rings[g])])
+
+                def transfers() -> tuple[Transfer, ...]:
+                    return tuple(t for g in range(u) for t in (*fixed["transfers"][g], *rings[g].to_transfers()))
+
                 return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=msgs, chunk=sc.chunk,
-                             meta={"structure": name, "ulysses_degree": u, "ring_degree": w // u})
+                             meta={"structure": name, "ulysses_degree": u, "ring_degree": w // u}, transfers=transfers)
 
         per_rank = _work_per_rank(grid.blocks_GPP, assign, w)
         return Candidate(name=name, draft=draft, bound=self._bound(per_rank, grid), imbalance=_ratio(per_rank))
@@ -484,6 +577,7 @@ class FastPlanner:
             out["owner"] = np.asarray(zigzag_owner(w), dtype=np.int64)
             if name == "allgather":
                 out["msgs"] = allgather_messages(out["owner"], mesh, shape, sc.chunk, self.backward)
+                out["transfers"] = [out["msgs"].to_transfers()]
         else:
             pure = name == "ulysses"
             u = ulysses_degree(mesh, shape, within_node=not pure)
@@ -497,12 +591,14 @@ class FastPlanner:
             out["pos_of_col"] = pos
             out["rd"] = rd
             out["msgs"] = all_to_all_messages(out["owner"], out["computer_GP"], shape, sc.chunk, self.backward)
+            out["transfers"] = [out["msgs"].select(out["msgs"].group == g).to_transfers() for g in range(u)]
         self._fixed[key] = out
         return out
 
-    def _usp_parts(self, grid: Grid, fixed: dict, assign: np.ndarray, u: int, pure: bool) -> tuple[Kernels, Messages]:
-        """Kernels (``usp_plan``'s grouping: per rank, head group and ring step) and messages (the cached
-        all-to-all, then the ring's per head group) of a Ulysses / USP plan."""
+    def _usp_parts(self, grid: Grid, fixed: dict, assign: np.ndarray, u: int, pure: bool
+                   ) -> tuple[Kernels, list[Messages]]:
+        """Kernels (``usp_plan``'s grouping: per rank, head group and ring step) and each head group's ring
+        messages (none for Ulysses) of a Ulysses / USP plan."""
         rd = fixed["rd"]
         g, i, j = np.nonzero(assign >= 0)
         r = assign[g, i, j]
@@ -513,14 +609,23 @@ class FastPlanner:
         rows = np.bincount(np.unique(k_N * grid.num_chunks + i) // grid.num_chunks, minlength=uniq.size)
         kern = Kernels.make(grid, g, i, j, k_N, uniq // (u * rd), uniq % rd, rows, head_dim=self.shape.head_dim,
                             cost=self.cost, phases=self._phases)
-        msgs = fixed["msgs"]
-        if not pure:  # per head group: its all-to-all, then its ring (the builder's order)
-            msgs = Messages.concat([part for gg in range(u) for part in (
-                msgs.select(msgs.group == gg),
-                ring_messages(fixed["owner"], assign[gg], ring=np.arange(rd) * u + gg,
-                              start_of=fixed["computer_GP"][gg], shape=self.shape, chunk=grid.chunk,
-                              backward=self.backward, group=gg, groups=u))])
-        return kern, msgs
+        rings = [Messages.concat([]) if pure else
+                 ring_messages(fixed["owner"], assign[gg], ring=np.arange(rd) * u + gg,
+                               start_of=fixed["computer_GP"][gg], shape=self.shape, chunk=grid.chunk,
+                               backward=self.backward, group=gg, groups=u) for gg in range(u)]
+        return kern, rings
+
+
+def _tasks(d: Draft) -> int:
+    return int(d.messages.tensor.size + d.kernels.rank_K.size * len(d.kernels.seconds))
+
+
+def evaluate_plan(plan: TilePlan, cells: BlockCells, cost: CostModel, *, backward: bool) -> float:
+    """The simulator's fwd (+ bwd) makespan of ``plan`` (``planner.api.evaluate``'s replay, without its reports)."""
+    work = workload(cells, plan.shape, num_chunks=plan.num_chunks, head_groups=plan.num_head_groups,
+                    chunk=plan.chunk_size)
+    phases = ("fwd", "bwd") if backward else ("fwd",)
+    return sum(simulate(build_graph(plan, work, cost, ph)).makespan for ph in phases)
 
 
 def planner_key(shape: AttnShape, mesh: Mesh, cost: CostModel, layout: TokenLayout | None, balance_tol: float,

@@ -310,6 +310,23 @@ def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: i
     return max(_stream_bound(stream, rel, du), float(end.max(initial=0.0)))
 
 
+def busy_bound(kern: Kernels, msgs: Messages, mesh: Mesh, cost: CostModel) -> float:
+    """A cheaper bound below ``price``: per phase, the busiest stream of any rank (its compute engine, its send and
+    receive engines per link), no dependency counted."""
+    total = 0.0
+    w = mesh.world
+    for ph, sec_K in kern.seconds.items():
+        sel = msgs.phase == ph
+        src, dst = msgs.src[sel], msgs.dst[sel]
+        dur = message_seconds(msgs.select(sel), mesh, cost)
+        link = ((src // mesh.devices) != (dst // mesh.devices)).astype(np.int64)
+        busy = np.bincount(kern.rank_K * 5, sec_K, minlength=5 * w)
+        busy += np.bincount(src * 5 + 1 + link, dur, minlength=5 * w) + np.bincount(dst * 5 + 3 + link, dur,
+                                                                                      minlength=5 * w)
+        total += float(busy.max(initial=0.0))
+    return total
+
+
 def price(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: int, mesh: Mesh, cost: CostModel) -> float:
     """Closed-form fwd (+ bwd) seconds of a plan: the sum over its phases of ``replay_bound``."""
     return sum(replay_bound(kern, msgs, owner, num_groups, mesh, cost, ph) for ph in kern.seconds)
@@ -360,9 +377,24 @@ def compute_bound(blocks_W: np.ndarray, grid: Grid, *, head_dim: int, cost: Cost
 
 
 def assemble(*, owner: np.ndarray, assign_GPP: np.ndarray, kern: Kernels, msgs: Messages, mesh: Mesh,
-             shape: AttnShape, chunk: int, meta: dict) -> TilePlan:
-    """The ``TilePlan`` of an array-form plan (Kernel and Transfer objects are made here, once)."""
+             shape: AttnShape, chunk: int, meta: dict, transfers: tuple[Transfer, ...] | None = None) -> TilePlan:
+    """The ``TilePlan`` of an array-form plan (Kernel and Transfer objects are made here, once; ``transfers``, when
+    given, are ``msgs`` as objects already, e.g. cached mask-independent ones)."""
     return TilePlan(method="ultraattn", mesh=mesh, shape=shape, chunk_size=chunk, num_chunks=int(owner.size),
                     owner=tuple(owner.tolist()), num_head_groups=int(assign_GPP.shape[0]),
                     assign_GPP=torch.from_numpy(assign_GPP.astype(np.int32)), kernels=kern.to_kernels(),
-                    transfers=msgs.to_transfers(), meta=meta)
+                    transfers=msgs.to_transfers() if transfers is None else transfers, meta=meta)
+
+
+def price_plan(plan: TilePlan, grid: Grid, cost: CostModel, *, backward: bool = True) -> float:
+    """``price`` of any ``TilePlan`` (its kernels and transfers as they are), on ``grid`` (the plan's chunks)."""
+    cells = [(n, k.head_group, i, j) for n, k in enumerate(plan.kernels) for i, j in k.cells]
+    k_N, g_N, i_N, j_N = (np.asarray(x, dtype=np.int64) for x in zip(*cells)) if cells else (np.zeros(0, np.int64),) * 4
+    n = len(plan.kernels)
+    rows = np.bincount(np.unique(k_N * plan.num_chunks + i_N) // plan.num_chunks, minlength=n)
+    phases = (0, 1) if backward else (0,)
+    kern = Kernels.make(grid, g_N, i_N, j_N, k_N, np.asarray([k.rank for k in plan.kernels], dtype=np.int64),
+                        np.asarray([k.stage for k in plan.kernels], dtype=np.int64), rows,
+                        head_dim=plan.shape.head_dim, cost=cost, phases=phases)
+    return price(kern, Messages.of(plan.transfers), np.asarray(plan.owner, dtype=np.int64), plan.num_head_groups,
+                 plan.mesh, cost)
