@@ -27,13 +27,9 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from ultraattn.masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
+from ultraattn.masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern, _cdiv, check_chunk_grid
 
 __all__ = ["BlockCells", "cells_from_block_mask", "cells_from_pattern"]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -125,14 +121,7 @@ class BlockCells:
         """``BlockPattern.chunk_stats`` from the cell lists: float64 [Hg, P, P] ``full`` and ``partial`` block
         counts and ``pairs`` summed over batch entries and heads (same arguments, same numbers; O(cells), no dense
         grid)."""
-        if self.q_len != self.kv_len or self.q_block != self.kv_block:
-            raise NotImplementedError(
-                f"context parallel planning needs self-attention shapes (q_len == kv_len, equal blocks), "
-                f"got q_len={self.q_len}, kv_len={self.kv_len}, blocks=({self.q_block}, {self.kv_block})")
-        if chunk % self.q_block:
-            raise ValueError(f"chunk must be a multiple of the block size {self.q_block}, got {chunk}")
-        if num_chunks * chunk < self.q_len:
-            raise ValueError(f"num_chunks * chunk must cover q_len={self.q_len}, got {num_chunks} * {chunk}")
+        check_chunk_grid(self, chunk, num_chunks)
         if heads_in_groups is None:
             heads_in_groups = [list(range(num_heads))]
         per = chunk // self.q_block

@@ -67,6 +67,19 @@ class CostModel:
         """Time of one attention launch doing ``flops`` (forward-equivalent FLOPs for fwd)."""
         if flops <= 0:
             return 0.0
+        return self._launch_seconds(flops, kv_tokens_per_row, phase)
+
+    def kernel_seconds_array(self, *, flops, kv_tokens_per_row, phase: str):
+        """``kernel_seconds`` of many launches at once (numpy arrays; 0 where ``flops`` is 0)."""
+        import numpy as np
+
+        flops = np.asarray(flops, dtype=np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sec = self._launch_seconds(flops, np.asarray(kv_tokens_per_row, dtype=np.float64), phase)
+        return np.where(flops > 0, sec, 0.0)
+
+    def _launch_seconds(self, flops, kv_tokens_per_row, phase: str):
+        """launch + flops / (rate * eff): the formula both ``kernel_seconds`` forms share (floats or arrays)."""
         eff = kv_tokens_per_row / (kv_tokens_per_row + self.eff_half_tokens)
         if phase == "fwd":
             rate = self.fwd_tflops
@@ -74,22 +87,6 @@ class CostModel:
             rate = self.bwd_tflops
             flops = flops * self.bwd_flops_factor
         return self.launch_us * 1e-6 + flops / (rate * 1e12 * eff)
-
-    def kernel_seconds_array(self, *, flops, kv_tokens_per_row, phase: str):
-        """``kernel_seconds`` of many launches at once (numpy arrays; 0 where ``flops`` is 0)."""
-        import numpy as np
-
-        flops = np.asarray(flops, dtype=np.float64)
-        kv = np.asarray(kv_tokens_per_row, dtype=np.float64)
-        eff = kv / (kv + self.eff_half_tokens)
-        if phase == "fwd":
-            rate = self.fwd_tflops
-        else:
-            rate = self.bwd_tflops
-            flops = flops * self.bwd_flops_factor
-        with np.errstate(divide="ignore", invalid="ignore"):
-            sec = self.launch_us * 1e-6 + flops / (rate * 1e12 * eff)
-        return np.where(flops > 0, sec, 0.0)
 
     # ------------------------------------------------------------------ messages
     def message_seconds(self, nbytes: int, *, inter_node: bool) -> float:

@@ -222,6 +222,22 @@ def _stream_bound(stream: np.ndarray, release: np.ndarray, duration: np.ndarray)
     return float((rel + csum - base).max())
 
 
+def _hops(m: Messages, idx: np.ndarray, dur: np.ndarray, base_GPW: np.ndarray) -> np.ndarray:
+    """When each (group, chunk, rank) holds a unit that messages ``idx`` move hop by hop: its own ``base`` time, or
+    a message's arrival, which leaves when its source holds the unit (a fixed point: relay chains and reduction
+    trees alike; at most one round per hop)."""
+    ready = base_GPW
+    src = (m.group[idx], m.chunk[idx], m.src[idx])
+    dst = (m.group[idx], m.chunk[idx], m.dst[idx])
+    for _ in range(base_GPW.shape[2] + 1):
+        new = base_GPW.copy()
+        np.maximum.at(new, dst, ready[src] + dur[idx])
+        if np.array_equal(new, ready):
+            break
+        ready = new
+    return ready
+
+
 def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: int, mesh: Mesh, cost: CostModel,
                  phase: int) -> float:
     """A lower bound of the simulator's makespan of one phase (``schedule.build_graph`` + ``simulate``).
@@ -249,14 +265,7 @@ def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: i
     deliver = {}
     for axis, names in _INPUTS[phase].items():
         idx = np.flatnonzero(np.isin(m.tensor, _codes(names)))
-        arr = np.zeros((g_count, p, w))
-        for _ in range(w + 1):
-            new = np.zeros_like(arr)
-            np.maximum.at(new, (m.group[idx], m.chunk[idx], m.dst[idx]),
-                          arr[m.group[idx], m.chunk[idx], m.src[idx]] + dur[idx])
-            if np.array_equal(new, arr):
-                break
-            arr = new
+        arr = _hops(m, idx, dur, np.zeros((g_count, p, w)))
         release[idx] = arr[m.group[idx], m.chunk[idx], m.src[idx]]
         d = np.full((g_count, p, w), -1, dtype=np.int64)
         d[m.group[idx], m.chunk[idx], m.dst[idx]] = idx
@@ -283,14 +292,7 @@ def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: i
         own_sum = np.bincount(uk // n_k, sec_K[uk % n_k], minlength=g_count * p * w)
         ready = np.maximum(own_end, own_sum).reshape(g_count, p, w)
         idx = np.flatnonzero(m.tensor == _CODE[part])
-        base = ready.copy()
-        for _ in range(w + 1):
-            new = base.copy()
-            np.maximum.at(new, (m.group[idx], m.chunk[idx], m.dst[idx]),
-                          ready[m.group[idx], m.chunk[idx], m.src[idx]] + dur[idx])
-            if np.array_equal(new, ready):
-                break
-            ready = new
+        ready = _hops(m, idx, dur, ready)
         release[idx] = ready[m.group[idx], m.chunk[idx], m.src[idx]]
         fin = np.flatnonzero(m.tensor == _CODE[final])
         release[fin] = ready[m.group[fin], m.chunk[fin], m.src[fin]]
