@@ -143,7 +143,8 @@ def batches(args: argparse.Namespace) -> list[tuple[Tensor, list[int]]]:
         tokens = torch.randint(0, VOCAB, (1, args.seqlen), generator=g)
         docs = int(torch.randint(2, 7, (), generator=g))
         cuts = torch.randperm(args.seqlen - 1, generator=g)[:docs - 1].add(1).sort().values.tolist()
-        out.append((tokens, [b - a for a, b in zip([0, *cuts], [*cuts, args.seqlen], strict=True)]))
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, args.seqlen], strict=True)]
+        out.append((tokens, out[0][1] if args.same_mask and out else lengths))
     return out
 
 
@@ -238,6 +239,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--mask", choices=("causal", "document"), default="causal")
+    p.add_argument("--same-mask", action="store_true",
+                   help="with --mask document: the first step's documents every step (to compare with new ones)")
     p.add_argument("--plan-ahead", action="store_true",
                    help="hand each step's document mask to ultraattn.plan_ahead one step early (a data loader would)")
     p.add_argument("--seed", type=int, default=0)

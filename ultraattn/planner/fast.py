@@ -457,10 +457,13 @@ class FastPlanner:
         w, block = self.mesh.world, cells.q_block
         if self.layout is not None:
             ks = [(self.layout.chunks_per_rank, self.layout.chunk_size)]
+        elif w == 1:  # one rank: every structure computes everything there
+            ks = [(1, None)]
         else:
             ks = [(k, None) for k in CHUNKS_PER_RANK if k <= 2 or w * k * block <= self.shape.seq_len]
         cands = [self._tiled(cells, k, chunk) for k, chunk in ks]
-        cands += [c for c in (self._baseline(cells, name) for name in self.baselines) if c is not None]
+        if w > 1:
+            cands += [c for c in (self._baseline(cells, name) for name in self.baselines) if c is not None]
         # our structure must balance when one of its granularities can
         tol = 1 + self.balance_tol + 1e-9
         strict = any(c.imbalance <= tol for c in cands if c.name.startswith("tiled"))
