@@ -16,11 +16,14 @@ of the attention calls alone) for comparison.
     torchrun --nproc-per-node 8 examples/train_cp.py --seqlen 16384 --dim 1024 --layers 4   # NCCL, a GPU per rank
 
 Attention is ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)``. With
-``--mask document`` every step packs random-length documents (seeded: the same on every rank)
-into the sequence and calls ``flex_attention`` with a document-causal BlockMask; a new mask
-each step is planned again without recompiling. The single-process reference uses SDPA with the
-equivalent dense boolean mask (eager flex_attention has no backward on CPU). On CPU the ranks
-share the cores, so the step times show the overhead of the run, not a speed-up.
+``--mask document`` every step packs new random-length documents (seeded: the same on every rank)
+into the sequence and calls ``flex_attention`` with a document-causal BlockMask; each new mask is
+planned without recompiling, by every rank for itself with the fast planner (milliseconds; the
+"plan ms" column is rank 0's planning time inside the step). ``--plan-ahead`` hands the next
+step's mask to ``ultraattn.plan_ahead`` before running the current step, as a data loader would,
+so the plan is made on a worker thread while the step runs. The single-process reference uses
+SDPA with the equivalent dense boolean mask (eager flex_attention has no backward on CPU). On CPU
+the ranks share the cores, so the step times show the overhead of the run, not a speed-up.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from torch import Tensor, nn
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+import ultraattn
+from ultraattn.runtime.online import ONLINE
 from ultraattn.testing import RankFailure, run_ranks
 
 VOCAB = 1024
@@ -138,7 +143,8 @@ def batches(args: argparse.Namespace) -> list[tuple[Tensor, list[int]]]:
         tokens = torch.randint(0, VOCAB, (1, args.seqlen), generator=g)
         docs = int(torch.randint(2, 7, (), generator=g))
         cuts = torch.randperm(args.seqlen - 1, generator=g)[:docs - 1].add(1).sort().values.tolist()
-        out.append((tokens, [b - a for a, b in zip([0, *cuts], [*cuts, args.seqlen], strict=True)]))
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, args.seqlen], strict=True)]
+        out.append((tokens, out[0][1] if args.same_mask and out else lengths))
     return out
 
 
@@ -163,12 +169,15 @@ def train(args: argparse.Namespace, device: torch.device, compiled: bool, rank: 
     options = {"report": "summary" if rank == 0 else "off", "ilp_time_limit": 1.0, "time_budget": 2.0,
                "explicit": not args.opaque, "shard": not args.attention_only}
     run = torch.compile(model, backend="ultraattn", options=options) if compiled else model
-    losses, seconds = [], []
-    for tokens, lengths in batches(args):
-        mask = None
-        if args.mask == "document":
-            block_mask, dense = document_masks(lengths, device)
-            mask = block_mask if compiled else dense
+    losses, seconds, plan_ms = [], [], []
+    data = batches(args)
+    masks = [document_masks(lengths, device) if args.mask == "document" else (None, None) for _, lengths in data]
+    for step, (tokens, _lengths) in enumerate(data):
+        block_mask, dense = masks[step]
+        mask = block_mask if compiled else dense
+        if compiled and args.plan_ahead and step + 1 < len(data) and masks[step + 1][0] is not None:
+            ultraattn.plan_ahead(masks[step + 1][0])  # the data loader's side: planned while this step runs
+        planned = ONLINE.stats.seconds_inline
         start = time.perf_counter()
         loss = run(tokens.to(device), mask)
         loss.backward()
@@ -176,9 +185,11 @@ def train(args: argparse.Namespace, device: torch.device, compiled: bool, rank: 
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())  # .item() waits for the device
         seconds.append(time.perf_counter() - start)
+        plan_ms.append((ONLINE.stats.seconds_inline - planned) * 1e3)
     c = counters["ultraattn"]  # what the backend did, counted by torch._dynamo.utils.counters
-    return {"losses": losses, "seconds": seconds, "sites": c["sites"], "rewritten": c["rewritten"],
-            "sharded_ops": c["sharded_ops"], "fallbacks": c["fallbacks"]}
+    return {"losses": losses, "seconds": seconds, "plan_ms": plan_ms, "sites": c["sites"],
+            "rewritten": c["rewritten"], "sharded_ops": c["sharded_ops"], "fallbacks": c["fallbacks"],
+            "planned_ahead": ONLINE.stats.used_ahead}
 
 
 def spawned_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
@@ -193,14 +204,17 @@ def compare(args: argparse.Namespace, world: int, cp: list[dict], ref: dict) -> 
           f"seqlen {args.seqlen}, {args.mask} mask, {world} ranks")
     docs = args.mask == "document"
     print(f"{'step':>4}  {'CP loss':>10}  {'1-proc loss':>11}  {'max |diff|':>10}  {'CP s/step':>9}  "
-          f"{'1-proc s/step':>13}" + ("  document lengths" if docs else ""))
+          f"{'1-proc s/step':>13}" + (f"  {'plan ms':>7}  document lengths" if docs else ""))
     worst = 0.0
     for i, (want, (_, lengths)) in enumerate(zip(ref["losses"], batches(args), strict=True)):
         diff = max(abs(r["losses"][i] - want) for r in cp)
         worst = max(worst, diff)
         print(f"{i + 1:>4}  {cp[0]['losses'][i]:>10.6f}  {want:>11.6f}  {diff:>10.2e}  {cp[0]['seconds'][i]:>9.2f}  "
-              f"{ref['seconds'][i]:>13.3f}" + (f"  {lengths}" if docs else ""))
-    print("(CP step 1 includes compiling; CP s/step: rank 0)")
+              f"{ref['seconds'][i]:>13.3f}" + (f"  {cp[0]['plan_ms'][i]:>7.1f}  {lengths}" if docs else ""))
+    print("(CP step 1 includes compiling; CP s/step and plan ms: rank 0; plan ms: planning inside the step, all "
+          "attention sites)")
+    if docs and args.plan_ahead:
+        print(f"plans made ahead and used, per rank: {', '.join(str(r['planned_ahead']) for r in cp)}")
     rewritten = all(r["sites"] > 0 and r["rewritten"] == r["sites"] for r in cp)
     counts = ", ".join(f"{r['rewritten']}/{r['sites']}" for r in cp)
     print(f"attention sites rewritten by ultraattn, per rank: {counts}")
@@ -225,6 +239,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--mask", choices=("causal", "document"), default="causal")
+    p.add_argument("--same-mask", action="store_true",
+                   help="with --mask document: the first step's documents every step (to compare with new ones)")
+    p.add_argument("--plan-ahead", action="store_true",
+                   help="hand each step's document mask to ultraattn.plan_ahead one step early (a data loader would)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--opaque", action="store_true",
                    help="keep each attention one op (options explicit=False) instead of explicit per-rank nodes")

@@ -38,6 +38,7 @@ class Case:
     block: int = 32
     mesh: tuple[int, int] | None = None
     seed: int = 0
+    planner: str = "auto"
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
@@ -45,7 +46,8 @@ class Case:
         kw = ",".join(f"{k}={v}" for k, v in self.kwargs)
         gqa = f"-gqa{self.heads // self.kv_heads}" if self.kv_heads != self.heads else ""
         m = f"-{self.mesh[0]}x{self.mesh[1]}" if self.mesh else ""
-        return f"{self.mask}({kw})-S{self.seqlen}{gqa}-{self.dtype}-{self.method}{m}"
+        pl = "" if self.planner == "auto" else f"-{self.planner}"
+        return f"{self.mask}({kw})-S{self.seqlen}{gqa}-{self.dtype}-{self.method}{m}{pl}"
 
 
 LIB = [
@@ -119,11 +121,12 @@ def mask_mod_of(case: Case):
 
 
 def plan_mask(case: Case):
-    """What the rank passes to plan_attention: a BlockMask for random masks (the FlexAttention path),
-    the string for causal/full, else the mask_mod."""
-    if case.mask == "random":
-        return create_block_mask(mask_mod_of(case), None, None, case.seqlen, case.seqlen, device="cpu",
-                                 BLOCK_SIZE=case.block)
+    """What the rank passes to plan_attention: a BlockMask for random masks and for the fast planner (the
+    FlexAttention path), the string for causal/full, else the mask_mod."""
+    if case.mask == "random" or case.planner == "fast":
+        mm = mask_mod_of(case)
+        per_batch = case.batch if getattr(mm, "num_batch", 1) > 1 else None
+        return create_block_mask(mm, per_batch, None, case.seqlen, case.seqlen, device="cpu", BLOCK_SIZE=case.block)
     if case.mask in ("causal", "full"):
         return case.mask
     return mask_mod_of(case)
@@ -176,7 +179,7 @@ def run_case(case: Case, rank: int, world: int, timeout: float = 60.0) -> dict:
     plan = ultraattn.plan_attention(plan_mask(case), seqlen=case.seqlen, num_heads=case.heads, head_dim=case.head_dim,
                                     num_kv_heads=case.kv_heads, batch=case.batch, dtype=_DT[case.dtype],
                                     block_size=case.block, method=case.method, mesh=mesh, options=FAST,
-                                    timeout=timeout)
+                                    timeout=timeout, planner=case.planner)
     t_plan = time.perf_counter() - t0
     q, k, v, go, gl = inputs(case)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
@@ -191,13 +194,32 @@ def run_case(case: Case, rank: int, world: int, timeout: float = 60.0) -> dict:
             dist.all_reduce(g)
     log = plan.comm_log
     records = [r[:8] for ph in ("fwd", "bwd") for r in log[ph].records]
-    res = {"records": records, "rank": plan.rank, "plan_seconds": t_plan}
+    res = {"records": records, "rank": plan.rank, "plan_seconds": t_plan, "planner": plan.planner,
+           "hash": plan.tile_plan.content_hash()}
     if rank == 0:
         tp = plan.tile_plan
         res.update(out=out.detach(), lse=lse_g.detach(), dq=grads[0], dk=grads[1], dv=grads[2],
                    transfers=[(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst, t.nbytes) for t in tp.transfers],
                    structure=tp.meta.get("structure", tp.method), world=tp.world)
     return res
+
+
+def check_bytes(results: list[dict]) -> list[str]:
+    """Per rank: the messages moved == the plan's transfers touching that rank (exact, with byte counts)."""
+    transfers = results[0]["transfers"]
+    bad = []
+    for rank, res in enumerate(results):
+        want = []
+        for ph, tn, c, g, s, d, nb in transfers:
+            if s == rank:
+                want.append((ph, "send", tn, c, g, s, d, nb))
+            if d == rank:
+                want.append((ph, "recv", tn, c, g, s, d, nb))
+        got = [tuple(r) for r in res["records"]]
+        if sorted(got) != sorted(want):
+            bad.append(f"rank {rank}: moved {len(got)} messages / {sum(r[7] for r in got)} B, plan says "
+                       f"{len(want)} / {sum(w[7] for w in want)} B")
+    return bad
 
 
 def cases_worker(rank: int, world: int, cases: list[Case]) -> list[dict]:

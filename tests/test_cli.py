@@ -35,6 +35,21 @@ def test_plan_json_schema(tmp_path, capsys):
         assert title in out
 
 
+def test_fast_planner_keeps_the_json_schema(tmp_path, capsys):
+    """--planner fast: the same JSON keys as the ILP planner's, plus which planner ran; no ILP status."""
+    files = {}
+    for planner in ("fast", "auto"):
+        files[planner] = tmp_path / f"{planner}.json"
+        rc, out, err = run(capsys, "--mask", "document:lengths=3000+9000+4384", *SMALL, "--backward", "--quiet",
+                           "--planner", planner, "--json", str(files[planner]))
+        assert rc == 0, err
+    fast, auto = (json.loads(files[p].read_text()) for p in ("fast", "auto"))
+    assert set(fast) == set(auto) and set(fast["planner"]) == set(auto["planner"])
+    assert fast["planner"]["name"] == "fast" and auto["planner"]["name"] == "ilp"  # auto: ILP for a known mask
+    assert fast["planner"]["ilp_status"] == "NotRun" and fast["planner"]["seconds"] < 1.0
+    assert set(fast["methods"]) == set(auto["methods"])
+
+
 def test_plan_png_and_quiet(tmp_path, capsys):
     png = tmp_path / "plan.png"
     rc, out, err = run(capsys, "--mask", "global_local", *SMALL, "--png", str(png), "--quiet")

@@ -7,9 +7,10 @@ from collections import defaultdict
 
 import pytest
 import torch
+from plan_checks import check_plan
 
 from ultraattn.masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
-from ultraattn.planner.api import baseline_plan, plan, rank_bytes, workload
+from ultraattn.planner.api import baseline_plan, plan
 from ultraattn.planner.baselines import NotApplicable
 from ultraattn.planner.partition import Level, heuristic, solve_ilp
 from ultraattn.planner.partition import evaluate as level_eval
@@ -47,60 +48,6 @@ def mask_grid(name: str, n: int) -> torch.Tensor:
     else:
         raise KeyError(name)
     return torch.where(m, FULL, EMPTY)
-
-
-def check_plan(p: TilePlan, pattern: BlockPattern, backward: bool = True) -> None:
-    """Every invariant the runtime relies on (asserts)."""
-    work = workload(pattern, p.shape, num_chunks=p.num_chunks, head_groups=p.num_head_groups, chunk=p.chunk_size)
-    nonempty = work.nonempty_GPP()
-    a = p.assign_GPP
-    # each non-empty cell computed exactly once, nothing else computed
-    assert torch.equal(a >= 0, nonempty)
-    seen = defaultdict(int)
-    for k in p.kernels:
-        for i, j in k.cells:
-            assert int(a[k.head_group, i, j]) == k.rank
-            seen[(k.head_group, i, j)] += 1
-    assert len(seen) == int(nonempty.sum()) and set(seen.values()) == {1}
-    # equal token counts
-    counts = defaultdict(int)
-    for r in p.owner:
-        counts[r] += 1
-    assert set(counts.values()) == {p.chunks_per_rank} and len(counts) == p.world
-    # every needed input reaches its computing rank (following relays), per phase
-    phases = ("fwd", "bwd") if backward else ("fwd",)
-    for phase in phases:
-        has = defaultdict(set)  # (tensor, chunk, g) -> ranks holding it
-        msgs = p.transfers_for(phase)
-        inputs = [m for m in msgs if m.tensor in ("q", "kv", "qdo", "do")]
-        for m in inputs:
-            assert m.nbytes == p.shape.unit_bytes(m.tensor, p.chunk_size, p.num_head_groups)
-        changed = True
-        while changed:
-            changed = False
-            for m in inputs:
-                key = (m.tensor, m.chunk, m.head_group)
-                if (p.owner[m.chunk] == m.src or m.src in has[key]) and m.dst not in has[key]:
-                    has[key].add(m.dst)
-                    changed = True
-        kept_q = p.method in ("ulysses", "usp") or p.meta.get("structure") in ("ulysses", "usp")
-        row_t = {"fwd": "q", "bwd": "do" if kept_q else "qdo"}[phase]
-        for g, i, j in nonempty.nonzero().tolist():
-            r = int(a[g, i, j])
-            if phase == "bwd" and kept_q:
-                continue  # head-parallel plans keep Q/K/V from the forward pass
-            for t, c in ((row_t, i), ("kv", j)):
-                assert p.owner[c] == r or r in has[(t, c, g)], f"{t} chunk {c} never reaches rank {r} ({phase})"
-    # byte accounting equals an independent recount
-    rb = rank_bytes(p, phases)
-    recount = defaultdict(int)
-    for m in p.transfers:
-        if m.phase in phases:
-            recount[m.src] += m.nbytes
-            recount[m.dst] += m.nbytes
-    for r in range(p.world):
-        b = rb[r]
-        assert b["intra_in"] + b["inter_in"] + b["intra_out"] + b["inter_out"] == recount[r]
 
 
 SHAPE = dict(num_heads=8, head_dim=64)

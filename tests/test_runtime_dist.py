@@ -15,6 +15,7 @@ from runtime_cases import (
     Case,
     absent_worker,
     cases_worker,
+    check_bytes,
     check_numerics,
     group_errors_worker,
     mismatch_worker,
@@ -22,24 +23,6 @@ from runtime_cases import (
 )
 
 from ultraattn.testing import RankFailure, run_ranks
-
-
-def check_bytes(results: list[dict]) -> list[str]:
-    """Per rank: the messages moved == the plan's transfers touching that rank (exact, with byte counts)."""
-    transfers = results[0]["transfers"]
-    bad = []
-    for rank, res in enumerate(results):
-        want = []
-        for ph, tn, c, g, s, d, nb in transfers:
-            if s == rank:
-                want.append((ph, "send", tn, c, g, s, d, nb))
-            if d == rank:
-                want.append((ph, "recv", tn, c, g, s, d, nb))
-        got = [tuple(r) for r in res["records"]]
-        if sorted(got) != sorted(want):
-            bad.append(f"rank {rank}: moved {len(got)} messages / {sum(r[7] for r in got)} B, plan says "
-                       f"{len(want)} / {sum(w[7] for w in want)} B")
-    return bad
 
 
 def run_and_check(cases: list[Case], world: int, timeout: float = 420.0, env: dict | None = None) -> None:

@@ -108,6 +108,9 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--baselines", default="all",
                     help=f"comma list of {', '.join(BASELINES)} or 'all' or 'none' (default all)")
     pl.add_argument("--cost", action="append", default=[], metavar="KEY=VALUE", help="override a cost-model field")
+    pl.add_argument("--planner", choices=("auto", "ilp", "fast"), default="auto",
+                    help="ilp: hierarchical ILPs (seconds); fast: the run-time planner (milliseconds, no ILP); "
+                         "auto: ilp, since a mask given here is known up front (default)")
     pl.add_argument("--json", metavar="FILE", help="write the summary JSON here")
     pl.add_argument("--png", metavar="FILE", help="draw the tile assignment and schedule (needs matplotlib)")
     pl.add_argument("--quiet", action="store_true", help="no report, only the JSON (if asked) and one line")
@@ -169,7 +172,7 @@ def _summary_json(args, res, shape, mesh) -> dict:
         "mask": res.pattern.name, "seqlen": shape.seq_len, "cp": [mesh.nodes, mesh.devices],
         "heads": shape.num_heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "batch": shape.batch,
         "backward": bool(args.backward),
-        "planner": {"seconds": res.seconds, "ilp_status": status, "ilp_gap": gap,
+        "planner": {"name": res.solver["planner"], "seconds": res.seconds, "ilp_status": status, "ilp_gap": gap,
                     "structure": res.plan.meta.get("structure"), "plan_hash": res.plan.content_hash(),
                     "levels": res.solver["levels"], "schedule": res.solver["schedule"], "notes": res.notes},
         "methods": methods,
@@ -210,7 +213,8 @@ def cmd_plan(args) -> int:
         pattern = pattern_from_mask_mod(mask_mod, seq, block_size=block, batch=shape.batch,
                                         num_heads=shape.num_heads, name=getattr(mask_mod, "__name__", args.mask))
         res = plan(pattern, shape, mesh, cost=cost, options=opts, backward=args.backward, baselines=baselines,
-                   progress=lambda msg: status.update(f"planning: {msg}…"))
+                   progress=lambda msg: status.update(f"planning: {msg}…"),
+                   planner="fast" if args.planner == "fast" else "ilp")
     summary = _summary_json(args, res, shape, mesh)
     if not args.quiet:
         _report(console, args, res, mesh)
@@ -227,7 +231,8 @@ def cmd_plan(args) -> int:
         except RuntimeError as exc:
             raise CliError(str(exc)) from None
     sp = summary.get("speedup_vs_best_baseline")
-    console.print(f"planned in {res.seconds:.1f} s; ultraattn {res.ours.fwd_ms:.2f} ms fwd"
+    took = f"{res.seconds * 1e3:.0f} ms" if res.seconds < 1 else f"{res.seconds:.1f} s"
+    console.print(f"planned in {took} ({res.solver['planner']} planner); ultraattn {res.ours.fwd_ms:.2f} ms fwd"
                   + (f" + {res.ours.bwd_ms:.2f} ms bwd" if args.backward else "")
                   + (f"; {sp:.2f}x the best baseline ({summary['best_baseline']})" if sp else ""))
     return 0

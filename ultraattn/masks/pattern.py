@@ -196,15 +196,7 @@ class BlockPattern:
             dict of float64 tensors [Hg, P, P] summed over batch patterns and heads:
             ``full`` (FULL blocks), ``partial`` (PARTIAL blocks), ``pairs`` (attending pairs).
         """
-        if self.q_len != self.kv_len or self.q_block != self.kv_block:
-            raise NotImplementedError(
-                f"context parallel planning needs self-attention shapes (q_len == kv_len, equal blocks), "
-                f"got q_len={self.q_len}, kv_len={self.kv_len}, blocks=({self.q_block}, {self.kv_block})"
-            )
-        if chunk % self.q_block:
-            raise ValueError(f"chunk must be a multiple of the block size {self.q_block}, got {chunk}")
-        if num_chunks * chunk < self.q_len:
-            raise ValueError(f"num_chunks * chunk must cover q_len={self.q_len}, got {num_chunks} * {chunk}")
+        check_chunk_grid(self, chunk, num_chunks)
         if heads_in_groups is None:
             heads_in_groups = [list(range(num_heads))]
         per = chunk // self.q_block
@@ -228,3 +220,17 @@ class BlockPattern:
             out["partial"].append(part[sel].sum(0))
             out["pairs"].append(pairs[sel].sum(0))
         return {key: torch.stack(v) for key, v in out.items()}
+
+
+def check_chunk_grid(mask, chunk: int, num_chunks: int) -> None:
+    """A planner grid of ``num_chunks`` chunks of ``chunk`` tokens must fit ``mask`` (a ``BlockPattern`` or
+    ``BlockCells``): self-attention shapes, whole blocks per chunk, the sequence covered."""
+    if mask.q_len != mask.kv_len or mask.q_block != mask.kv_block:
+        raise NotImplementedError(
+            f"context parallel planning needs self-attention shapes (q_len == kv_len, equal blocks), "
+            f"got q_len={mask.q_len}, kv_len={mask.kv_len}, blocks=({mask.q_block}, {mask.kv_block})"
+        )
+    if chunk % mask.q_block:
+        raise ValueError(f"chunk must be a multiple of the block size {mask.q_block}, got {chunk}")
+    if num_chunks * chunk < mask.q_len:
+        raise ValueError(f"num_chunks * chunk must cover q_len={mask.q_len}, got {num_chunks} * {chunk}")

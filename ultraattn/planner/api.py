@@ -13,40 +13,37 @@ better); ``meta["structure"]`` says which won.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
+from ..masks.cells import BlockCells
 from ..masks.pattern import BlockPattern
 from .baselines import BASELINES, NotApplicable, allgather_plan, ring_plan, ulysses_degree, usp_plan
 from .build import make_plan
 from .cost import DEFAULT_COST, CostModel
 from .ilp import SolveInfo
-from .plan import AttnShape, Mesh, TilePlan, TokenLayout
+from .plan import AttnShape, Mesh, TilePlan, TokenLayout, padded_chunk
 from .schedule import Schedule, Workload, build_graph, simulate
 from .schedule_ilp import refine_schedule
 from .tiling import PlannerOptions, tile
 
 
-def padded_chunk(seq_len: int, num_chunks: int, block: int) -> int:
-    """Smallest chunk (a multiple of ``block``) with num_chunks * chunk >= seq_len."""
-    return math.ceil(seq_len / (num_chunks * block)) * block
-
-
-def workload(pattern: BlockPattern, shape: AttnShape, *, num_chunks: int, head_groups: int = 1,
+def workload(pattern: BlockPattern | BlockCells, shape: AttnShape, *, num_chunks: int, head_groups: int = 1,
              chunk: int | None = None) -> Workload:
     """Per-cell work of ``pattern`` on a num_chunks grid with ``head_groups`` equal head groups
-    (chunks of ``chunk`` tokens; default: the smallest block multiple that covers the sequence)."""
+    (chunks of ``chunk`` tokens; default: the smallest block multiple that covers the sequence).
+    ``BlockCells`` give the same numbers without a dense grid (``evaluate`` takes them too)."""
     if pattern.q_len != shape.seq_len:
         raise ValueError(f"pattern q_len {pattern.q_len} must equal seq_len {shape.seq_len}")
     if chunk is None:
         chunk = padded_chunk(shape.seq_len, num_chunks, pattern.q_block)
     h = shape.num_heads
     hg = [list(range(g * h // head_groups, (g + 1) * h // head_groups)) for g in range(head_groups)]
-    st = pattern.chunk_stats(chunk, num_chunks, hg, num_heads=h)
+    st = {k: torch.as_tensor(v) for k, v in pattern.chunk_stats(chunk, num_chunks, hg, num_heads=h).items()}
     bmul = shape.batch if pattern.num_batch_patterns == 1 else 1
     if pattern.num_batch_patterns not in (1, shape.batch):
         raise ValueError(f"pattern has {pattern.num_batch_patterns} batch entries, shape.batch is {shape.batch}")
@@ -225,17 +222,30 @@ class PlanResult:
 
 def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel = DEFAULT_COST,
          options: PlannerOptions = PlannerOptions(), backward: bool = True, baselines=BASELINES,
-         progress=None, layout: TokenLayout | None = None) -> PlanResult:
+         progress=None, layout: TokenLayout | None = None, planner: Literal["ilp", "fast"] = "ilp") -> PlanResult:
     """Plan one attention on ``mesh`` and compare it with the baselines (module docstring).
 
     ``layout``: a given token layout (the sequence-sharding pass keeps every attention of a
     graph in one): ownership is fixed, the levels choose where cells are computed and where
     foreign data lands; a baseline-structured plan is adopted only if it has the same layout.
+
+    ``planner``: "ilp" (this module's hierarchical ILPs) or "fast" (``planner.fast``: no ILP, no
+    simulation in the decision; the comparison with the baselines is simulated afterwards).
+    ``solver["planner"]`` says which ran.
     """
+    if layout is not None:
+        check_layout(layout, pattern, shape, mesh)
+    match planner:
+        case "ilp":
+            pass
+        case "fast":
+            return _plan_fast(pattern, shape, mesh, cost=cost, options=options, backward=backward,
+                              baselines=baselines, layout=layout)
+        case _:
+            raise ValueError(f"`planner` must be 'ilp' or 'fast', got {planner!r}")
     t0 = time.perf_counter()
     w = mesh.world
     if layout is not None:
-        check_layout(layout, pattern, shape, mesh)
         options = dataclasses.replace(options, chunks_per_rank=layout.chunks_per_rank)
     # [Note] refinement: when whole cells cannot be balanced within the tolerance, cut finer
     # (UltraAttn refines its table to ParD x ParD); stop at the pattern's own resolution.
@@ -311,6 +321,7 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
     evals = {"ultraattn": chosen, **evals}
     total = time.perf_counter() - t0
     solver = {
+        "planner": "ilp",
         "seconds": planning_seconds,
         "comparison_seconds": total - planning_seconds,
         "levels": [i.to_dict() for i in tiling.infos],
@@ -321,8 +332,42 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
                       seconds=planning_seconds, pattern=pattern, notes=notes)
 
 
+def _plan_fast(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel, options: PlannerOptions,
+               backward: bool, baselines, layout: TokenLayout | None) -> PlanResult:
+    """``plan`` with the fast planner: its plan, then every baseline simulated for the comparison."""
+    from .fast import FastPlanner
+
+    t0 = time.perf_counter()
+    fp = FastPlanner(shape=shape, mesh=mesh, cost=cost, layout=layout, balance_tol=options.balance_tol,
+                     backward=backward, baselines=tuple(baselines))
+    tile_plan = fp.plan(pattern)
+    planning_seconds = time.perf_counter() - t0
+    evals = {"ultraattn": evaluate(tile_plan, pattern, cost=cost, backward=backward)}
+    na: dict[str, str] = {}
+    for name in baselines:
+        try:
+            evals[name] = evaluate(baseline_plan(name, pattern, shape, mesh, backward=backward), pattern, cost=cost,
+                                   backward=backward)
+        except NotApplicable as exc:
+            na[name] = str(exc)
+    meta = tile_plan.meta
+    priced = ", ".join(f"{k} {v:.3f}" for k, v in sorted(meta["candidates"].items(), key=lambda kv: kv[0])
+                       if v is not None)
+    notes = [f"fast planner: {meta['structure']} (closed-form price {meta['estimate_ms']:.3f} ms); candidates priced "
+             f"(ms): {priced}"]
+    skipped = SolveInfo(name="schedule", status="Skipped", note="fast planner: no ILP").to_dict()
+    solver = {"planner": "fast", "seconds": planning_seconds,
+              "comparison_seconds": time.perf_counter() - t0 - planning_seconds, "levels": [],
+              "schedule": skipped, "symmetry_cache_hits": 0}
+    return PlanResult(plan=tile_plan, evaluations=evals, not_applicable=na, solver=solver, seconds=planning_seconds,
+                      pattern=pattern, notes=notes)
+
+
 def overall_ilp_status(result: PlanResult) -> tuple[str, float | None]:
-    """One status and the worst gap over the partition ILPs that ran (for the JSON summary)."""
+    """One status and the worst gap over the partition ILPs that ran (for the JSON summary); "NotRun" for the
+    fast planner."""
+    if result.solver.get("planner") == "fast":
+        return "NotRun", None
     infos = result.solver["levels"]
     ran = [i for i in infos if i["status"] not in ("Skipped",)]
     if not ran:

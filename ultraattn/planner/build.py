@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from .plan import AttnShape, Kernel, Mesh, TilePlan, Transfer
@@ -81,29 +82,47 @@ def route_transfers(
     return out
 
 
+def kernel_groups(owner, assign_GPP) -> tuple[np.ndarray, ...]:
+    """Kernel-level tiling as arrays (vectorised): the cells of every kernel, in ``group_kernels`` order.
+
+    Returns ``(g_N, i_N, j_N, start_K, rank_K, group_K, stage_K, col_kernel_K)``: the non-empty cells
+    sorted kernel by kernel (cells of kernel k are ``start_K[k]:start_K[k + 1]``, in (row, column)
+    order); per kernel its rank, head group, stage, and whether it is a one-column launch over several
+    local rows (its rows are distinct: as many as its cells) rather than a launch on one row.
+    """
+    a = assign_GPP.numpy() if isinstance(assign_GPP, torch.Tensor) else np.asarray(assign_GPP)
+    own = np.asarray(owner, dtype=np.int64)
+    g, i, j = np.nonzero(a >= 0)
+    r = a[g, i, j].astype(np.int64)
+    li, lj = own[i] == r, own[j] == r
+    # local rows x local columns: one launch per row, so remote-dependent work can interleave; a remote
+    # column: one launch over all local rows (as a ring step); a remote row: one launch per (row, column)
+    ki = np.where(lj | ~li, i, -1)
+    kj = np.where(lj, -1, j)
+    stage_N = ((ki >= 0) & ~li).astype(np.int64) + (kj >= 0)
+    first = np.lexsort((kj, ki, g, r))  # group the cells (stable: (row, column) order inside a group)
+    key = np.stack([r, g, ki, kj])[:, first]
+    new = np.ones(first.size, dtype=bool)
+    new[1:] = (key[:, 1:] != key[:, :-1]).any(0)
+    starts = np.flatnonzero(new)
+    # kernels in (rank, head group, stage, first cell) order
+    f = first[starts]
+    order = np.lexsort((j[f], i[f], stage_N[f], g[f], r[f]))
+    bounds = np.append(starts, first.size)
+    idx = np.concatenate([first[bounds[k]:bounds[k + 1]] for k in order]) if order.size else first
+    sizes = np.diff(bounds)[order]
+    start_K = np.concatenate([[0], np.cumsum(sizes)])
+    f = f[order]
+    return g[idx], i[idx], j[idx], start_K, r[f], g[f], stage_N[f], ki[f] < 0
+
+
 def group_kernels(*, owner: list[int], assign_GPP: torch.Tensor) -> list[Kernel]:
     """Kernel-level tiling (module docstring); deterministic order."""
-    g_count, p, _ = assign_GPP.shape
-    groups: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
-    a = assign_GPP.tolist()
-    for g in range(g_count):
-        for i in range(p):
-            row = a[g][i]
-            for j in range(p):
-                r = row[j]
-                if r < 0:
-                    continue
-                li, lj = owner[i] == r, owner[j] == r
-                # local rows x local columns: one launch per row, so remote-dependent work can
-                # interleave; a remote column: one launch over all local rows (as a ring step)
-                key = (r, g, i if (lj or not li) else -1, -1 if lj else j)
-                groups[key].append((i, j))
-    kernels = []
-    for (r, g, ki, kj), cells in sorted(groups.items()):
-        stage = (ki >= 0 and owner[ki] != r) + (kj >= 0)
-        kernels.append(Kernel(rank=r, head_group=g, cells=tuple(cells), stage=stage))
-    kernels.sort(key=lambda k: (k.rank, k.head_group, k.stage, k.cells[0]))
-    return kernels
+    g_N, i_N, j_N, start_K, rank_K, group_K, stage_K, _ = kernel_groups(owner, assign_GPP)
+    cells = list(zip(i_N.tolist(), j_N.tolist()))
+    bounds = start_K.tolist()
+    return [Kernel(rank=r, head_group=g, cells=tuple(cells[bounds[k]:bounds[k + 1]]), stage=s)
+            for k, (r, g, s) in enumerate(zip(rank_K.tolist(), group_K.tolist(), stage_K.tolist()))]
 
 
 def make_plan(

@@ -67,6 +67,19 @@ class CostModel:
         """Time of one attention launch doing ``flops`` (forward-equivalent FLOPs for fwd)."""
         if flops <= 0:
             return 0.0
+        return self._launch_seconds(flops, kv_tokens_per_row, phase)
+
+    def kernel_seconds_array(self, *, flops, kv_tokens_per_row, phase: str):
+        """``kernel_seconds`` of many launches at once (numpy arrays; 0 where ``flops`` is 0)."""
+        import numpy as np
+
+        flops = np.asarray(flops, dtype=np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sec = self._launch_seconds(flops, np.asarray(kv_tokens_per_row, dtype=np.float64), phase)
+        return np.where(flops > 0, sec, 0.0)
+
+    def _launch_seconds(self, flops, kv_tokens_per_row, phase: str):
+        """launch + flops / (rate * eff): the formula both ``kernel_seconds`` forms share (floats or arrays)."""
         eff = kv_tokens_per_row / (kv_tokens_per_row + self.eff_half_tokens)
         if phase == "fwd":
             rate = self.fwd_tflops

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -56,6 +57,11 @@ TENSOR_PHASE: dict[str, Phase] = {
     "qdo": "bwd", "do": "bwd", "dq": "bwd", "dkv": "bwd", "dq_out": "bwd", "dkv_out": "bwd",
 }
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def padded_chunk(seq_len: int, num_chunks: int, block: int) -> int:
+    """Smallest chunk (a multiple of ``block``) with num_chunks * chunk >= seq_len."""
+    return math.ceil(seq_len / (num_chunks * block)) * block
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

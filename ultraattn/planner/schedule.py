@@ -292,8 +292,9 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
         if missing[i] == 0:
             make_ready(i)
     while done < n:
-        while dirty:
-            s0 = dirty.pop()
+        # [Note] freed streams are served in a fixed order (not a set's, which follows string hashes and so
+        # changes between processes): the same plan replays to the same makespan in every process
+        for s0 in sorted(dirty):
             if s0 in busy or not pending[s0]:
                 continue
             best = None
@@ -319,6 +320,7 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
             for s in t.streams:
                 busy.add(s)
             heapq.heappush(events, (end[i], i))
+        dirty.clear()
         if not events:
             raise RuntimeError("schedule simulation stalled: the task graph has a cycle")
         now, i = heapq.heappop(events)

@@ -11,6 +11,7 @@ from ultraattn.runtime.api import (
 )
 from ultraattn.runtime.comm import RankTimeoutError
 from ultraattn.runtime.executor import PlanExecutionError
+from ultraattn.runtime.online import plan_ahead
 
 __all__ = [
     "METHODS",
@@ -20,6 +21,7 @@ __all__ = [
     "check_consistent",
     "dispatch",
     "dist_attention",
+    "plan_ahead",
     "plan_attention",
     "undispatch",
 ]

@@ -5,9 +5,13 @@
     out_local, lse_local = ultraattn.dist_attention(q_local, k_local, v_local, plan)
     out = ultraattn.undispatch(out_local, plan)           # this rank's tokens -> global
 
-Planning happens on the plan's rank 0 and the plan is broadcast, so every rank runs the
-same plan even though the ILP has wall-clock limits. On first use, every rank's mask,
-shapes, mesh and plan hashes are compared; a difference is an error that names it.
+Two planners (``planner=``): the ILP planner (masks known up front: "causal", "full", a
+mask_mod) runs on the plan's rank 0 and its plan is broadcast, since its ILPs have wall-clock
+limits; on first use every rank's mask, shapes, mesh and plan hashes are compared and a
+difference is an error that names it. The fast planner (run-time masks: a BlockMask, a
+BlockPattern) is deterministic, so every rank plans for itself in milliseconds, with no
+broadcast; ``debug=True`` adds the hash comparison. ``plan_ahead(block_mask)`` plans a mask on a
+worker thread before the step needs it (``runtime/online.py``).
 
 Layout is (batch, heads, seq, dim) like SDPA and flex_attention; ``seq_dim`` says where
 the sequence sits for other tensors (2 for q/k/v/out, 2 for lse [B, H, S]).
@@ -21,12 +25,14 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from ..masks.cells import BlockCells, cells_from_pattern
 from ..masks.convert import pattern_from_block_mask, pattern_from_mask_mod
 from ..masks.factories import generate_causal, generate_full
 from ..masks.pattern import PARTIAL, BlockPattern
@@ -34,15 +40,19 @@ from ..planner.api import baseline_plan
 from ..planner.api import plan as run_planner
 from ..planner.baselines import BASELINES
 from ..planner.cost import DEFAULT_COST, CostModel
+from ..planner.fast import FastPlanner, planner_key
 from ..planner.plan import AttnShape, Mesh, TilePlan, TokenLayout
 from ..planner.tiling import PlannerOptions
 from .comm import Comm, store_exchange
 from .executor import Executor, run
+from .online import ONLINE
 from .sequence import SequenceShards
 from .tiles import TileGeometry, group_kind_grid
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 METHODS = ("ultraattn", *BASELINES)
+Planner = Literal["auto", "fast", "ilp"]
+PLANNERS = ("auto", "fast", "ilp")
 
 
 @dataclass(eq=False)
@@ -50,7 +60,9 @@ class AttentionPlan:
     """A plan bound to this rank and its process group (what dispatch/dist_attention/undispatch take)."""
 
     tile_plan: TilePlan
-    pattern: BlockPattern
+    mask: BlockPattern | BlockCells
+    """The mask's block structure: a dense ``BlockPattern``, or the ``BlockCells`` the fast planner read (the
+    pattern is then made when first needed: ``pattern``)."""
     mask_mod: Callable | None
     rank: int
     """This process's rank in the plan (position in the mesh, row-major)."""
@@ -61,11 +73,25 @@ class AttentionPlan:
     dtype: torch.dtype
     timeout: float
     planning_seconds: float
+    """Wall-clock seconds ``plan_attention`` spent making (or fetching) the plan on this rank."""
     planner_result: object = None
-    """The planner's ``PlanResult`` (on plan rank 0 only; None elsewhere and for baselines)."""
+    """The ILP planner's ``PlanResult`` (on plan rank 0 only; None elsewhere, for baselines and fast plans)."""
+    planner: str = "ilp"
+    """Which planner made the plan: "fast", "ilp", or "baseline" (``method`` other than "ultraattn")."""
+    planned_ahead: bool = False
+    """The fast plan was made ahead of the call, on the worker thread (``plan_ahead``)."""
+    verify: bool = True
+    """Compare every rank's mask, shapes, mesh and plan hashes on first use (``check_consistent``)."""
     _executor: Executor | None = field(default=None, repr=False)
     _checked: bool = field(default=False, repr=False)
     _seq: SequenceShards | None = field(default=None, repr=False)
+
+    @property
+    def pattern(self) -> BlockPattern:
+        """The mask's dense ``BlockPattern`` (made from the cells on first use for a fast plan)."""
+        if isinstance(self.mask, BlockCells):
+            self.mask = self.mask.to_pattern()
+        return self.mask
 
     @property
     def world(self) -> int:
@@ -126,7 +152,8 @@ class AttentionPlan:
 
     def __repr__(self) -> str:
         return (f"AttentionPlan(rank={self.rank}/{self.world}, method={self.tile_plan.method!r}, "
-                f"mask={self.pattern.name!r}, seq_len={self.seq_len}, local_len={self.local_len})")
+                f"planner={self.planner!r}, mask={self.mask.name!r}, seq_len={self.seq_len}, "
+                f"local_len={self.local_len})")
 
 
 # ----------------------------------------------------------------------------- process group / mesh
@@ -204,6 +231,43 @@ def _resolve_mask(mask, *, seqlen: int, batch: int, num_heads: int, block_size: 
                     f"got {type(mask).__name__}")
 
 
+def _resolve_cells(mask, *, seqlen: int, batch: int, num_heads: int, block_size: int, mask_mod):
+    """(BlockCells, mask_mod) for the fast planner: a BlockMask is read (or taken from ``plan_ahead``'s worker)
+    without densifying its grid; other masks go through their pattern."""
+    if isinstance(mask, BlockMask):
+        q_len, kv_len = mask.seq_lengths
+        if (q_len, kv_len) != (seqlen, seqlen):
+            raise ValueError(f"the BlockMask is for lengths ({q_len}, {kv_len}) but seqlen={seqlen}; build it with "
+                             f"Q_LEN=KV_LEN={seqlen}")
+        return ONLINE.cells(mask), mask.mask_mod
+    if isinstance(mask, BlockCells):
+        if (mask.q_len, mask.kv_len) != (seqlen, seqlen):
+            raise ValueError(f"the BlockCells are for lengths ({mask.q_len}, {mask.kv_len}) but seqlen={seqlen}")
+        if mask_mod is None and bool((mask.kind_N == PARTIAL).any()):
+            raise ValueError("`mask` is BlockCells with PARTIAL blocks but no `mask_mod` to evaluate inside them; "
+                             "pass mask_mod=... (or the BlockMask itself)")
+        return mask, mask_mod
+    pattern, mm = _resolve_mask(mask, seqlen=seqlen, batch=batch, num_heads=num_heads, block_size=block_size,
+                                mask_mod=mask_mod)
+    return cells_from_pattern(pattern), mm
+
+
+def _resolve_planner(planner: str, mask, method: str) -> str:
+    """auto: the fast planner for masks whose content arrives at run time (a BlockMask, BlockCells or a
+    BlockPattern: new every batch for packed documents), the ILP planner for masks known up front ("causal",
+    "full", a mask_mod: planned once, worth seconds)."""
+    if planner not in PLANNERS:
+        raise ValueError(f"`planner` must be one of {', '.join(map(repr, PLANNERS))}, got {planner!r}")
+    if method != "ultraattn":
+        return "baseline"
+    if planner == "auto":
+        return "fast" if isinstance(mask, (BlockMask, BlockCells, BlockPattern)) else "ilp"
+    if planner == "ilp" and isinstance(mask, BlockCells):
+        raise ValueError("planner='ilp' needs a BlockMask, BlockPattern, mask_mod or string mask, got BlockCells; "
+                         "pass the BlockMask or use planner='fast'")
+    return planner
+
+
 # ----------------------------------------------------------------------------- planning
 def plan_attention(
     mask,
@@ -223,11 +287,15 @@ def plan_attention(
     cost: CostModel = DEFAULT_COST,
     timeout: float = 300.0,
     layout: TokenLayout | None = None,
+    planner: Planner = "auto",
+    debug: bool = False,
 ) -> AttentionPlan:
-    """Plan one attention for the ranks of ``mesh`` / ``group`` (a collective: every rank calls it).
+    """Plan one attention for the ranks of ``mesh`` / ``group`` (every rank calls it; with the ILP planner it is a
+    collective: rank 0 plans and broadcasts).
 
     Args:
-        mask: a FlexAttention ``BlockMask``, a mask_mod, ``"causal"``/``"full"`` or a ``BlockPattern``.
+        mask: a FlexAttention ``BlockMask``, a mask_mod, ``"causal"``/``"full"``, a ``BlockPattern`` or
+            ``BlockCells``.
         seqlen, num_heads, head_dim, num_kv_heads, batch, dtype: the attention's shapes; GQA when
             ``num_kv_heads`` divides ``num_heads``.
         mesh: a 1-D DeviceMesh (one node) or 2-D (nodes x devices); None: the group as one node.
@@ -242,6 +310,15 @@ def plan_attention(
             chooses only where tiles run and what moves. A sequence-sharded model passes its
             activations' layout, so attention needs no re-distribution. A baseline ``method`` has a
             layout of its own: it must be the same.
+        planner: "fast" (``planner.fast``: deterministic, milliseconds, every rank plans for itself), "ilp"
+            (hierarchical ILPs: seconds, rank 0 plans and broadcasts) or "auto": fast for a BlockMask, BlockCells
+            or BlockPattern (content known at run time), ILP for "causal", "full" and mask_mods.
+        debug: also compare every rank's fast plan (hashes of mask, shapes, mesh and plan, through the store) on
+            first use; a rank that differs is named. ILP and baseline plans are always compared.
+
+    Returns:
+        The ``AttentionPlan``; ``planner``, ``planning_seconds`` and ``planned_ahead`` say how it was made
+        (``tile_plan.meta``: the structure chosen, and for fast plans ``planning_ms`` and every candidate's price).
     """
     for nm, val in (("seqlen", seqlen), ("num_heads", num_heads), ("head_dim", head_dim), ("batch", batch),
                     ("block_size", block_size)):
@@ -253,9 +330,16 @@ def plan_attention(
         raise ValueError(f"`method` must be one of {', '.join(METHODS)}, got {method!r}")
     if not timeout > 0:
         raise ValueError(f"`timeout` must be positive seconds, got {timeout!r}")
+    if not isinstance(debug, bool):
+        raise TypeError(f"`debug` must be True or False, got {debug!r}")
+    which = _resolve_planner(planner, mask, method)
     shape = AttnShape(seq_len=seqlen, num_heads=num_heads, head_dim=head_dim, num_kv_heads=num_kv_heads,
                       batch=batch, dtype=_DTYPES[dtype])
     pmesh, ranks, comm_group, me = resolve_group(mesh, group)
+    if which == "fast":
+        return _plan_fast(mask, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me, dtype=dtype,
+                          block_size=block_size, mask_mod=mask_mod, options=options or PlannerOptions(), cost=cost,
+                          timeout=timeout, layout=layout, debug=debug)
     pattern, mm = _resolve_mask(mask, seqlen=seqlen, batch=batch, num_heads=num_heads, block_size=block_size,
                                 mask_mod=mask_mod)
     if pattern.num_batch_patterns not in (1, batch):
@@ -287,15 +371,39 @@ def plan_attention(
             error = RuntimeError(f"planning failed on rank 0: {err[0]}: {err[1]}")
     if error is not None:
         raise error
-    ap = AttentionPlan(tile_plan=tile_plan, pattern=pattern, mask_mod=mm, rank=me, global_ranks=ranks,
+    seconds = time.perf_counter() - t0
+    if which == "ilp":
+        tile_plan.meta.setdefault("planner", "ilp")
+    ap = AttentionPlan(tile_plan=tile_plan, mask=pattern, mask_mod=mm, rank=me, global_ranks=ranks,
                        group=comm_group if pmesh.world > 1 else None, dtype=dtype, timeout=timeout,
-                       planning_seconds=time.perf_counter() - t0, planner_result=result)
+                       planning_seconds=seconds, planner_result=result, planner=which)
+    _check_chunking(ap)
+    return ap
+
+
+def _plan_fast(mask, *, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: int, dtype: torch.dtype,
+               block_size: int, mask_mod, options: PlannerOptions, cost: CostModel, timeout: float,
+               layout: TokenLayout | None, debug: bool) -> AttentionPlan:
+    """Every rank plans for itself with the fast planner (no broadcast: the plan is a pure function)."""
+    t0 = time.perf_counter()
+    cells, mm = _resolve_cells(mask, seqlen=shape.seq_len, batch=shape.batch, num_heads=shape.num_heads,
+                               block_size=block_size, mask_mod=mask_mod)
+    if cells.num_batch not in (1, shape.batch):
+        raise ValueError(f"the mask has {cells.num_batch} batch entries but batch={shape.batch}")
+    key = planner_key(shape, pmesh, cost, layout, options.balance_tol, True, BASELINES)
+    fp = ONLINE.planner(key, lambda: FastPlanner(shape=shape, mesh=pmesh, cost=cost, layout=layout,
+                                                 balance_tol=options.balance_tol))
+    tile_plan, ahead = ONLINE.plan(fp, cells)
+    ap = AttentionPlan(tile_plan=tile_plan, mask=cells, mask_mod=mm, rank=me, global_ranks=ranks,
+                       group=comm_group if pmesh.world > 1 else None, dtype=dtype, timeout=timeout,
+                       planning_seconds=time.perf_counter() - t0, planner="fast", planned_ahead=ahead,
+                       verify=debug)
     _check_chunking(ap)
     return ap
 
 
 def _check_chunking(ap: AttentionPlan) -> None:
-    tp, pat = ap.tile_plan, ap.pattern
+    tp, pat = ap.tile_plan, ap.mask
     if tp.chunk_size % pat.q_block or tp.chunk_size % pat.kv_block:
         raise ValueError(
             f"chunk size {tp.chunk_size} must be a multiple of the mask's blocks ({pat.q_block}, {pat.kv_block}); "
@@ -326,7 +434,7 @@ _CHECK_FIELDS = ("mask pattern", "shape and dtype", "mesh and ranks", "plan")
 def _digests(ap: AttentionPlan) -> Tensor:
     s = ap.shape
     parts = [
-        ap.pattern.content_hash(),
+        ap.mask.content_hash(),
         repr((s.seq_len, s.num_heads, s.head_dim, s.kv_heads, s.batch, s.dtype)),
         repr((ap.tile_plan.mesh.nodes, ap.tile_plan.mesh.devices, ap.global_ranks)),
         ap.tile_plan.content_hash(),
@@ -337,8 +445,9 @@ def _digests(ap: AttentionPlan) -> Tensor:
 
 def check_consistent(ap: AttentionPlan) -> None:
     """All ranks must hold the same mask, shapes, mesh and plan; raises naming the ranks and fields that differ,
-    or the ranks that never arrive (through the process group's store, with the plan's timeout)."""
-    if ap._checked:
+    or the ranks that never arrive (through the process group's store, with the plan's timeout). A fast plan
+    made without ``debug`` is not compared (every rank made it alone from the same inputs)."""
+    if ap._checked or not ap.verify:
         return
     if ap.world > 1:
         if not dist.is_initialized():

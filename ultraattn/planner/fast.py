@@ -1,0 +1,691 @@
+"""The online planner: a new mask planned in milliseconds, the same plan on every rank.
+
+For masks met at run time (packed documents: a new mask every batch) the ILP planner
+(``planner.api.plan``: CBC, a scheduling ILP, every baseline simulated) takes seconds. This planner
+makes a complete ``TilePlan`` (ownership, compute placement, transfers with exact bytes, kernel
+grouping, stages) with no ILP, no simulation and no wall-clock limit in any decision, so every rank
+computes the identical plan from the identical mask (no rank-0 planning, no broadcast).
+
+    planner = FastPlanner(shape=shape, mesh=mesh, cost=cost, layout=layout)   # once per configuration
+    tile_plan = planner.plan(cells)     # per mask: BlockCells (cells_from_block_mask) or a BlockPattern
+
+Algorithm (every statistic is vectorised over cells; loops run over chunks, ranks or moves):
+
+1. Chunk statistics: cost-weighted work of every (q chunk, kv chunk) cell at k = 1, 2, 4, 8 chunks per
+   rank, one ``bincount`` over the mask's non-empty blocks each (``BlockCells.chunk_stats``).
+2. Our structure, per k (MagiAttention's dispatch, made hierarchical): chunks go to nodes by a greedy
+   over decreasing row work that keeps chunks sharing cells on one node while the node has room
+   (compute within half the balance tolerance), then to the node's devices by a min-heap balancer
+   (longest processing time first, ``k`` chunks each). Cells are computed where their query rows live:
+   only K/V move, the cheap side with GQA. A rank still above ``(1 + tol) x mean`` hands cells of one
+   row at a time to the rank with room where they add the least traffic per unit of work (``place``).
+   A given token layout (a sequence-sharded model's) fixes ownership: only placement is chosen.
+3. The baselines (ring, zigzag, all-gather, Ulysses, USP) in the same array form.
+4. Every candidate gets cheap bounds (its busiest rank's work at peak rate, its busiest stream); in
+   increasing bound order, candidates are priced in closed form (``price.replay_bound``: a lower bound
+   of the simulator's replay, from release times of every task on every stream), skipping those whose
+   bound exceeds the best price so far. The cheapest is built as the ``TilePlan``; when the runner-up
+   is priced within ``NEAR_TIE`` of it and both plans are small (``REPLAY_TASKS``), the simulator
+   replays both and the faster replay wins (a size bound, not a time limit: still deterministic). Our
+   structure must meet the balance tolerance when one of its granularities does (the ILP planner's
+   rule); a baseline is taken on its price alone.
+
+Determinism: integer and float64 arithmetic in a fixed order (bincounts and sorts, no threaded BLAS in
+a decision), ties broken by index; pruning only skips candidates that cannot win.
+
+Reused between masks (``FastPlanner``): unit bytes and message costs per granularity, the baselines'
+ownerships and their mask-independent messages (all-gather, the Ulysses all-to-all).
+
+Caution: the yardstick is the simulator's replay of the ILP planner's plan (``benchmarks/replan.py``);
+the price is a lower bound of the replay, so near-ties between structures can go either way.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..masks.cells import BlockCells, cells_from_pattern
+from ..masks.pattern import BlockPattern
+from .api import workload
+from .baselines import BASELINES, ulysses_degree, zigzag_owner
+from .build import kernel_groups
+from .cost import DEFAULT_COST, CostModel
+from .plan import AttnShape, Mesh, TilePlan, TokenLayout, Transfer, padded_chunk
+from .price import Grid, Kernels, Messages, assemble, busy_bound, compute_bound, price, ring_messages, route
+from .schedule import build_graph, simulate
+
+#: chunks per rank tried for our own structure (the ILP planner starts at 2 and refines to 8)
+CHUNKS_PER_RANK = (1, 2, 4, 8)
+#: the runner-up priced within this fraction of the cheapest is a near-tie ...
+NEAR_TIE = 0.10
+#: ... and both are replayed by the simulator when they have at most this many tasks together (kernels x phases
+#: + messages: replays cost ~10 us a task here)
+REPLAY_TASKS = 2500
+
+
+# ----------------------------------------------------------------------------- ownership and placement
+def _lpt(work: np.ndarray, items: np.ndarray, bins: int, per_bin: int) -> np.ndarray:
+    """Longest processing time first with a cardinality: items by decreasing work to the least loaded bin
+    that has room (MagiAttention's min-heap dispatch; ties to the lower bin). Returns the bin of each item."""
+    order = np.lexsort((np.arange(items.size), -work[items])).tolist()
+    wk = work[items].tolist()
+    heap = [(0.0, b) for b in range(bins)]
+    room = [per_bin] * bins
+    out = [0] * items.size
+    for n in order:
+        load, b = heapq.heappop(heap)
+        out[n] = b
+        room[b] -= 1
+        if room[b]:
+            heapq.heappush(heap, (load + wk[n], b))
+    return np.asarray(out, dtype=np.int64)
+
+
+def _node_affinity(weight_PP: np.ndarray, nodes: int, per_node: int, tol: float) -> np.ndarray:
+    """Chunks to nodes: by decreasing row work, to the node sharing the most non-empty cells with the chunk
+    among nodes with room for its work (compute within ``(1 + tol / 2) x mean``), else the least loaded."""
+    p = weight_PP.shape[0]
+    work = weight_PP.sum(1)
+    ii, jj = np.nonzero(weight_PP > 0)
+    a = np.concatenate([ii, jj])
+    b = np.concatenate([jj, ii])
+    keep = a != b
+    order = np.argsort(a[keep], kind="stable")
+    nbr = b[keep][order]
+    bounds = np.searchsorted(a[keep][order], np.arange(p + 1)).tolist()
+    cap = (1 + tol / 2) * float(work.sum()) / nodes
+    aff = np.zeros((nodes, p))
+    load = [0.0] * nodes
+    room = [per_node] * nodes
+    wk = work.tolist()
+    least = float(work.min())  # every chunk still to come weighs at least this
+    node_of = np.empty(p, dtype=np.int64)
+    for c in np.lexsort((np.arange(p), -work)).tolist():
+        col = aff[:, c].tolist()
+        best, best_key = -1, None
+        for n in range(nodes):
+            # room for this chunk and for the (room - 1) chunks the node must still take
+            if room[n] and load[n] + wk[c] + (room[n] - 1) * least <= cap:
+                key = (-col[n], load[n], n)  # most shared cells, then least load, then lowest index
+                if best_key is None or key < best_key:
+                    best, best_key = n, key
+        if best < 0:
+            best = min((n for n in range(nodes) if room[n]), key=lambda n: (load[n], n))
+        node_of[c] = best
+        load[best] += wk[c]
+        room[best] -= 1
+        np.add.at(aff[best], nbr[bounds[c]:bounds[c + 1]], 1.0)
+    return node_of
+
+
+def _node_contiguous(weight_PP: np.ndarray, nodes: int, per_node: int) -> np.ndarray:
+    """Chunks to nodes in sequence order, cut where the work balances (documents stay whole); then each node with
+    too many chunks hands its most self-contained light chunks (fewest non-empty cells shared with its other
+    chunks, then least work) to the least loaded nodes with too few."""
+    p = weight_PP.shape[0]
+    work = weight_PP.sum(1)
+    total = float(work.sum())
+    mid = np.cumsum(work) - work / 2
+    node_of = np.clip((nodes * mid / total).astype(np.int64), 0, nodes - 1) if total > 0 else np.arange(p) // per_node
+    ii, jj = np.nonzero(weight_PP > 0)
+    off = ii != jj
+    count = np.bincount(node_of, minlength=nodes)
+    load = np.bincount(node_of, work, minlength=nodes)
+    for n in np.flatnonzero(count > per_node).tolist():
+        mine = node_of == n
+        shared = np.bincount(np.concatenate([ii[off & mine[jj] & mine[ii]], jj[off & mine[jj] & mine[ii]]]),
+                             minlength=p)
+        items = np.flatnonzero(mine)
+        for c in items[np.lexsort((items, work[items], shared[items]))][: count[n] - per_node].tolist():
+            short = np.flatnonzero(count < per_node)
+            t = int(short[np.lexsort((short, load[short]))[0]])
+            node_of[c] = t
+            count[n] -= 1
+            count[t] += 1
+            load[n] -= work[c]
+            load[t] += work[c]
+    return node_of
+
+
+def node_seconds(weight_PP: np.ndarray, node_of: np.ndarray, nodes: int, devices: int, block_seconds: float,
+                 col_cost_inter: float) -> float:
+    """Node-level price of a chunk-to-node assignment (rows computed where they live): the busiest node's compute
+    (spread over its devices, at ``block_seconds`` per cost-weighted block) or its NIC traffic (the K/V units its
+    rows need from other nodes, in and out, spread over its devices' NICs)."""
+    ii, jj = np.nonzero(weight_PP > 0)
+    comp = np.bincount(node_of[ii], weight_PP[ii, jj], minlength=nodes) * block_seconds / devices
+    ni, nj = node_of[ii], node_of[jj]
+    cross = ni != nj
+    pairs = np.unique(jj[cross] * nodes + ni[cross])
+    units_in = np.bincount(pairs % nodes, minlength=nodes)
+    units_out = np.bincount(node_of[pairs // nodes], minlength=nodes)
+    nic = np.maximum(units_in, units_out) * col_cost_inter / devices
+    return float(np.maximum(comp, nic).max())
+
+
+def ownership(weight_PP: np.ndarray, mesh: Mesh, k: int, tol: float, *, block_seconds: float = 0.0,
+              col_cost_inter: float = 0.0) -> np.ndarray:
+    """int64 [P]: the rank owning each chunk. Across nodes: the cheaper (``node_seconds``) of the affinity greedy
+    and the balanced contiguous cut; inside a node: the min-heap balancer."""
+    p = weight_PP.shape[0]
+    work = weight_PP.sum(1)
+    if mesh.nodes == 1:
+        return _lpt(work, np.arange(p), mesh.devices, k)
+    per_node = mesh.devices * k
+    cands = [_node_affinity(weight_PP, mesh.nodes, per_node, tol), _node_contiguous(weight_PP, mesh.nodes, per_node)]
+    node_of = min(cands, key=lambda a: node_seconds(weight_PP, a, mesh.nodes, mesh.devices, block_seconds,
+                                                    col_cost_inter))
+    owner = np.empty(p, dtype=np.int64)
+    for n in range(mesh.nodes):
+        items = np.flatnonzero(node_of == n)
+        owner[items] = n * mesh.devices + _lpt(work, items, mesh.devices, k)
+    return owner
+
+
+def place(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float, row_cost: np.ndarray,
+          col_cost: np.ndarray) -> np.ndarray:
+    """int64 [P, P]: the rank computing each cell (-1 empty): the row owner, then cells move off ranks above
+    ``(1 + tol) x mean`` (module docstring, step 2).
+
+    Each move takes cells of one query row from the most loaded rank to one rank with room, choosing the
+    (row, rank) pair with the most work moved per second of new traffic: the row's Q unit (unless the
+    rank already computes in that row) and the K/V units of the moved cells the rank does not hold yet.
+    ``row_cost``/``col_cost`` [2]: seconds to move one row / column unit inside a node / across nodes.
+    """
+    w, p = mesh.world, owner.size
+    ii, jj = np.nonzero(weight_PP > 0)
+    wt = weight_PP[ii, jj]
+    at = owner[ii].copy()
+    load = np.bincount(at, wt, minlength=w)
+    cap = (1 + tol) * load.sum() / w
+    node = np.arange(w) // mesh.devices
+    has_row = np.zeros((p, w), dtype=bool)
+    has_row[np.arange(p), owner] = True
+    has_col = np.zeros((p, w), dtype=bool)
+    has_col[np.arange(p), owner] = True
+    has_col[jj, at] = True
+    stuck = np.zeros(w, dtype=bool)
+    for _ in range(8 * w + 4 * p):
+        over = np.where(stuck, -np.inf, load)
+        r = int(np.argmax(over))
+        if over[r] <= cap * (1 + 1e-12):
+            break
+        need = load[r] - cap
+        room = cap - load
+        targets = np.flatnonzero((room > 0) & (np.arange(w) != r))
+        on = np.flatnonzero(at == r)
+        if not targets.size or not on.size:
+            stuck[r] = True
+            continue
+        # every (cell on r, target) pair: its K/V price, grouped by (row, target)
+        c_ = np.repeat(on, targets.size)
+        t_ = np.tile(targets, on.size)
+        fits = wt[c_] <= room[t_]
+        c_, t_ = c_[fits], t_[fits]
+        if not c_.size:
+            stuck[r] = True
+            continue
+        far = (node[t_] != node[r]).astype(np.int64)
+        col_price = np.where(has_col[jj[c_], t_], 0.0, col_cost[far])
+        # per (row, target): cells whose K/V the target holds first, then by weight; the price is the row's Q
+        # plus the K/V of the cells needed to move the amount
+        key = ii[c_] * w + t_
+        order = np.lexsort((jj[c_], -wt[c_], col_price, key))
+        c_, t_, key, col_price = c_[order], t_[order], key[order], col_price[order]
+        first = np.r_[True, key[1:] != key[:-1]]
+        grp = np.cumsum(first) - 1
+        starts = np.flatnonzero(first)
+        cum = np.cumsum(wt[c_])
+        before = cum - wt[c_] - (cum[starts] - wt[c_][starts])[grp]
+        t_u, rows_u = t_[starts], ii[c_[starts]]
+        amount = np.minimum(np.minimum(np.bincount(grp, wt[c_]), room[t_u]), need)
+        taken = before < amount[grp]
+        price = (np.where(has_row[rows_u, t_u], 0.0, row_cost[(node[t_u] != node[r]).astype(np.int64)])
+                 + np.bincount(grp, np.where(taken, col_price, 0.0)))
+        moved = 0.0
+        for n in np.lexsort((key[starts], -(amount / (price + 1e-12)))).tolist():
+            t = int(t_u[n])
+            for c in c_[grp == n].tolist():
+                if moved >= need or load[t] + wt[c] > cap:
+                    continue
+                at[c] = t
+                load[r] -= wt[c]
+                load[t] += wt[c]
+                moved += wt[c]
+                has_row[ii[c], t] = True
+                has_col[jj[c], t] = True
+            if moved > 0:
+                break
+        if moved == 0.0:
+            stuck[r] = True
+    out = np.full(weight_PP.shape, -1, dtype=np.int64)
+    out[ii, jj] = at
+    return out
+
+
+# ----------------------------------------------------------------------------- candidates
+@dataclass(slots=True)
+class Draft:
+    """A candidate plan in array form."""
+
+    owner: np.ndarray
+    """int64 [P]: rank owning each chunk."""
+    assign_GPP: np.ndarray
+    """int64 [G, P, P]: rank computing each cell, -1 empty."""
+    kernels: Kernels
+    messages: Messages
+    chunk: int
+    """Tokens per chunk."""
+    meta: dict
+    """``TilePlan.meta`` of the built plan."""
+    transfers: Callable[[], tuple[Transfer, ...]] | None = None
+    """``messages`` as ``Transfer`` objects, from cached mask-independent parts (None: made from the arrays)."""
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One structure: a cheap bound first, its closed-form price when it can win."""
+
+    name: str
+    """tiled-k<k> (tiled for a given layout) or a baseline name."""
+    bound: float
+    """Seconds no price of this candidate can undercut (``price.compute_bound``)."""
+    imbalance: float
+    """Max over mean of per-rank work (``planner.api.work_imbalance``)."""
+    draft: Callable[[], Draft]
+    """Builds the array-form plan (routing, kernel grouping)."""
+    seconds: float | None = None
+    """Closed-form fwd (+ bwd) seconds; None when skipped (its bound exceeds the best price)."""
+    _draft: Draft | None = None
+
+    def get(self) -> Draft:
+        if self._draft is None:
+            self._draft = self.draft()
+        return self._draft
+
+
+@dataclass(slots=True)
+class _Scale:
+    """What does not change between masks for one chunk grid."""
+
+    chunk: int
+    num_chunks: int
+    row_cost: np.ndarray
+    """Seconds to move one query-row unit (both phases) inside a node, across nodes."""
+    col_cost: np.ndarray
+    """The same for one key/value unit."""
+
+
+@dataclass(slots=True, kw_only=True)
+class FastPlanner:
+    """Plans run-time masks for one attention configuration, reusing what does not change between masks.
+
+    One per attention site and configuration (``key``); ``plan`` is a pure function of the mask's cells
+    and this configuration. Not thread-safe: one planning at a time (callers on several threads lock).
+    """
+
+    shape: AttnShape
+    """The attention's shapes."""
+    mesh: Mesh
+    """Nodes x devices."""
+    cost: CostModel = DEFAULT_COST
+    """Prices candidates (the model the simulator replays)."""
+    layout: TokenLayout | None = None
+    """A given token layout (a sequence-sharded model's): ownership is kept, only placement is chosen."""
+    balance_tol: float = 0.05
+    """Allowed compute imbalance of our structure: max rank load <= (1 + tol) x mean."""
+    backward: bool = True
+    """Plan (and price) the backward too."""
+    baselines: tuple[str, ...] = BASELINES
+    """Baseline structures considered as candidates."""
+    _scales: dict = field(default_factory=dict, repr=False)
+    _fixed: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shape, AttnShape):
+            raise TypeError(f"`shape` must be an AttnShape, got {type(self.shape).__name__}")
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(f"`mesh` must be a Mesh, got {type(self.mesh).__name__}")
+        if not 0 <= self.balance_tol < 1:
+            raise ValueError(f"`balance_tol` must lie in [0, 1), got {self.balance_tol}")
+        bad = [b for b in self.baselines if b not in BASELINES]
+        if bad:
+            raise ValueError(f"`baselines` must be among {', '.join(BASELINES)}, got {bad}")
+        if self.layout is not None:
+            if not isinstance(self.layout, TokenLayout):
+                raise TypeError(f"`layout` must be a TokenLayout or None, got {type(self.layout).__name__}")
+            if self.layout.world != self.mesh.world:
+                raise ValueError(f"`layout` spreads tokens over {self.layout.world} ranks but the mesh has "
+                                 f"{self.mesh.world}; pass the layout of this mesh")
+            if self.layout.padded_len < self.shape.seq_len:
+                raise ValueError(f"`layout` covers {self.layout.padded_len} tokens, fewer than seq_len="
+                                 f"{self.shape.seq_len}")
+
+    @property
+    def key(self) -> tuple:
+        """Everything a plan depends on besides the mask."""
+        return planner_key(self.shape, self.mesh, self.cost, self.layout, self.balance_tol, self.backward,
+                           self.baselines)
+
+    @property
+    def _phases(self) -> tuple[int, ...]:
+        return (0, 1) if self.backward else (0,)
+
+    # ------------------------------------------------------------------ per-grid constants
+    def _scale(self, num_chunks: int, block: int, chunk: int | None = None) -> _Scale:
+        key = (num_chunks, block, chunk)
+        sc = self._scales.get(key)
+        if sc is None:
+            chunk = chunk or padded_chunk(self.shape.seq_len, num_chunks, block)
+            ub = lambda t: float(self.shape.unit_bytes(t, chunk))  # noqa: E731
+            row = ub("q") + ub("o") + ((ub("qdo") + ub("dq")) if self.backward else 0.0)
+            col = ub("kv") + ((ub("kv") + ub("dkv")) if self.backward else 0.0)
+            bw = np.array([self.cost.intra_bw_GBps, self.cost.inter_bw_GBps]) * 1e9
+            sc = self._scales[key] = _Scale(chunk=chunk, num_chunks=num_chunks, row_cost=row / bw, col_cost=col / bw)
+        return sc
+
+    def _grid(self, cells: BlockCells, sc: _Scale, head_groups: int = 1) -> Grid:
+        h = self.shape.num_heads
+        hg = [list(range(g * h // head_groups, (g + 1) * h // head_groups)) for g in range(head_groups)]
+        st = cells.chunk_stats(sc.chunk, sc.num_chunks, hg, num_heads=h)
+        bmul = self.shape.batch if cells.num_batch == 1 else 1
+        full, part = st["full"] * bmul, st["partial"] * bmul
+        return Grid(chunk=sc.chunk, num_chunks=sc.num_chunks, block=cells.q_block,
+                    blocks_GPP=full + part * (1.0 + self.cost.partial_block_overhead), nonempty_GPP=full + part,
+                    rows_per_chunk=(sc.chunk // cells.q_block) * (h // head_groups) * self.shape.batch)
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, mask: BlockCells | BlockPattern) -> TilePlan:
+        """The cheapest candidate's ``TilePlan``; ``meta`` says planner ("fast"), structure, estimate_ms,
+        planning_ms and every candidate's price (None: skipped)."""
+        t0 = time.perf_counter()
+        cells = self._check(mask)
+        cands = self.candidates(cells)
+        priced = sorted((c for c in cands if c.seconds is not None), key=lambda c: (c.seconds, c.name))
+        summary = {c.name: None if c.seconds is None else round(c.seconds * 1e3, 6) for c in cands}
+        best, tp, replayed = priced[0], None, {}
+        # [Note] near-ties: the price is a lower bound of the replay, closer for some structures than for others;
+        # the cheapest two, when within NEAR_TIE and small (a task count, not a time limit: still deterministic),
+        # are replayed to decide
+        close = [c for c in priced if c.seconds <= priced[0].seconds * (1 + NEAR_TIE)][:2]
+        if len(close) > 1 and sum(_tasks(c.get()) for c in close) <= REPLAY_TASKS:
+            plans = {c.name: self.build(c) for c in close}
+            replayed = {n: evaluate_plan(p, cells, self.cost, backward=self.backward) for n, p in plans.items()}
+            best = min(close, key=lambda c: (replayed[c.name], c.name))
+            tp = plans[best.name]
+        if tp is None:
+            tp = self.build(best)
+        tp.meta.update(candidates=summary, replayed={n: round(v * 1e3, 6) for n, v in replayed.items()})
+        tp.meta["planning_ms"] = (time.perf_counter() - t0) * 1e3
+        return tp
+
+    def build(self, cand: Candidate, **meta) -> TilePlan:
+        """The ``TilePlan`` of one candidate (``plan`` builds the cheapest; tests and reports any)."""
+        d = cand.get()
+        meta = {**d.meta, "planner": "fast", **({} if cand.seconds is None else {"estimate_ms": cand.seconds * 1e3}),
+                **meta}
+        return assemble(owner=d.owner, assign_GPP=d.assign_GPP, kern=d.kernels, msgs=d.messages, mesh=self.mesh,
+                        shape=self.shape, chunk=d.chunk, meta=meta,
+                        transfers=None if d.transfers is None else d.transfers())
+
+    def _check(self, mask) -> BlockCells:
+        if isinstance(mask, BlockPattern):
+            mask = cells_from_pattern(mask)
+        if not isinstance(mask, BlockCells):
+            raise TypeError(f"`mask` must be BlockCells or a BlockPattern, got {type(mask).__name__}")
+        if (mask.q_len, mask.kv_len) != (self.shape.seq_len, self.shape.seq_len):
+            raise ValueError(f"`mask` is for lengths ({mask.q_len}, {mask.kv_len}) but shape.seq_len is "
+                             f"{self.shape.seq_len}; build it for the attention's sequence length")
+        if mask.q_block != mask.kv_block:
+            raise NotImplementedError(f"planning needs equal Q and KV blocks, got ({mask.q_block}, {mask.kv_block})")
+        if mask.num_batch not in (1, self.shape.batch):
+            raise ValueError(f"`mask` has {mask.num_batch} batch entries but shape.batch is {self.shape.batch}")
+        mask.heads_per_group(self.shape.num_heads)  # raises on a head count mismatch
+        if self.layout is not None and self.layout.chunk_size % mask.q_block:
+            raise ValueError(f"the layout's chunk size {self.layout.chunk_size} is not a multiple of the mask's "
+                             f"block {mask.q_block}; use mask blocks that divide it")
+        return mask
+
+    def candidates(self, cells: BlockCells) -> list[Candidate]:
+        """Every structure with its bound, priced in increasing bound order while it can still win."""
+        w, block = self.mesh.world, cells.q_block
+        if self.layout is not None:
+            ks = [(self.layout.chunks_per_rank, self.layout.chunk_size)]
+        elif w == 1:  # one rank: every structure computes everything there
+            ks = [(1, None)]
+        else:
+            ks = [(k, None) for k in CHUNKS_PER_RANK if k <= 2 or w * k * block <= self.shape.seq_len]
+        cands = [self._tiled(cells, k, chunk) for k, chunk in ks]
+        if w > 1:
+            cands += [c for c in (self._baseline(cells, name) for name in self.baselines) if c is not None]
+        # our structure must balance when one of its granularities can
+        tol = 1 + self.balance_tol + 1e-9
+        strict = any(c.imbalance <= tol for c in cands if c.name.startswith("tiled"))
+        eligible = [c for c in cands if not (strict and c.name.startswith("tiled") and c.imbalance > tol)]
+        # bounds below the price, cheap to costly: compute at peak rate, then the busiest stream (needs the draft)
+        for c in eligible:
+            d = c.get()
+            c.bound = max(c.bound, busy_bound(d.kernels, d.messages, self.mesh, self.cost))
+        best = math.inf
+        for c in sorted(eligible, key=lambda c: (c.bound, c.name)):
+            if c.bound > best:
+                continue
+            d = c.get()
+            c.seconds = price(d.kernels, d.messages, d.owner, d.assign_GPP.shape[0], self.mesh, self.cost)
+            best = min(best, c.seconds)
+        return cands
+
+    # ------------------------------------------------------------------ our structure
+    def _tiled(self, cells: BlockCells, k: int, chunk: int | None) -> Candidate:
+        mesh, w = self.mesh, self.mesh.world
+        sc = self._scale(w * k, cells.q_block, chunk)
+        grid = self._grid(cells, sc)
+        weight = grid.blocks_GPP[0]
+        if self.layout is not None:
+            owner = np.asarray(self.layout.owner, dtype=np.int64)
+        else:
+            owner = ownership(weight, mesh, k, self.balance_tol, block_seconds=self._block_seconds(grid),
+                              col_cost_inter=float(sc.col_cost[1]))
+        assign = place(weight, owner, mesh, self.balance_tol, sc.row_cost, sc.col_cost)[None]
+        per_rank = _work_per_rank(weight, assign, w)
+
+        def draft() -> Draft:
+            kern = Kernels.of_groups(grid, kernel_groups(owner, assign), head_dim=self.shape.head_dim,
+                                     cost=self.cost, phases=self._phases)
+            msgs = route(owner, assign, mesh, self.shape, sc.chunk, self.backward)
+            return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=msgs, chunk=sc.chunk,
+                         meta={"structure": "tiled", "chunks_per_rank": k})
+
+        return Candidate(name="tiled" if self.layout is not None else f"tiled-k{k}", draft=draft,
+                         bound=self._bound(per_rank, grid), imbalance=_ratio(per_rank))
+
+    def _block_seconds(self, grid: Grid) -> float:
+        """Seconds of one cost-weighted block at the peak rates (fwd + bwd when planned)."""
+        return compute_bound(np.ones(1), grid, head_dim=self.shape.head_dim, cost=self.cost, phases=self._phases)
+
+    def _bound(self, per_rank: np.ndarray, grid: Grid) -> float:
+        return compute_bound(per_rank, grid, head_dim=self.shape.head_dim, cost=self.cost, phases=self._phases)
+
+    # ------------------------------------------------------------------ baselines
+    def _baseline(self, cells: BlockCells, name: str) -> Candidate | None:
+        """A baseline structure (``planner.baselines``) in array form: the same ownership, placement, kernels
+        and transfers as its builder (tested), without its Python loops over cells."""
+        mesh, shape, w = self.mesh, self.shape, self.mesh.world
+        if name in ("ulysses", "usp"):
+            u = ulysses_degree(mesh, shape, within_node=name == "usp")
+            if not u:
+                return None
+            p = w if name == "ulysses" else 2 * w
+        else:
+            u, p = 1, (w if name == "ring" else 2 * w)
+        sc = self._scale(p, cells.q_block)
+        fixed = self._fixed_parts(name, sc, cells.q_block)
+        owner = fixed["owner"]
+        if self.layout is not None and (sc.chunk, tuple(owner.tolist())) != (self.layout.chunk_size,
+                                                                             self.layout.owner):
+            return None  # a baseline keeps its own layout
+        grid = self._grid(cells, sc, head_groups=u)
+        nonempty = grid.nonempty_GPP > 0
+        if name in ("ring", "zigzag", "allgather"):
+            assign = np.where(nonempty[0], owner[:, None], -1)[None]
+
+            def draft() -> Draft:
+                kern = Kernels.of_groups(grid, kernel_groups(owner, assign), head_dim=shape.head_dim, cost=self.cost,
+                                         phases=self._phases)
+                if name == "allgather":
+                    return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=fixed["msgs"], chunk=sc.chunk,
+                                 meta={"structure": name}, transfers=lambda: fixed["transfers"][0])
+                msgs = ring_messages(owner, assign[0], ring=np.arange(w), start_of=owner, shape=shape, chunk=sc.chunk,
+                                     backward=self.backward)
+                return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=msgs, chunk=sc.chunk,
+                             meta={"structure": name})
+        else:
+            g, i, j = np.nonzero(nonempty)
+            assign = np.full((u, p, p), -1, dtype=np.int64)
+            assign[g, i, j] = fixed["computer_GP"][g, i]
+
+            def draft() -> Draft:
+                kern, rings = self._usp_parts(grid, fixed, assign, u, name == "ulysses")
+                a2a = fixed["msgs"]
+                # per head group: its all-to-all, then its ring (the builder's order)
+                msgs = Messages.concat([m for g in range(u) for m in (a2a.select(a2a.group == g), rings[g])])
+
+                def transfers() -> tuple[Transfer, ...]:
+                    return tuple(t for g in range(u) for t in (*fixed["transfers"][g], *rings[g].to_transfers()))
+
+                return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=msgs, chunk=sc.chunk,
+                             meta={"structure": name, "ulysses_degree": u, "ring_degree": w // u}, transfers=transfers)
+
+        per_rank = _work_per_rank(grid.blocks_GPP, assign, w)
+        return Candidate(name=name, draft=draft, bound=self._bound(per_rank, grid), imbalance=_ratio(per_rank))
+
+    def _fixed_parts(self, name: str, sc: _Scale, block: int) -> dict:
+        """A baseline's mask-independent parts on this grid (cached): its ownership, and the messages that do
+        not depend on the mask (all-gather: all of them; Ulysses, USP: the all-to-all)."""
+        key = (name, sc.num_chunks, block)
+        hit = self._fixed.get(key)
+        if hit is not None:
+            return hit
+        mesh, shape, w, p = self.mesh, self.shape, self.mesh.world, sc.num_chunks
+        out: dict = {}
+        if name == "ring":
+            out["owner"] = np.arange(w, dtype=np.int64)
+        elif name in ("zigzag", "allgather"):
+            out["owner"] = np.asarray(zigzag_owner(w), dtype=np.int64)
+            if name == "allgather":
+                out["msgs"] = allgather_messages(out["owner"], mesh, shape, sc.chunk, self.backward)
+                out["transfers"] = [out["msgs"].to_transfers()]
+        else:
+            pure = name == "ulysses"
+            u = ulysses_degree(mesh, shape, within_node=not pure)
+            rd = w // u
+            # ring position of each chunk's super chunk (zigzag over the u-groups)
+            pos = (np.zeros(p, dtype=np.int64) if pure
+                   else np.asarray(zigzag_owner(rd), dtype=np.int64)[np.arange(p) // u])
+            out["owner"] = np.arange(w, dtype=np.int64) if pure else pos * u + np.arange(p) % u
+            out["computer_GP"] = (np.broadcast_to(np.arange(u)[:, None], (u, p)).copy() if pure
+                                  else pos[None, :] * u + np.arange(u)[:, None])
+            out["pos_of_col"] = pos
+            out["rd"] = rd
+            out["msgs"] = all_to_all_messages(out["owner"], out["computer_GP"], shape, sc.chunk, self.backward)
+            out["transfers"] = [out["msgs"].select(out["msgs"].group == g).to_transfers() for g in range(u)]
+        self._fixed[key] = out
+        return out
+
+    def _usp_parts(self, grid: Grid, fixed: dict, assign: np.ndarray, u: int, pure: bool
+                   ) -> tuple[Kernels, list[Messages]]:
+        """Kernels (``usp_plan``'s grouping: per rank, head group and ring step) and each head group's ring
+        messages (none for Ulysses) of a Ulysses / USP plan."""
+        rd = fixed["rd"]
+        g, i, j = np.nonzero(assign >= 0)
+        r = assign[g, i, j]
+        step = np.zeros_like(r) if pure else (fixed["pos_of_col"][j] - r // u) % rd
+        uniq, k_N = np.unique((r * u + g) * rd + step, return_inverse=True)
+        order = np.argsort(k_N, kind="stable")
+        g, i, j, k_N = g[order], i[order], j[order], k_N[order]
+        rows = np.bincount(np.unique(k_N * grid.num_chunks + i) // grid.num_chunks, minlength=uniq.size)
+        kern = Kernels.make(grid, g, i, j, k_N, uniq // (u * rd), uniq % rd, rows, head_dim=self.shape.head_dim,
+                            cost=self.cost, phases=self._phases)
+        rings = [Messages.concat([]) if pure else
+                 ring_messages(fixed["owner"], assign[gg], ring=np.arange(rd) * u + gg,
+                               start_of=fixed["computer_GP"][gg], shape=self.shape, chunk=grid.chunk,
+                               backward=self.backward, group=gg, groups=u) for gg in range(u)]
+        return kern, rings
+
+
+def _tasks(d: Draft) -> int:
+    return int(d.messages.tensor.size + d.kernels.rank_K.size * len(d.kernels.seconds))
+
+
+def evaluate_plan(plan: TilePlan, cells: BlockCells, cost: CostModel, *, backward: bool) -> float:
+    """The simulator's fwd (+ bwd) makespan of ``plan`` (``planner.api.evaluate``'s replay, without its reports)."""
+    work = workload(cells, plan.shape, num_chunks=plan.num_chunks, head_groups=plan.num_head_groups,
+                    chunk=plan.chunk_size)
+    phases = ("fwd", "bwd") if backward else ("fwd",)
+    return sum(simulate(build_graph(plan, work, cost, ph)).makespan for ph in phases)
+
+
+def planner_key(shape: AttnShape, mesh: Mesh, cost: CostModel, layout: TokenLayout | None, balance_tol: float,
+                backward: bool, baselines: tuple[str, ...]) -> tuple:
+    """``FastPlanner.key`` from its arguments (to find a cached planner before making one)."""
+    s = shape
+    return ((s.seq_len, s.num_heads, s.head_dim, s.kv_heads, s.batch, s.dtype), (mesh.nodes, mesh.devices), cost,
+            None if layout is None else (layout.chunk_size, layout.owner), balance_tol, backward, tuple(baselines))
+
+
+def allgather_messages(owner: np.ndarray, mesh: Mesh, shape: AttnShape, chunk: int, backward: bool) -> Messages:
+    """``baselines.allgather_plan``'s transfers as arrays: every chunk to every rank, across nodes between equal
+    device indices (the NIC rails), then inside the node; backward re-gathers K/V and reduces dK/dV back."""
+    dev = mesh.devices
+    parts = {"fwd": [], "bwd": [], "dkv": []}
+    for c, src in enumerate(owner.tolist()):
+        hops = []
+        for node in range(mesh.nodes):
+            rail = node * dev + src % dev
+            if node != src // dev:
+                hops.append((src, rail))
+            hops += [(rail, node * dev + d) for d in range(dev) if node * dev + d not in (rail, src)]
+        s, d = (np.asarray(x, dtype=np.int64) for x in zip(*hops)) if hops else (np.zeros(0, np.int64),) * 2
+        parts["fwd"].append(Messages.make("kv", "fwd", np.full(s.size, c), 0, s, d, shape.unit_bytes("kv", chunk)))
+        if backward:
+            parts["bwd"].append(Messages.make("kv", "bwd", np.full(s.size, c), 0, s, d,
+                                              shape.unit_bytes("kv", chunk)))
+            parts["dkv"].append(Messages.make("dkv", "bwd", np.full(s.size, c), 0, d[::-1], s[::-1],
+                                              shape.unit_bytes("dkv", chunk)))
+    # the builder's order: per chunk, forward hops, backward hops, reversed dK/dV hops
+    per_chunk = [[parts[k][c] for k in ("fwd", "bwd", "dkv") if parts[k]] for c in range(owner.size)]
+    return Messages.concat([m for ms in per_chunk for m in ms])
+
+
+def all_to_all_messages(owner: np.ndarray, computer_GP: np.ndarray, shape: AttnShape, chunk: int,
+                        backward: bool) -> Messages:
+    """``baselines.usp_plan``'s sequence-to-head all-to-all as arrays: each chunk's Q and K/V to the rank computing
+    its head group, the output back; backward dO in, dQ and dK/dV out."""
+    u, p = computer_GP.shape
+    g, c = np.nonzero(computer_GP != owner[None, :])
+    home, src = computer_GP[g, c], owner[c]
+    flows = [("q", "fwd", src, home), ("kv", "fwd", src, home), ("out", "fwd", home, src)]
+    if backward:
+        flows += [("do", "bwd", src, home), ("dq_out", "bwd", home, src), ("dkv_out", "bwd", home, src)]
+    parts = [Messages.make(t, ph, c, g, s, d, shape.unit_bytes(t, chunk, u)) for t, ph, s, d in flows]
+    # the builder's order: per (head group, chunk), its flows in turn
+    msgs = Messages.concat(parts)
+    flow = np.repeat(np.arange(len(parts)), c.size)
+    return msgs.select(np.lexsort((flow, msgs.chunk, msgs.group)))
+
+
+def _work_per_rank(weight, assign: np.ndarray, world: int) -> np.ndarray:
+    sel = assign >= 0
+    return np.bincount(assign[sel], np.broadcast_to(weight, assign.shape)[sel], minlength=world)
+
+
+def _ratio(per_rank: np.ndarray) -> float:
+    """Max over mean of per-rank work (``planner.api.work_imbalance``)."""
+    mean = per_rank.mean()
+    return float(per_rank.max() / mean) if mean > 0 else 1.0

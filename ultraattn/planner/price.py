@@ -1,0 +1,402 @@
+"""Plans as arrays, routed, grouped and priced in closed form (the fast planner's working form).
+
+A candidate plan is held as numpy arrays (``Messages``: one entry per transfer; ``Kernels``: the cells
+of every launch) until it is chosen; only then are ``Transfer`` and ``Kernel`` objects made
+(``assemble``). Its price is ``replay_bound``: a lower bound, computed in closed form, of the makespan
+the schedule simulator (``schedule.build_graph`` + ``simulate``) replays for it, per phase.
+
+Legend: N cells, K kernels, M messages, G head groups, P chunks, W ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .cost import CostModel, block_flops
+from .plan import AttnShape, Kernel, Mesh, TilePlan, Transfer
+
+#: transfer tensors by code (the message arrays store codes)
+TENSORS = ("q", "kv", "o", "out", "qdo", "do", "dq", "dkv", "dq_out", "dkv_out")
+_CODE = {t: n for n, t in enumerate(TENSORS)}
+PHASES = ("fwd", "bwd")
+
+
+# ----------------------------------------------------------------------------- messages
+@dataclass(slots=True)
+class Messages:
+    """Transfers as arrays (one entry per message), in plan order."""
+
+    tensor: np.ndarray
+    """int64 code into ``TENSORS``."""
+    chunk: np.ndarray
+    group: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    phase: np.ndarray
+    """0 forward, 1 backward."""
+
+    @staticmethod
+    def concat(parts: list[Messages]) -> Messages:
+        parts = [p for p in parts if p.tensor.size]
+        if not parts:
+            z = np.zeros(0, dtype=np.int64)
+            return Messages(tensor=z, chunk=z, group=z, src=z, dst=z, nbytes=z, phase=z)
+        return Messages(*(np.concatenate([getattr(p, f) for p in parts]) for f in Messages.__slots__))
+
+    @staticmethod
+    def make(tensor: str, phase: str, chunk, group, src, dst, nbytes: int) -> Messages:
+        n = np.asarray(src).size
+        full = lambda v: np.full(n, v, dtype=np.int64)  # noqa: E731
+        return Messages(tensor=full(_CODE[tensor]), chunk=np.asarray(chunk, dtype=np.int64),
+                        group=np.broadcast_to(np.asarray(group, dtype=np.int64), (n,)).copy(),
+                        src=np.asarray(src, dtype=np.int64), dst=np.asarray(dst, dtype=np.int64),
+                        nbytes=full(nbytes), phase=full(PHASES.index(phase)))
+
+    @staticmethod
+    def of(transfers) -> Messages:
+        rows = [(_CODE[t.tensor], t.chunk, t.head_group, t.src, t.dst, t.nbytes, PHASES.index(t.phase))
+                for t in transfers]
+        a = np.asarray(rows, dtype=np.int64).reshape(-1, 7)
+        return Messages(*(a[:, n].copy() for n in range(7)))
+
+    def select(self, mask: np.ndarray) -> Messages:
+        return Messages(*(getattr(self, f)[mask] for f in Messages.__slots__))
+
+    def to_transfers(self) -> tuple[Transfer, ...]:
+        cols = [getattr(self, f).tolist() for f in Messages.__slots__]
+        return tuple(Transfer(tensor=TENSORS[t], chunk=c, head_group=g, src=s, dst=d, nbytes=b, phase=PHASES[ph])
+                     for t, c, g, s, d, b, ph in zip(*cols))
+
+
+def route(owner: np.ndarray, assign_GPP: np.ndarray, mesh: Mesh, shape: AttnShape, chunk: int,
+          backward: bool) -> Messages:
+    """Messages that bring every cell's inputs to its computing rank and partials back (vectorised).
+
+    Hierarchical like ``build.route_transfers``: a unit that several ranks of another node need crosses
+    the node boundary once, landing on one of them, and is relayed inside the node; partials reduce the
+    other way. The landing rank of (unit, node) is its ``(chunk + group) mod n``-th consumer there (n
+    consumers, ascending rank), which spreads the landings over the node's NICs without sequential state.
+    """
+    g_count, p, _ = assign_GPP.shape
+    w, dev = mesh.world, mesh.devices
+    g, i, j = np.nonzero(assign_GPP >= 0)
+    r = assign_GPP[g, i, j].astype(np.int64)
+    flows = {"row": [("q", "o", "fwd")] + ([("qdo", "dq", "bwd")] if backward else []),
+             "col": [("kv", "", "fwd")] + ([("kv", "dkv", "bwd")] if backward else [])}
+    parts: dict[str, list[Messages]] = {"fwd": [], "bwd": []}
+    for axis, unit in (("row", i), ("col", j)):
+        used = np.zeros((g_count, p, w), dtype=bool)
+        used[g, unit, r] = True
+        used[:, np.arange(p), owner] = False
+        gg, cc, dd = np.nonzero(used)  # (group, chunk, consumer) ascending
+        src = owner[cc]
+        dnode = dd // dev
+        grp = (gg * p + cc) * mesh.nodes + dnode  # consumers of a (unit, node) are contiguous
+        cnt = np.bincount(grp, minlength=g_count * p * mesh.nodes)[grp]
+        starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
+        pos = np.arange(grp.size) - np.repeat(starts, np.diff(np.r_[starts, grp.size]))
+        relay = (dnode != src // dev) & (cnt > 1)
+        is_land = relay & (pos == (cc + gg) % np.maximum(cnt, 1))
+        land_of = np.full(g_count * p * mesh.nodes, -1, dtype=np.int64)
+        land_of[grp[is_land]] = dd[is_land]
+        hop_src = np.where(relay & ~is_land, land_of[grp], src)
+        # the landing hop first within each (unit, node): relays forward what arrived there
+        order = np.lexsort((dd, ~is_land, grp))
+        gg, cc, dd, hop_src = gg[order], cc[order], dd[order], hop_src[order]
+        for inp, part, phase in flows[axis]:
+            parts[phase].append(Messages.make(inp, phase, cc, gg, hop_src, dd, shape.unit_bytes(inp, chunk, g_count)))
+            if part:
+                rev = slice(None, None, -1)  # leaves first, the landing rank's partial last
+                parts[phase].append(Messages.make(part, phase, cc[rev], gg[rev], dd[rev], hop_src[rev],
+                                                  shape.unit_bytes(part, chunk, g_count)))
+    return Messages.concat(parts["fwd"] + parts["bwd"])
+
+
+# ----------------------------------------------------------------------------- the closed-form price
+@dataclass(slots=True)
+class Grid:
+    """Cost-relevant statistics of one mask on one chunk grid (float64 numpy, one planner head group each)."""
+
+    chunk: int
+    """Tokens per chunk."""
+    num_chunks: int
+    """Chunks in the padded sequence."""
+    block: int
+    """Mask block size in tokens."""
+    blocks_GPP: np.ndarray
+    """Cost-weighted blocks per cell (FULL = 1, PARTIAL = 1 + overhead), summed over heads and batch."""
+    nonempty_GPP: np.ndarray
+    """Non-empty blocks per cell (FULL + PARTIAL)."""
+    rows_per_chunk: float
+    """Query block rows per chunk and head group (heads and batch included), as ``Workload.rows_per_chunk``."""
+
+
+def kernel_seconds(grid: Grid, blocks: np.ndarray, nonempty: np.ndarray, rows: np.ndarray, *, head_dim: int,
+                   cost: CostModel, phase: str) -> np.ndarray:
+    """Seconds of kernels with these cost-weighted blocks, non-empty blocks and distinct query rows
+    (``Workload.kernel_seconds``, vectorised)."""
+    b = grid.block
+    return cost.kernel_seconds_array(flops=blocks * block_flops(b, b, head_dim, 1, 1),
+                                     kv_tokens_per_row=nonempty * b / (np.maximum(rows, 1) * grid.rows_per_chunk),
+                                     phase=phase)
+
+
+@dataclass(slots=True)
+class Kernels:
+    """A plan's kernels as arrays: the cells of each (grouped kernel by kernel, in plan order), its rank
+    and stage, and its seconds per phase."""
+
+    g_N: np.ndarray
+    """Head group of each cell."""
+    i_N: np.ndarray
+    """Query chunk of each cell."""
+    j_N: np.ndarray
+    """Key/value chunk of each cell."""
+    k_N: np.ndarray
+    """Kernel of each cell (non-decreasing)."""
+    rank_K: np.ndarray
+    """Rank of each kernel."""
+    stage_K: np.ndarray
+    """Stage of each kernel (``Kernel.stage``)."""
+    seconds: dict[int, np.ndarray]
+    """Phase (0 fwd, 1 bwd) -> seconds of each kernel."""
+
+    @staticmethod
+    def make(grid: Grid, g_N, i_N, j_N, k_N, rank_K, stage_K, rows_K, *, head_dim: int, cost: CostModel,
+             phases: tuple[int, ...]) -> Kernels:
+        """Kernels of cells already grouped (``k_N`` non-decreasing), with ``rows_K`` distinct rows each."""
+        n = rank_K.size
+        blocks = np.bincount(k_N, grid.blocks_GPP[g_N, i_N, j_N], minlength=n)
+        nonempty = np.bincount(k_N, grid.nonempty_GPP[g_N, i_N, j_N], minlength=n)
+        sec = {ph: kernel_seconds(grid, blocks, nonempty, rows_K, head_dim=head_dim, cost=cost, phase=PHASES[ph])
+               for ph in phases}
+        return Kernels(g_N=g_N, i_N=i_N, j_N=j_N, k_N=k_N, rank_K=rank_K, stage_K=stage_K, seconds=sec)
+
+    @staticmethod
+    def of_groups(grid: Grid, groups: tuple, *, head_dim: int, cost: CostModel, phases: tuple[int, ...]) -> Kernels:
+        """Kernels of a ``build.kernel_groups`` grouping."""
+        g_N, i_N, j_N, start_K, rank_K, _group_K, stage_K, col_K = groups
+        k_N = np.repeat(np.arange(rank_K.size), np.diff(start_K))
+        rows = np.where(col_K, np.diff(start_K), 1)
+        return Kernels.make(grid, g_N, i_N, j_N, k_N, rank_K, stage_K, rows, head_dim=head_dim, cost=cost,
+                            phases=phases)
+
+    def to_kernels(self) -> tuple[Kernel, ...]:
+        cells = list(zip(self.i_N.tolist(), self.j_N.tolist()))
+        bounds = np.searchsorted(self.k_N, np.arange(self.rank_K.size + 1)).tolist()
+        group_K = self.g_N[bounds[:-1]].tolist() if self.g_N.size else []
+        return tuple(Kernel(rank=r, head_group=g, cells=tuple(cells[bounds[n]:bounds[n + 1]]), stage=s)
+                     for n, (r, g, s) in enumerate(zip(self.rank_K.tolist(), group_K, self.stage_K.tolist())))
+
+
+def message_seconds(msgs: Messages, mesh: Mesh, cost: CostModel) -> np.ndarray:
+    """Seconds of every message (latency + bytes / bandwidth of its link)."""
+    inter = (msgs.src // mesh.devices) != (msgs.dst // mesh.devices)
+    return np.where(inter, cost.inter_latency_us * 1e-6 + msgs.nbytes / (cost.inter_bw_GBps * 1e9),
+                    cost.intra_latency_us * 1e-6 + msgs.nbytes / (cost.intra_bw_GBps * 1e9))
+
+
+#: per phase: input tensors by axis, and (partial, final) tensors by axis
+_INPUTS = {0: {"row": ("q",), "col": ("kv",)}, 1: {"row": ("qdo", "do"), "col": ("kv",)}}
+_RESULTS = {0: [("row", "o", "out")], 1: [("row", "dq", "dq_out"), ("col", "dkv", "dkv_out")]}
+
+
+def _codes(names) -> list[int]:
+    return [_CODE[t] for t in names]
+
+
+def _stream_bound(stream: np.ndarray, release: np.ndarray, duration: np.ndarray) -> float:
+    """Largest over streams of ``max_i (release_i + sum of durations released at or after release_i)``: no
+    order of the items on one stream finishes earlier (one machine with release times)."""
+    if not stream.size:
+        return 0.0
+    order = np.lexsort((-release, stream))
+    s, rel, dur = stream[order], release[order], duration[order]
+    first = np.r_[True, s[1:] != s[:-1]]
+    csum = np.cumsum(dur)
+    base = np.repeat(csum[first] - dur[first], np.diff(np.r_[np.flatnonzero(first), s.size]))
+    return float((rel + csum - base).max())
+
+
+def _hops(m: Messages, idx: np.ndarray, dur: np.ndarray, base_GPW: np.ndarray) -> np.ndarray:
+    """When each (group, chunk, rank) holds a unit that messages ``idx`` move hop by hop: its own ``base`` time, or
+    a message's arrival, which leaves when its source holds the unit (a fixed point: relay chains and reduction
+    trees alike; at most one round per hop)."""
+    ready = base_GPW
+    src = (m.group[idx], m.chunk[idx], m.src[idx])
+    dst = (m.group[idx], m.chunk[idx], m.dst[idx])
+    for _ in range(base_GPW.shape[2] + 1):
+        new = base_GPW.copy()
+        np.maximum.at(new, dst, ready[src] + dur[idx])
+        if np.array_equal(new, ready):
+            break
+        ready = new
+    return ready
+
+
+def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: int, mesh: Mesh, cost: CostModel,
+                 phase: int) -> float:
+    """A lower bound of the simulator's makespan of one phase (``schedule.build_graph`` + ``simulate``).
+
+    Every task gets a release time, a bound on when it can start: an input message when its sender holds
+    the unit (relays: after it arrived there), a kernel when its inputs can have arrived (each one's path,
+    and every input it needs through one receive engine, one after another), a partial or final result
+    when the kernels that produce it can have run (their chain, and their sum on the compute stream) and
+    the partials it reduces arrived, a merge when its partials arrived. Each stream (a rank's compute
+    engine, its send and receive engine per link) then needs at least ``max_i (release_i + work released at
+    or after release_i)``; the bound is the largest over streams.
+    """
+    g_count, p, w = num_groups, owner.size, mesh.world
+    m = msgs.select(msgs.phase == phase)
+    dur = message_seconds(m, mesh, cost)
+    link = ((m.src // mesh.devices) != (m.dst // mesh.devices)).astype(np.int64)
+    sec_K = kern.seconds[phase]
+    n_k = sec_K.size
+    r_N = kern.rank_K[kern.k_N]
+    unit_N = {"row": kern.i_N, "col": kern.j_N}
+    release = np.zeros(m.tensor.size)
+
+    # inputs: arrival of each (group, chunk, rank), hop by hop; which message delivers it
+    arrive = {}
+    deliver = {}
+    for axis, names in _INPUTS[phase].items():
+        idx = np.flatnonzero(np.isin(m.tensor, _codes(names)))
+        arr = _hops(m, idx, dur, np.zeros((g_count, p, w)))
+        release[idx] = arr[m.group[idx], m.chunk[idx], m.src[idx]]
+        d = np.full((g_count, p, w), -1, dtype=np.int64)
+        d[m.group[idx], m.chunk[idx], m.dst[idx]] = idx
+        arrive[axis], deliver[axis] = arr, d
+    # kernels: each input's path, and the inputs through one receive engine in a row
+    start = np.zeros(n_k)
+    for axis in ("row", "col"):
+        np.maximum.at(start, kern.k_N, arrive[axis][kern.g_N, unit_N[axis], r_N])
+    msg_N = np.concatenate([deliver[a][kern.g_N, unit_N[a], r_N] for a in ("row", "col")])
+    k2 = np.concatenate([kern.k_N, kern.k_N])
+    ok = msg_N >= 0
+    pairs = np.unique(np.stack([k2[ok], msg_N[ok]]), axis=1)
+    if pairs.size:
+        through = np.bincount(pairs[0] * 2 + link[pairs[1]], dur[pairs[1]], minlength=2 * n_k).reshape(n_k, 2)
+        start = np.maximum(start, through.max(1))
+    end = start + sec_K
+    # results: ready on a rank when its kernels for the unit ran and the partials it reduces arrived
+    merge_rank, merge_rel, merge_dur = [], [], []
+    for axis, part, final in _RESULTS[phase]:
+        key = (kern.g_N * p + unit_N[axis]) * w + r_N
+        own_end = np.zeros(g_count * p * w)
+        np.maximum.at(own_end, key, end[kern.k_N])
+        uk = np.unique(key * n_k + kern.k_N)
+        own_sum = np.bincount(uk // n_k, sec_K[uk % n_k], minlength=g_count * p * w)
+        ready = np.maximum(own_end, own_sum).reshape(g_count, p, w)
+        idx = np.flatnonzero(m.tensor == _CODE[part])
+        ready = _hops(m, idx, dur, ready)
+        release[idx] = ready[m.group[idx], m.chunk[idx], m.src[idx]]
+        fin = np.flatnonzero(m.tensor == _CODE[final])
+        release[fin] = ready[m.group[fin], m.chunk[fin], m.src[fin]]
+        # merges where a partial's reduction ends (it receives partials and sends none on)
+        inbytes = np.zeros((g_count, p, w))
+        np.add.at(inbytes, (m.group[idx], m.chunk[idx], m.dst[idx]), m.nbytes[idx])
+        inbytes[m.group[idx], m.chunk[idx], m.src[idx]] = 0.0
+        gg, cc, rr = np.nonzero(inbytes)
+        merge_rank.append(rr)
+        merge_rel.append(ready[gg, cc, rr])
+        merge_dur.append(cost.merge_seconds(2 * inbytes[gg, cc, rr]))
+    # streams: 5 per rank (compute, send intra/inter, recv intra/inter)
+    stream = np.concatenate([kern.rank_K * 5, *[r * 5 for r in merge_rank], m.src * 5 + 1 + link,
+                             m.dst * 5 + 3 + link])
+    rel = np.concatenate([start, *merge_rel, release, release])
+    du = np.concatenate([sec_K, *merge_dur, dur, dur])
+    return max(_stream_bound(stream, rel, du), float(end.max(initial=0.0)))
+
+
+def busy_bound(kern: Kernels, msgs: Messages, mesh: Mesh, cost: CostModel) -> float:
+    """A cheaper bound below ``price``: per phase, the busiest stream of any rank (its compute engine, its send and
+    receive engines per link), no dependency counted."""
+    total = 0.0
+    w = mesh.world
+    for ph, sec_K in kern.seconds.items():
+        sel = msgs.phase == ph
+        src, dst = msgs.src[sel], msgs.dst[sel]
+        dur = message_seconds(msgs.select(sel), mesh, cost)
+        link = ((src // mesh.devices) != (dst // mesh.devices)).astype(np.int64)
+        busy = np.bincount(kern.rank_K * 5, sec_K, minlength=5 * w)
+        busy += np.bincount(src * 5 + 1 + link, dur, minlength=5 * w) + np.bincount(dst * 5 + 3 + link, dur,
+                                                                                      minlength=5 * w)
+        total += float(busy.max(initial=0.0))
+    return total
+
+
+def price(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: int, mesh: Mesh, cost: CostModel) -> float:
+    """Closed-form fwd (+ bwd) seconds of a plan: the sum over its phases of ``replay_bound``."""
+    return sum(replay_bound(kern, msgs, owner, num_groups, mesh, cost, ph) for ph in kern.seconds)
+
+
+
+def ring_messages(owner: np.ndarray, assign_PP: np.ndarray, *, ring: np.ndarray, start_of: np.ndarray,
+                  shape: AttnShape, chunk: int, backward: bool, group: int = 0, groups: int = 1) -> Messages:
+    """``baselines._ring_transfers`` as arrays (vectorised): K/V of column j travel along ``ring`` from
+    ``start_of[j]`` to the farthest rank that needs them; dK/dV ride back along the same hops."""
+    n = ring.size
+    pos = np.full(int(max(ring.max(), assign_PP.max(initial=0), start_of.max())) + 1, -1, dtype=np.int64)
+    pos[ring] = np.arange(n)
+    ii, jj = np.nonzero(assign_PP >= 0)
+    r = assign_PP[ii, jj]
+    origin = start_of[jj]
+    dist = (pos[r] - pos[origin]) % n
+    dist = np.where(r == origin, 0, dist)
+    last = np.zeros(assign_PP.shape[1], dtype=np.int64)
+    np.maximum.at(last, jj, dist)
+    cols = np.flatnonzero(last > 0)
+    hops = last[cols]
+    col_h = np.repeat(cols, hops)
+    t = np.arange(hops.sum()) - np.repeat(np.cumsum(hops) - hops, hops)
+    o = pos[start_of[col_h]]
+    src, dst = ring[(o + t) % n], ring[(o + t + 1) % n]
+    kv, dkv = shape.unit_bytes("kv", chunk, groups), shape.unit_bytes("dkv", chunk, groups)
+    parts = [Messages.make("kv", "fwd", col_h, group, src, dst, kv)]
+    if backward:
+        parts.append(Messages.make("kv", "bwd", col_h, group, src, dst, kv))
+        # dK/dV: along the chain of receivers, then the last holder returns the sum to the origin
+        last_hop = np.r_[col_h[1:] != col_h[:-1], True]
+        d_dst = np.where(last_hop, start_of[col_h], np.r_[dst[1:], 0])
+        parts.append(Messages.make("dkv", "bwd", col_h, group, dst, d_dst, dkv))
+    # plan order: per column, forward K/V hops, backward K/V hops, then dK/dV
+    msgs = Messages.concat(parts)
+    order = np.lexsort((np.arange(msgs.chunk.size), msgs.chunk))
+    return msgs.select(order)
+
+
+def compute_bound(blocks_W: np.ndarray, grid: Grid, *, head_dim: int, cost: CostModel, phases: tuple[int, ...]
+                  ) -> float:
+    """A bound below any price: per phase, the busiest rank's cost-weighted blocks at the peak rate (every
+    launch is slower: efficiency below 1, launch overhead)."""
+    flops = float(blocks_W.max(initial=0.0)) * block_flops(grid.block, grid.block, head_dim, 1, 1)
+    rates = {0: cost.fwd_tflops * 1e12, 1: cost.bwd_tflops * 1e12 / cost.bwd_flops_factor}
+    return sum(flops / rates[ph] for ph in phases)
+
+
+def assemble(*, owner: np.ndarray, assign_GPP: np.ndarray, kern: Kernels, msgs: Messages, mesh: Mesh,
+             shape: AttnShape, chunk: int, meta: dict, transfers: tuple[Transfer, ...] | None = None) -> TilePlan:
+    """The ``TilePlan`` of an array-form plan (Kernel and Transfer objects are made here, once; ``transfers``, when
+    given, are ``msgs`` as objects already, e.g. cached mask-independent ones)."""
+    return TilePlan(method="ultraattn", mesh=mesh, shape=shape, chunk_size=chunk, num_chunks=int(owner.size),
+                    owner=tuple(owner.tolist()), num_head_groups=int(assign_GPP.shape[0]),
+                    assign_GPP=torch.from_numpy(assign_GPP.astype(np.int32)), kernels=kern.to_kernels(),
+                    transfers=msgs.to_transfers() if transfers is None else transfers, meta=meta)
+
+
+def price_plan(plan: TilePlan, grid: Grid, cost: CostModel, *, backward: bool = True) -> float:
+    """``price`` of any ``TilePlan`` (its kernels and transfers as they are), on ``grid`` (the plan's chunks)."""
+    cells = [(n, k.head_group, i, j) for n, k in enumerate(plan.kernels) for i, j in k.cells]
+    k_N, g_N, i_N, j_N = (np.asarray(x, dtype=np.int64) for x in zip(*cells)) if cells else (np.zeros(0, np.int64),) * 4
+    n = len(plan.kernels)
+    rows = np.bincount(np.unique(k_N * plan.num_chunks + i_N) // plan.num_chunks, minlength=n)
+    phases = (0, 1) if backward else (0,)
+    kern = Kernels.make(grid, g_N, i_N, j_N, k_N, np.asarray([k.rank for k in plan.kernels], dtype=np.int64),
+                        np.asarray([k.stage for k in plan.kernels], dtype=np.int64), rows,
+                        head_dim=plan.shape.head_dim, cost=cost, phases=phases)
+    return price(kern, Messages.of(plan.transfers), np.asarray(plan.owner, dtype=np.int64), plan.num_head_groups,
+                 plan.mesh, cost)
