@@ -225,52 +225,13 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
             "the mask has PARTIAL blocks but no mask_mod to evaluate them: pass the BlockMask, or "
             "mask_mod=... together with the BlockPattern"
         )
-    # Per (b, h): the pattern cell grid, then its partial tiles' bits.
-    kinds: list[Tensor] = []
-    bit_sets: list[Tensor] = []
-    rows = torch.arange(qb)
-    cols = torch.arange(kb)
+    kinds, bit_sets = [], []
     for b in range(batch):
         for h in range(num_heads):
-            g = 0 if groups is None else groups[h]
-            kind = kind_all[b % bp, g]
+            kind = kind_all[b % bp, 0 if groups is None else groups[h]]
             kinds.append(kind)
-            cells = (kind == PARTIAL).nonzero()
-            if not len(cells):
-                bit_sets.append(torch.zeros(0, qb, kb // 8, dtype=torch.uint8))
-                continue
-            chunk = max(1, _EVAL_CHUNK // (qb * kb))
-            parts = []
-            for c0 in range(0, len(cells), chunk):
-                cc = cells[c0:c0 + chunk]
-                qi = (cc[:, 0, None] * qb + rows)[:, :, None]  # [P, qb, 1]
-                ki = (cc[:, 1, None] * kb + cols)[:, None, :]  # [P, 1, kb]
-                # padded positions are evaluated clamped (mask_mods may index tables of the true length)
-                m = eval_mask(mask_mod, torch.tensor(b), torch.tensor(h), qi.clamp(max=q_len - 1),
-                               ki.clamp(max=kv_len - 1))
-                m = m & (qi < q_len) & (ki < kv_len)
-                parts.append(pack_bits(m))
-            bit_sets.append(torch.cat(parts))
-    # Deduplicate (b, h) patterns by content.
-    unique: dict[tuple[bytes, bytes], int] = {}
-    pattern_of = []
-    u_kinds: list[Tensor] = []
-    u_bits: list[Tensor] = []
-    for kind, bits in zip(kinds, bit_sets):
-        key = (kind.numpy().tobytes(), bits.numpy().tobytes())
-        if key not in unique:
-            unique[key] = len(u_kinds)
-            u_kinds.append(kind)
-            u_bits.append(bits)
-        pattern_of.append(unique[key])
-    kind_u = torch.stack(u_kinds)  # [U, NQ, NK]
-    tile_grid = torch.full(kind_u.shape, -1, dtype=torch.int32)
-    offset = 0
-    for u in range(len(u_kinds)):  # tile ids in the order the bits were evaluated (row-major cells)
-        cells = (kind_u[u] == PARTIAL).nonzero()
-        tile_grid[u, cells[:, 0], cells[:, 1]] = torch.arange(offset, offset + len(cells), dtype=torch.int32)
-        offset += len(cells)
-    bits_all = torch.cat(u_bits) if offset else torch.zeros(1, qb, kb // 8, dtype=torch.uint8)
+            bit_sets.append(_partial_bits(mask_mod, kind, b, h, qb, kb, q_len, kv_len))
+    pattern_of, kind_u, bits_all, tile_grid = _dedupe(kinds, bit_sets, qb, kb)
 
     full_cnt, full_idx = _sorted_lists(kind_u == FULL)
     part_cnt, part_idx = _sorted_lists(kind_u == PARTIAL)
@@ -293,3 +254,49 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
         part_q_tile=part_q_tile, bits=bits_all.contiguous(), name=pattern.name,
     )
     return lay.to(device) if torch.device(device).type != "cpu" else lay
+
+
+def _partial_bits(mask_mod: Callable | None, kind: Tensor, b: int, h: int, qb: int, kb: int, q_len: int,
+                  kv_len: int) -> Tensor:
+    """uint8 [cells, qb, kb / 8]: the packed element mask of each PARTIAL cell of one (batch, head) grid, in
+    row-major cell order, evaluated ``_EVAL_CHUNK`` elements at a time."""
+    cells = (kind == PARTIAL).nonzero()
+    if not len(cells):
+        return torch.zeros(0, qb, kb // 8, dtype=torch.uint8)
+    rows, cols = torch.arange(qb), torch.arange(kb)
+    chunk = max(1, _EVAL_CHUNK // (qb * kb))
+    parts = []
+    for c0 in range(0, len(cells), chunk):
+        cc = cells[c0:c0 + chunk]
+        qi = (cc[:, 0, None] * qb + rows)[:, :, None]  # [P, qb, 1]
+        ki = (cc[:, 1, None] * kb + cols)[:, None, :]  # [P, 1, kb]
+        # padded positions are evaluated clamped (mask_mods may index tables of the true length)
+        m = eval_mask(mask_mod, torch.tensor(b), torch.tensor(h), qi.clamp(max=q_len - 1), ki.clamp(max=kv_len - 1))
+        parts.append(pack_bits(m & (qi < q_len) & (ki < kv_len)))
+    return torch.cat(parts)
+
+
+def _dedupe(kinds: list[Tensor], bit_sets: list[Tensor], qb: int, kb: int
+            ) -> tuple[list[int], Tensor, Tensor, Tensor]:
+    """(pattern of each (b, h), the unique cell grids [U, NQ, NK], all their partial tiles' bits, the tile id of
+    each PARTIAL cell of each unique grid [U, NQ, NK] (-1 elsewhere)): (b, h) grids deduplicated by content."""
+    unique: dict[tuple[bytes, bytes], int] = {}
+    pattern_of: list[int] = []
+    u_kinds: list[Tensor] = []
+    u_bits: list[Tensor] = []
+    for kind, bits in zip(kinds, bit_sets):
+        key = (kind.numpy().tobytes(), bits.numpy().tobytes())
+        if key not in unique:
+            unique[key] = len(u_kinds)
+            u_kinds.append(kind)
+            u_bits.append(bits)
+        pattern_of.append(unique[key])
+    kind_u = torch.stack(u_kinds)  # [U, NQ, NK]
+    tile_grid = torch.full(kind_u.shape, -1, dtype=torch.int32)
+    offset = 0
+    for u in range(len(u_kinds)):  # tile ids in the order the bits were evaluated (row-major cells)
+        cells = (kind_u[u] == PARTIAL).nonzero()
+        tile_grid[u, cells[:, 0], cells[:, 1]] = torch.arange(offset, offset + len(cells), dtype=torch.int32)
+        offset += len(cells)
+    bits_all = torch.cat(u_bits) if offset else torch.zeros(1, qb, kb // 8, dtype=torch.uint8)
+    return pattern_of, kind_u, bits_all, tile_grid

@@ -38,7 +38,7 @@ from ultraattn.passes.site import SiteState, seed_plan
 from ultraattn.passes.state import SideTable
 from ultraattn.planner.api import padded_chunk
 from ultraattn.planner.plan import TokenLayout
-from ultraattn.runtime.api import resolve_group
+from ultraattn.runtime.comm import resolve_group
 from ultraattn.runtime.sequence import SequenceShards
 
 

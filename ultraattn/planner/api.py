@@ -29,7 +29,7 @@ from .ilp import SolveInfo
 from .plan import AttnShape, Mesh, TilePlan, TokenLayout, padded_chunk
 from .schedule import Schedule, Workload, build_graph, simulate
 from .schedule_ilp import refine_schedule
-from .tiling import PlannerOptions, tile
+from .tiling import PlannerOptions, TilingResult, tile
 
 
 def workload(pattern: BlockPattern | BlockCells, shape: AttnShape, *, num_chunks: int, head_groups: int = 1,
@@ -235,42 +235,16 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
     """
     if layout is not None:
         check_layout(layout, pattern, shape, mesh)
-    match planner:
-        case "ilp":
-            pass
-        case "fast":
-            return _plan_fast(pattern, shape, mesh, cost=cost, options=options, backward=backward,
-                              baselines=baselines, layout=layout)
-        case _:
-            raise ValueError(f"`planner` must be 'ilp' or 'fast', got {planner!r}")
+    if planner not in ("ilp", "fast"):
+        raise ValueError(f"`planner` must be 'ilp' or 'fast', got {planner!r}")
+    if planner == "fast":
+        return _plan_fast(pattern, shape, mesh, cost=cost, options=options, backward=backward, baselines=baselines,
+                          layout=layout)
     t0 = time.perf_counter()
-    w = mesh.world
     if layout is not None:
         options = dataclasses.replace(options, chunks_per_rank=layout.chunks_per_rank)
-    # [Note] refinement: when whole cells cannot be balanced within the tolerance, cut finer
-    # (UltraAttn refines its table to ParD x ParD); stop at the pattern's own resolution.
-    ev_ours = None
-    tiling = None
-    k = options.chunks_per_rank
-    while True:
-        p = w * k
-        chunk = padded_chunk(shape.seq_len, p, pattern.q_block) if layout is None else layout.chunk_size
-        weight = workload(pattern, shape, num_chunks=p, chunk=chunk).cell_blocks(cost)[0]
-        opts_k = dataclasses.replace(options, chunks_per_rank=k)
-        til = tile(weight, mesh=mesh, shape=shape, chunk=chunk, cost=cost, opts=opts_k, backward=backward,
-                   progress=progress, fixed_owner=None if layout is None else list(layout.owner))
-        cand = make_plan(method="ultraattn", owner=til.owner, assign_GPP=til.assign_PP[None], mesh=mesh,
-                         shape=shape, chunk=chunk, backward=backward, landing=til.landing,
-                         meta={"structure": "tiled", "chunks_per_rank": k})
-        ev = evaluate(cand, pattern, cost=cost, backward=backward)
-        if ev_ours is None or (ev_ours.compute_imbalance > 1 + options.balance_tol
-                               and ev.compute_imbalance < ev_ours.compute_imbalance):
-            ev_ours, tiling = ev, til
-        finer_fits = (layout is None and 2 * k <= 4 * options.chunks_per_rank
-                      and w * 2 * k * pattern.q_block <= pattern.q_len * 2)
-        if ev_ours.compute_imbalance <= 1 + options.balance_tol + 1e-9 or not finer_fits:
-            break
-        k *= 2
+    ev_ours, tiling = _tiled_plan(pattern, shape, mesh, cost=cost, options=options, backward=backward,
+                                  progress=progress, layout=layout)
     sched_info = SolveInfo(name="schedule", status="Skipped", note="disabled")
     if options.schedule_ilp:
         if progress:
@@ -304,14 +278,9 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
         else:
             deferred[name] = bp
     if chosen is not ev_ours:
-        src = chosen.plan
-        plan_b = TilePlan(method="ultraattn", mesh=src.mesh, shape=src.shape, chunk_size=src.chunk_size,
-                          num_chunks=src.num_chunks, owner=src.owner, num_head_groups=src.num_head_groups,
-                          assign_GPP=src.assign_GPP, kernels=src.kernels, transfers=src.transfers,
-                          meta={**src.meta, "structure": src.method})
-        notes.append(f"the {src.method}-structured plan models faster than the tiled plan "
+        notes.append(f"the {chosen.plan.method}-structured plan models faster than the tiled plan "
                      f"({key(chosen):.3f} ms vs {key(ev_ours):.3f} ms): adopted")
-        chosen = evaluate(plan_b, pattern, cost=cost, backward=backward)
+        chosen = evaluate(as_ours(chosen.plan), pattern, cost=cost, backward=backward)
     planning_seconds = time.perf_counter() - t0
     if progress and deferred:
         progress("simulating baselines for the comparison")
@@ -330,6 +299,46 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
     }
     return PlanResult(plan=chosen.plan, evaluations=evals, not_applicable=na, solver=solver,
                       seconds=planning_seconds, pattern=pattern, notes=notes)
+
+
+def _tiled_plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel, options: PlannerOptions,
+                backward: bool, progress, layout: TokenLayout | None) -> tuple[Evaluation, TilingResult]:
+    """The hierarchical tiling's plan (``tiling.tile``) at ``options.chunks_per_rank`` chunks per rank, refined
+    while it misses the balance tolerance; its evaluation and the tiling that made it."""
+    w = mesh.world
+    # [Note] refinement: when whole cells cannot be balanced within the tolerance, cut finer
+    # (UltraAttn refines its table to ParD x ParD); stop at the pattern's own resolution.
+    ev_ours = None
+    tiling = None
+    k = options.chunks_per_rank
+    while True:
+        p = w * k
+        chunk = padded_chunk(shape.seq_len, p, pattern.q_block) if layout is None else layout.chunk_size
+        weight = workload(pattern, shape, num_chunks=p, chunk=chunk).cell_blocks(cost)[0]
+        opts_k = dataclasses.replace(options, chunks_per_rank=k)
+        til = tile(weight, mesh=mesh, shape=shape, chunk=chunk, cost=cost, opts=opts_k, backward=backward,
+                   progress=progress, fixed_owner=None if layout is None else list(layout.owner))
+        cand = make_plan(method="ultraattn", owner=til.owner, assign_GPP=til.assign_PP[None], mesh=mesh,
+                         shape=shape, chunk=chunk, backward=backward, landing=til.landing,
+                         meta={"structure": "tiled", "chunks_per_rank": k})
+        ev = evaluate(cand, pattern, cost=cost, backward=backward)
+        if ev_ours is None or (ev_ours.compute_imbalance > 1 + options.balance_tol
+                               and ev.compute_imbalance < ev_ours.compute_imbalance):
+            ev_ours, tiling = ev, til
+        finer_fits = (layout is None and 2 * k <= 4 * options.chunks_per_rank
+                      and w * 2 * k * pattern.q_block <= pattern.q_len * 2)
+        if ev_ours.compute_imbalance <= 1 + options.balance_tol + 1e-9 or not finer_fits:
+            break
+        k *= 2
+    return ev_ours, tiling
+
+
+def as_ours(src: TilePlan) -> TilePlan:
+    """A baseline's plan adopted as the planner's: same tiles and transfers, ``structure`` names its origin."""
+    return TilePlan(method="ultraattn", mesh=src.mesh, shape=src.shape, chunk_size=src.chunk_size,
+                    num_chunks=src.num_chunks, owner=src.owner, num_head_groups=src.num_head_groups,
+                    assign_GPP=src.assign_GPP, kernels=src.kernels, transfers=src.transfers,
+                    meta={**src.meta, "structure": src.method})
 
 
 def _plan_fast(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel, options: PlannerOptions,

@@ -105,82 +105,94 @@ def tile(weight_PP: torch.Tensor, *, mesh: Mesh, shape: AttnShape, chunk: int, c
     ``fixed_owner`` (a given token layout, one rank per fine chunk): ownership is not chosen, only
     where each cell is computed and where foreign data lands; the levels keep their objectives.
     """
-    n_nodes, n_dev, k = mesh.nodes, mesh.devices, opts.chunks_per_rank
     p = weight_PP.shape[0]
-    assert p == mesh.world * k
+    assert p == mesh.world * opts.chunks_per_rank
     if fixed_owner is not None and len(fixed_owner) != p:
         raise ValueError(f"fixed_owner lists {len(fixed_owner)} chunks, the grid has {p}")
     deadline = time.perf_counter() + opts.time_budget
-    nonempty = weight_PP > 0
-    total = float(weight_PP.sum())
     units = unit_costs(shape, chunk, backward)
-    infos: list[SolveInfo] = []
-    # ---------------------------------------------------------------- node level
-    # [Note] two granularities: coarse items (the node's chunks_per_rank chunks, small enough for
-    # the ILP) cannot see structure finer than a node's share (strided groups interleave blocks);
-    # fine items (up to MAX_NODE_ITEMS) can, but only the heuristic handles their size. Both are
-    # scored on the fine grid and the better is kept.
-    if n_nodes > 1:
-        inv = 1.0 / (cost.inter_bw_GBps * 1e9) / n_dev  # per node: D NICs share the traffic
-        cap = (1 + opts.balance_tol / 2) * total / n_nodes
+    if mesh.nodes > 1:
+        group, node_own_item, node_at, infos = _node_level(weight_PP, mesh=mesh, cost=cost, opts=opts, units=units,
+                                                           deadline=deadline, progress=progress,
+                                                           fixed_owner=fixed_owner)
+    else:
+        group, node_own_item, node_at, infos = mesh.devices, [0] * (p // mesh.devices), None, []
+    node_of_fine = [node_own_item[i // group] for i in range(p)]
+    fine_node_at = torch.full((p, p), -1, dtype=torch.int64)
+    for i, j in (weight_PP > 0).nonzero().tolist():
+        fine_node_at[i, j] = node_at[(i // group, j // group)] if node_at else 0
+    res = _device_level(weight_PP, node_of_fine, fine_node_at, mesh=mesh, cost=cost, opts=opts, units=units,
+                        deadline=deadline, progress=progress, fixed_owner=fixed_owner)
+    res.infos[:0] = infos
+    return res
 
-        def node_level(group: int, name: str, fixed: list[int] | None = None) -> Level:
-            pc = p // group
-            w_c = weight_PP.reshape(pc, group, pc, group).sum(dim=(1, 3))
-            cells = [(i, j) for i in range(pc) for j in range(pc) if w_c[i, j] > 0]
-            return Level(bins=n_nodes, items=pc, counted=[True] * pc, per_bin=pc // n_nodes, cells=cells,
-                         weight=[float(w_c[c]) for c in cells], cap=cap,
-                         **{key: v * group * inv for key, v in units.items()}, name=name, fixed=fixed)
 
-    if n_nodes > 1 and fixed_owner is not None:
+def _node_level(weight_PP: torch.Tensor, *, mesh: Mesh, cost: CostModel, opts: PlannerOptions, units: dict,
+                deadline: float, progress, fixed_owner: list[int] | None
+                ) -> tuple[int, list[int], dict[tuple[int, int], int], list[SolveInfo]]:
+    """(fine chunks per node-level item, the node owning each item, the node computing each item cell, infos).
+
+    [Note] two granularities: coarse items (the node's chunks_per_rank chunks, small enough for
+    the ILP) cannot see structure finer than a node's share (strided groups interleave blocks);
+    fine items (up to MAX_NODE_ITEMS) can, but only the heuristic handles their size. Both are
+    scored on the fine grid and the better is kept.
+    """
+    n_nodes, n_dev, p = mesh.nodes, mesh.devices, weight_PP.shape[0]
+    inv = 1.0 / (cost.inter_bw_GBps * 1e9) / n_dev  # per node: D NICs share the traffic
+    cap = (1 + opts.balance_tol / 2) * float(weight_PP.sum()) / n_nodes
+
+    def node_level(group: int, name: str, fixed: list[int] | None = None) -> Level:
+        pc = p // group
+        w_c = weight_PP.reshape(pc, group, pc, group).sum(dim=(1, 3))
+        cells = [(i, j) for i in range(pc) for j in range(pc) if w_c[i, j] > 0]
+        return Level(bins=n_nodes, items=pc, counted=[True] * pc, per_bin=pc // n_nodes, cells=cells,
+                     weight=[float(w_c[c]) for c in cells], cap=cap,
+                     **{key: v * group * inv for key, v in units.items()}, name=name, fixed=fixed)
+
+    if fixed_owner is not None:
         # the layout fixes each fine chunk's node; only where cells are computed is chosen
         if progress:
             progress("node level (fixed layout)")
-        lv_best = node_level(1, "node level (fixed layout)", fixed=[r // n_dev for r in fixed_owner])
-        sol, info = _solve_level(lv_best, opts, deadline=deadline, instances_left=1 + n_nodes)
-        infos.append(info)
-        group = 1
-        node_own_item = sol.own
-        node_at = {c: b for c, b in zip(lv_best.cells, sol.at)}
-    elif n_nodes > 1:
-        fine_group = next(g for g in range(1, n_dev + 1) if n_dev % g == 0 and p // g <= MAX_NODE_ITEMS)
-        if progress:
-            progress("node level")
-        coarse = node_level(n_dev, "node level")
-        sol_c, info = _solve_level(coarse, opts, deadline=deadline, instances_left=2 + n_nodes)
-        infos.append(info)
-        candidates = [(n_dev, coarse, sol_c)]
-        if fine_group < n_dev:
-            fine = node_level(fine_group, f"node level (fine, {p // fine_group} items)")
-            share = max(0.0, deadline - time.perf_counter()) / (1 + n_nodes)
-            sol_f = heuristic(fine, seconds=min(opts.heuristic_seconds, share), seed=opts.seed)
-            candidates.append((fine_group, fine, sol_f))
-        # score every candidate on the finest node-level grid
-        g0, ref, _ = candidates[-1]
-        scored = []
-        for g, lv_g, sol in candidates:
-            r = g // g0
-            own = [sol.own[i // r] for i in range(ref.items)]
-            at_map = {c: b for c, b in zip(lv_g.cells, sol.at)}
-            at = [at_map[(i // r, j // r)] for i, j in ref.cells]
-            scored.append((evaluate_level(ref, own, at).key(), g, sol, lv_g))
-        _, group, sol, lv_best = min(scored, key=lambda t: t[0])
-        if group != n_dev:
-            info.note = (info.note + "; " if info.note else "") + (
-                f"the fine-item heuristic ({p // group} items) beat the coarse level: adopted")
-            info.used = False
-        node_own_item = sol.own
-        node_at = {c: b for c, b in zip(lv_best.cells, sol.at)}
-    else:
-        group = n_dev
-        node_own_item = [0] * (p // group)
-        node_at = None
-    node_of_fine = [node_own_item[i // group] for i in range(p)]
-    fine_node_at = torch.full((p, p), -1, dtype=torch.int64)
+        lv = node_level(1, "node level (fixed layout)", fixed=[r // n_dev for r in fixed_owner])
+        sol, info = _solve_level(lv, opts, deadline=deadline, instances_left=1 + n_nodes)
+        return 1, sol.own, dict(zip(lv.cells, sol.at)), [info]
+    fine_group = next(g for g in range(1, n_dev + 1) if n_dev % g == 0 and p // g <= MAX_NODE_ITEMS)
+    if progress:
+        progress("node level")
+    coarse = node_level(n_dev, "node level")
+    sol_c, info = _solve_level(coarse, opts, deadline=deadline, instances_left=2 + n_nodes)
+    candidates = [(n_dev, coarse, sol_c)]
+    if fine_group < n_dev:
+        fine = node_level(fine_group, f"node level (fine, {p // fine_group} items)")
+        share = max(0.0, deadline - time.perf_counter()) / (1 + n_nodes)
+        sol_f = heuristic(fine, seconds=min(opts.heuristic_seconds, share), seed=opts.seed)
+        candidates.append((fine_group, fine, sol_f))
+    # score every candidate on the finest node-level grid
+    g0, ref, _ = candidates[-1]
+    scored = []
+    for g, lv_g, sol in candidates:
+        r = g // g0
+        own = [sol.own[i // r] for i in range(ref.items)]
+        at_map = dict(zip(lv_g.cells, sol.at))
+        at = [at_map[(i // r, j // r)] for i, j in ref.cells]
+        scored.append((evaluate_level(ref, own, at).key(), g, sol, lv_g))
+    _, group, sol, lv_best = min(scored, key=lambda t: t[0])
+    if group != n_dev:
+        info.note = (info.note + "; " if info.note else "") + (
+            f"the fine-item heuristic ({p // group} items) beat the coarse level: adopted")
+        info.used = False
+    return group, sol.own, dict(zip(lv_best.cells, sol.at)), [info]
+
+
+def _device_level(weight_PP: torch.Tensor, node_of_fine: list[int], fine_node_at: torch.Tensor, *, mesh: Mesh,
+                  cost: CostModel, opts: PlannerOptions, units: dict, deadline: float, progress,
+                  fixed_owner: list[int] | None) -> TilingResult:
+    """Inside each node: which device owns each of its chunks, computes each of its cells, and where foreign
+    chunks land. Nodes with identical instances share one solution (``cache_hits``)."""
+    n_nodes, n_dev, p = mesh.nodes, mesh.devices, weight_PP.shape[0]
+    nonempty = weight_PP > 0
     nz = nonempty.nonzero().tolist()
-    for i, j in nz:
-        fine_node_at[i, j] = node_at[(i // group, j // group)] if node_at else 0
-    # ---------------------------------------------------------------- device level
+    total = float(weight_PP.sum())
     owner = [-1] * p
     assign = torch.full((p, p), -1, dtype=torch.int32)
     landing: dict[tuple[int, int], int] = {}
@@ -188,33 +200,15 @@ def tile(weight_PP: torch.Tensor, *, mesh: Mesh, shape: AttnShape, chunk: int, c
     inter = 1.0 / (cost.inter_bw_GBps * 1e9)
     cache: dict = {}
     hits = 0
-    dev_infos: list[SolveInfo] = []
+    infos: list[SolveInfo] = []
     for n in range(n_nodes):
         own_fine = [i for i in range(p) if node_of_fine[i] == n]
         my_cells = [(i, j) for i, j in nz if fine_node_at[i, j] == n]
-        # remote needs of this node's own chunks, and this node's needs of remote chunks
-        used_rows = {i for i, _ in my_cells}
-        used_cols = {j for _, j in my_cells}
-        foreign = sorted((used_rows | used_cols) - set(own_fine))
+        foreign = sorted(({i for i, _ in my_cells} | {j for _, j in my_cells}) - set(own_fine))
         items = own_fine + foreign
         idx = {c: m for m, c in enumerate(items)}
-        ext_in = [0.0] * len(items)
-        ext_out = [0.0] * len(items)
-        for c in foreign:
-            m = idx[c]
-            if c in used_rows:
-                ext_in[m] += units["RI"] * inter
-                ext_out[m] += units["RO"] * inter
-            if c in used_cols:
-                ext_in[m] += units["CI"] * inter
-                ext_out[m] += units["CO"] * inter
-        if n_nodes > 1:
-            for c in own_fine:
-                m = idx[c]
-                row_nodes = set(fine_node_at[c][nonempty[c]].tolist()) - {n}
-                col_nodes = set(fine_node_at[:, c][nonempty[:, c]].tolist()) - {n}
-                ext_out[m] += (len(row_nodes) * units["RI"] + len(col_nodes) * units["CI"]) * inter
-                ext_in[m] += (len(row_nodes) * units["RO"] + len(col_nodes) * units["CO"]) * inter
+        ext_in, ext_out = _external(n, own_fine, foreign, my_cells, idx, fine_node_at, nonempty, units,
+                                    inter, n_nodes > 1)
         cells = [(idx[i], idx[j]) for i, j in my_cells]
         weights = [float(weight_PP[i, j]) for i, j in my_cells]
         fixed = None if fixed_owner is None else [fixed_owner[c] - n * n_dev for c in own_fine] + [-1] * len(foreign)
@@ -226,21 +220,47 @@ def tile(weight_PP: torch.Tensor, *, mesh: Mesh, shape: AttnShape, chunk: int, c
             hits += 1
         else:
             lv = Level(bins=n_dev, items=len(items), counted=[True] * len(own_fine) + [False] * len(foreign),
-                       per_bin=k, cells=cells, weight=weights, cap=(1 + opts.balance_tol) * total / mesh.world,
+                       per_bin=opts.chunks_per_rank, cells=cells, weight=weights,
+                       cap=(1 + opts.balance_tol) * total / mesh.world,
                        **{kk: v * intra for kk, v in units.items()}, extra_in=ext_in, extra_out=ext_out,
                        name=f"device level (node {n})", fixed=fixed)
             if progress:
                 progress(f"device level, node {n}")
             sol, info = _solve_level(lv, opts, deadline=deadline, instances_left=n_nodes - n)
-            dev_infos.append(info)
+            infos.append(info)
             cache[key] = sol
         for c, m in idx.items():
-            r = n * n_dev + sol.own[m]
             if c in own_fine:
-                owner[c] = r
+                owner[c] = n * n_dev + sol.own[m]
             else:
-                landing[(c, n)] = r
+                landing[(c, n)] = n * n_dev + sol.own[m]
         for (i, j), b in zip(my_cells, sol.at):
             assign[i, j] = n * n_dev + b
-    infos.extend(dev_infos)
     return TilingResult(owner=owner, assign_PP=assign, landing=landing, infos=infos, cache_hits=hits)
+
+
+def _external(n: int, own_fine: list[int], foreign: list[int], my_cells: list[tuple[int, int]], idx: dict[int, int],
+              fine_node_at: torch.Tensor, nonempty: torch.Tensor, units: dict, inter: float, multi_node: bool
+              ) -> tuple[list[float], list[float]]:
+    """Seconds of node-crossing traffic each item of node ``n``'s device level brings in and sends out: foreign
+    chunks its cells need, and (with several nodes) its own chunks other nodes' cells need."""
+    used_rows = {i for i, _ in my_cells}
+    used_cols = {j for _, j in my_cells}
+    ext_in = [0.0] * len(idx)
+    ext_out = [0.0] * len(idx)
+    for c in foreign:
+        m = idx[c]
+        if c in used_rows:
+            ext_in[m] += units["RI"] * inter
+            ext_out[m] += units["RO"] * inter
+        if c in used_cols:
+            ext_in[m] += units["CI"] * inter
+            ext_out[m] += units["CO"] * inter
+    if multi_node:
+        for c in own_fine:
+            m = idx[c]
+            row_nodes = set(fine_node_at[c][nonempty[c]].tolist()) - {n}
+            col_nodes = set(fine_node_at[:, c][nonempty[:, c]].tolist()) - {n}
+            ext_out[m] += (len(row_nodes) * units["RI"] + len(col_nodes) * units["CI"]) * inter
+            ext_in[m] += (len(row_nodes) * units["RO"] + len(col_nodes) * units["CO"]) * inter
+    return ext_in, ext_out

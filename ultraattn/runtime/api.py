@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from ..planner.cost import DEFAULT_COST, CostModel
 from ..planner.fast import FastPlanner, planner_key
 from ..planner.plan import AttnShape, Mesh, TilePlan, TokenLayout
 from ..planner.tiling import PlannerOptions
-from .comm import Comm, store_exchange
+from .comm import Comm, resolve_group, store_exchange
 from .executor import Executor, run
 from .online import ONLINE
 from .sequence import SequenceShards
@@ -157,53 +156,6 @@ class AttentionPlan:
 
 
 # ----------------------------------------------------------------------------- process group / mesh
-def resolve_group(mesh, group) -> tuple[Mesh, tuple[int, ...], object, int]:
-    """The process group a plan runs on: (planner mesh, global ranks in plan order, communication group, this
-    plan rank)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        if mesh is not None or group is not None:
-            raise RuntimeError(
-                "plan_attention: `mesh`/`group` given but torch.distributed is not initialised; call "
-                "torch.distributed.init_process_group first (or pass neither for one process)"
-            )
-        if env_world > 1:
-            raise RuntimeError(
-                f"plan_attention: WORLD_SIZE={env_world} but torch.distributed is not initialised; call "
-                f"torch.distributed.init_process_group(backend='gloo' or 'nccl') before planning"
-            )
-        return Mesh(nodes=1, devices=1), (0,), None, 0
-    me = dist.get_rank()
-    if mesh is not None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"`mesh` must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
-        grid = mesh.mesh
-        if grid.dim() == 1:
-            pm = Mesh(nodes=1, devices=grid.numel())
-        elif grid.dim() == 2:
-            pm = Mesh(nodes=grid.shape[0], devices=grid.shape[1])
-        else:
-            raise ValueError(f"`mesh` must be 1-D or 2-D (nodes x devices), got {grid.dim()}-D {tuple(grid.shape)}")
-        ranks = tuple(int(x) for x in grid.flatten().tolist())
-        comm_group = group if group is not None else (mesh.get_group() if grid.dim() == 1 else dist.group.WORLD)
-        group_ranks = tuple(dist.get_process_group_ranks(comm_group))
-        if sorted(group_ranks) != sorted(ranks):
-            raise ValueError(
-                f"`mesh` covers ranks {sorted(ranks)} but the process group has ranks {sorted(group_ranks)}; pass a "
-                f"mesh over exactly the group's ranks (or the matching `group`)"
-            )
-    else:
-        comm_group = group if group is not None else dist.group.WORLD
-        ranks = tuple(dist.get_process_group_ranks(comm_group))
-        pm = Mesh(nodes=1, devices=len(ranks))
-    if me not in ranks:
-        raise ValueError(f"this process (global rank {me}) is not in the plan's ranks {list(ranks)}")
-    return pm, ranks, comm_group, ranks.index(me)
-
-
-# ----------------------------------------------------------------------------- masks
 def _resolve_mask(mask, *, seqlen: int, batch: int, num_heads: int, block_size: int, mask_mod):
     if isinstance(mask, BlockMask):
         q_len, kv_len = mask.seq_lengths
@@ -340,6 +292,16 @@ def plan_attention(
         return _plan_fast(mask, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me, dtype=dtype,
                           block_size=block_size, mask_mod=mask_mod, options=options or PlannerOptions(), cost=cost,
                           timeout=timeout, layout=layout, debug=debug)
+    return _plan_ilp(mask, which=which, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me,
+                     dtype=dtype, block_size=block_size, mask_mod=mask_mod, method=method, options=options, cost=cost,
+                     timeout=timeout, layout=layout)
+
+
+def _plan_ilp(mask, *, which: str, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: int, dtype: torch.dtype,
+              block_size: int, mask_mod, method: str, options: PlannerOptions | None, cost: CostModel, timeout: float,
+              layout: TokenLayout | None) -> AttentionPlan:
+    """Rank 0 plans with the ILP planner (or builds the baseline ``method``) and broadcasts the plan."""
+    seqlen, batch, num_heads = shape.seq_len, shape.batch, shape.num_heads
     pattern, mm = _resolve_mask(mask, seqlen=seqlen, batch=batch, num_heads=num_heads, block_size=block_size,
                                 mask_mod=mask_mod)
     if pattern.num_batch_patterns not in (1, batch):

@@ -1,4 +1,5 @@
-"""Point-to-point messages over torch.distributed with byte accounting and bounded waits.
+"""Point-to-point messages over torch.distributed with byte accounting and bounded waits; the process group a
+plan runs on (``resolve_group``).
 
 Every message is ONE contiguous uint8 buffer holding the tensors of one planner unit
 (plan.py's byte table), so the bytes that move are exactly ``buffer.numel()`` and can be
@@ -14,6 +15,7 @@ that peer and what was expected from it, instead of hanging.
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from ..planner.plan import Mesh
 
 
 class RankTimeoutError(RuntimeError):
@@ -166,3 +170,49 @@ def _all_gather_single(out: Tensor, inp: Tensor, *, group, async_op: bool):
     """``all_gather_single`` (torch >= 2.13) or ``all_gather_into_tensor`` (older: the GPU machine's 2.11)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=async_op)
+
+
+def resolve_group(mesh, group) -> tuple[Mesh, tuple[int, ...], object, int]:
+    """The process group a plan runs on: (planner mesh, global ranks in plan order, communication group, this
+    plan rank)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if mesh is not None or group is not None:
+            raise RuntimeError(
+                "plan_attention: `mesh`/`group` given but torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group first (or pass neither for one process)"
+            )
+        if env_world > 1:
+            raise RuntimeError(
+                f"plan_attention: WORLD_SIZE={env_world} but torch.distributed is not initialised; call "
+                f"torch.distributed.init_process_group(backend='gloo' or 'nccl') before planning"
+            )
+        return Mesh(nodes=1, devices=1), (0,), None, 0
+    me = dist.get_rank()
+    if mesh is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"`mesh` must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
+        grid = mesh.mesh
+        if grid.dim() == 1:
+            pm = Mesh(nodes=1, devices=grid.numel())
+        elif grid.dim() == 2:
+            pm = Mesh(nodes=grid.shape[0], devices=grid.shape[1])
+        else:
+            raise ValueError(f"`mesh` must be 1-D or 2-D (nodes x devices), got {grid.dim()}-D {tuple(grid.shape)}")
+        ranks = tuple(int(x) for x in grid.flatten().tolist())
+        comm_group = group if group is not None else (mesh.get_group() if grid.dim() == 1 else dist.group.WORLD)
+        group_ranks = tuple(dist.get_process_group_ranks(comm_group))
+        if sorted(group_ranks) != sorted(ranks):
+            raise ValueError(
+                f"`mesh` covers ranks {sorted(ranks)} but the process group has ranks {sorted(group_ranks)}; pass a "
+                f"mesh over exactly the group's ranks (or the matching `group`)"
+            )
+    else:
+        comm_group = group if group is not None else dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(comm_group))
+        pm = Mesh(nodes=1, devices=len(ranks))
+    if me not in ranks:
+        raise ValueError(f"this process (global rank {me}) is not in the plan's ranks {list(ranks)}")
+    return pm, ranks, comm_group, ranks.index(me)

@@ -115,6 +115,20 @@ def _bucket(steps: list[Step], level: dict[int, int]) -> list[list[Step]]:
     return out
 
 
+def _finishers(plan: TilePlan, by: dict) -> dict[tuple[str, int, int], int]:
+    """(partial tensor, chunk, head group) -> the rank that finishes the unit: its owner, unless a final
+    transfer of the unit is sent from elsewhere (the sender finished it)."""
+    finisher: dict[tuple[str, int, int], int] = {}
+    for part, fin in _FINAL_OF.items():
+        for c in range(plan.num_chunks):
+            for g in range(plan.num_head_groups):
+                finisher[(part, c, g)] = plan.owner[c]
+        for ph in ("fwd", "bwd"):
+            for _, t in by[(ph, fin)]:
+                finisher[(part, t.chunk, t.head_group)] = t.src
+    return finisher
+
+
 def build_program(plan: TilePlan, rank: int) -> RankProgram:
     """The static per-rank program (module docstring); raises ``PlanExecutionError`` on an inconsistent plan."""
     owner = plan.owner
@@ -140,15 +154,7 @@ def build_program(plan: TilePlan, rank: int) -> RankProgram:
             computes_col[(j, k.head_group)].add(k.rank)
         if k.rank == rank:
             rows_of_rank.extend((k.head_group, i, sorted(js)) for i, js in per_row.items())
-    # finishers of each partial unit
-    finisher: dict[tuple[str, int, int], int] = {}
-    for part, fin in _FINAL_OF.items():
-        for c in range(plan.num_chunks):
-            for g in range(g_count):
-                finisher[(part, c, g)] = owner[c]
-        for ph in ("fwd", "bwd"):
-            for _, t in by[(ph, fin)]:
-                finisher[(part, t.chunk, t.head_group)] = t.src
+    finisher = _finishers(plan, by)
     owned_units = {(c, g) for c in range(plan.num_chunks) for g in range(g_count)}
 
     def recv_of(phase: str, tensor: str, r: int) -> set[tuple[int, int]]:
