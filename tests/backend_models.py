@@ -141,6 +141,9 @@ def compiled_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
     res = step(cm, tokens, bm)
     res["rewritten"] = counters["ultraattn"]["rewritten"]
     res["graphs"] = counters["ultraattn"]["graphs"]
+    from ultraattn.passes import side_table
+
+    res["planners"] = sorted({ev.planner for ev in side_table().plan_events})
     return res
 
 

@@ -67,6 +67,9 @@ def test_unknown_and_bad_options_are_errors():
     with pytest.raises(Exception, match=r"options\['cost'\] has unknown field"):
         torch.compile(f, backend="ultraattn", options={"cost": {"speed": 1}})(q)
     torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"options\['planner'\]='greedy': expected one of auto, fast, ilp"):
+        torch.compile(f, backend="ultraattn", options={"planner": "greedy"})(q)
+    torch._dynamo.reset()
     with pytest.raises(Exception, match="needs an initialised process group"):
         torch.compile(f, backend="ultraattn", options={"world_size": 2})(q)
 
@@ -177,6 +180,8 @@ def test_ranks_match_single_device(world, name):
     res = run_ranks(compiled_worker, world, args=(spec, FAST), timeout=600)
     for r, got in enumerate(res):
         assert got["rewritten"] == 2, r
+        # planner "auto": the fast planner for a mask met at run time, the ILP planner for one known at compile time
+        assert got["planners"] == (["fast"] if spec["attn"] == "flex" else ["ilp"]), (r, got["planners"])
         problems = check_against_oracle(spec, got)
         assert not problems, f"rank {r}: {problems}"
 
@@ -276,6 +281,7 @@ def test_report_file_and_cli(tmp_path):
                          text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
     assert out.returncode == 0, out.stderr
     assert "sdpa#0" in out.stdout and "rewritten (causal)" in out.stdout and "planned in" in out.stdout
+    assert "planning per step" in out.stdout and "kernels" in out.stdout, out.stdout
     assert main(["report", str(tmp_path / "missing.json")]) == 2
 
 

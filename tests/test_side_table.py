@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 import ultraattn
 from ultraattn.cache import LRU
 from ultraattn.passes import find_sites, parse_options, side_table
-from ultraattn.passes.records import CompileReport
+from ultraattn.passes.records import REPORT_VERSION, CompileReport
 from ultraattn.passes.rewrite import rewrite_sites
 from ultraattn.report.compile_report import load_report
 
@@ -105,8 +105,12 @@ def test_records_round_trip_through_a_saved_report(tmp_path):
     assert CompileReport.from_json(json.loads(json.dumps(snap.to_json()))) == snap
     loaded = load_report(path)  # written at the last plan event: the graphs and both sites' latest plans
     assert loaded.graphs == snap.graphs and {p.site for p in loaded.plans} == {"flex#0", "flex#1"}
+    # the history: every plan made, by site and call (the step), planner and time, without comparisons
+    assert [(ev.site, ev.call) for ev in loaded.history] == [("flex#0", 1), ("flex#1", 1), ("flex#0", 2),
+                                                             ("flex#1", 2)], loaded.history
+    assert all(ev.planner == "kernels" and ev.seconds > 0 and ev.comparison is None for ev in loaded.history)
     path.write_text(json.dumps({"version": 1, "graphs": []}))
-    with pytest.raises(ValueError, match="report version 1 is not 2: save the report again"):
+    with pytest.raises(ValueError, match=f"report version 1 is not {REPORT_VERSION}: save the report again"):
         load_report(path)
 
 

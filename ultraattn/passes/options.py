@@ -26,6 +26,7 @@ ReportMode = Literal["off", "summary", "full"]
 Outputs = Literal["global", "sharded"]
 Compiler = Literal["inductor", "aot_eager", "eager"]
 Method = Literal["ultraattn", "ring", "zigzag", "allgather", "ulysses", "usp"]
+PlannerName = Literal["auto", "fast", "ilp"]
 assert set(get_args(Method)) == {"ultraattn", *BASELINES}, "Method must list the planner and every baseline"
 
 
@@ -52,6 +53,11 @@ class BackendOptions:
     """Cost-model overrides (fields of ultraattn.planner.cost.CostModel)."""
     method: Method = "ultraattn"
     """The planner, or a baseline plan for comparisons."""
+    planner: PlannerName = "auto"
+    """Which planner plans ``method="ultraattn"``: auto (the ILP planner for masks known at compile time, i.e.
+    causal or no mask, planned once; the fast planner for masks met at run time: BlockMask and boolean-mask
+    sites, new every batch for packed documents), fast (``planner.fast``: milliseconds, every rank plans for
+    itself) or ilp (hierarchical ILPs: seconds, rank 0 plans and broadcasts)."""
     block_size: int = 128
     """Block size of masks the backend builds (SDPA sites); a BlockMask keeps its own."""
     timeout: float = 300.0
@@ -78,7 +84,8 @@ class BackendOptions:
 
 
 VALID = tuple(f.name for f in fields(BackendOptions))
-_CHOICES = {"report": ReportMode, "outputs": Outputs, "compiler": Compiler, "method": Method}
+_CHOICES = {"report": ReportMode, "outputs": Outputs, "compiler": Compiler, "method": Method,
+            "planner": PlannerName}
 
 
 def _check_values(opts: BackendOptions) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
-REPORT_VERSION = 2
+REPORT_VERSION = 3
 """Saved report files carry this; ``CompileReport.from_json`` refuses other versions with the fix."""
 
 
@@ -219,6 +219,12 @@ class PlanEvent:
     method: str = ""
     comparison: dict | None = None
     """Modeled figures of ultraattn and every baseline (``report.plan_report.comparison``)."""
+    planner: str = ""
+    """Which planner made it: "fast", "ilp", "baseline", or "kernels" (a kernel layout at world size 1)."""
+    ahead: bool = False
+    """The fast plan was made on the worker thread before the step asked (``ultraattn.plan_ahead``)."""
+    call: int = 0
+    """The site's call number (its step) that needed the plan."""
     result: Any = field(default=None, compare=False)
     """The planner's full result (for the full live report); not saved."""
 
@@ -258,11 +264,15 @@ class CompileReport:
     plans: tuple[PlanEvent, ...] = ()
     """The latest plan of each site."""
     stats: tuple[SiteStats, ...] = ()
+    history: tuple[PlanEvent, ...] = ()
+    """Every plan event kept (the newest ``MAX_PLAN_EVENTS``), in order, without comparisons: the planning time
+    and planner of each step that planned."""
 
     def to_json(self) -> dict:
         return {"version": REPORT_VERSION, "graphs": [g.to_json() for g in self.graphs],
                 "aot_graphs": [g.to_json() for g in self.aot_graphs], "plans": [p.to_json() for p in self.plans],
-                "stats": [s.to_json() for s in self.stats]}
+                "stats": [s.to_json() for s in self.stats],
+                "history": [p.to_json() for p in self.history]}
 
     @classmethod
     def from_json(cls, d: dict) -> CompileReport:
@@ -273,7 +283,8 @@ class CompileReport:
         return cls(graphs=tuple(GraphRecord.from_json(g) for g in d["graphs"]),
                    aot_graphs=tuple(AotGraphRecord.from_json(g) for g in d["aot_graphs"]),
                    plans=tuple(PlanEvent.from_json(p) for p in d["plans"]),
-                   stats=tuple(SiteStats.from_json(s) for s in d["stats"]))
+                   stats=tuple(SiteStats.from_json(s) for s in d["stats"]),
+                   history=tuple(PlanEvent.from_json(p) for p in d["history"]))
 
 
 class Observer(Protocol):

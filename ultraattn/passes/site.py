@@ -189,7 +189,7 @@ def make_runner(spec: SiteSpec, layout: TokenLayout | None, q_shape: tuple, kv_s
     return plan_attention(mask, seqlen=S, num_heads=H, head_dim=D, num_kv_heads=kv_shape[1], batch=B, mesh=opts.mesh,
                           dtype=dtype, block_size=opts.block_size, mask_mod=mask_mod, method=opts.method,
                           options=opts.planner_options(), cost=opts.cost_model(), timeout=opts.timeout,
-                          layout=layout)
+                          layout=layout, planner=opts.planner, debug=opts.debug)
 
 
 def plan_offline(spec: SiteSpec, tensors: Sequence[Tensor], *, nodes: int, devices: int
@@ -204,7 +204,15 @@ def plan_offline(spec: SiteSpec, tensors: Sequence[Tensor], *, nodes: int, devic
     pattern = to_block_pattern(mask, q_len=S, kv_len=S, block_size=spec.options.block_size, batch=B, num_heads=H)
     shape = AttnShape(seq_len=S, num_heads=H, head_dim=D, num_kv_heads=spec.kv_shape[1], batch=B)
     return plan(pattern, shape, Mesh(nodes=nodes, devices=devices), cost=spec.options.cost_model(),
-                options=spec.options.planner_options())
+                options=spec.options.planner_options(), planner=offline_planner(spec))
+
+
+def offline_planner(spec: SiteSpec) -> str:
+    """The planner ``options["planner"]`` picks for this site: "auto" is the ILP planner for a mask known at
+    compile time and the fast planner for one met at run time (what ``plan_attention`` picks on a rank)."""
+    if spec.options.planner != "auto":
+        return spec.options.planner
+    return "ilp" if spec.static_mask else "fast"
 
 
 def _plan_key(state: SiteState, q_shape, kv_shape, dtype, device, tensors: Sequence[Tensor]) -> str:
@@ -214,6 +222,7 @@ def _plan_key(state: SiteState, q_shape, kv_shape, dtype, device, tensors: Seque
 
 
 def plan_event(state: SiteState, runner: Runner, seconds: float) -> PlanEvent:
+    """What ``runner_for`` made for the site's call number ``state.calls``, in ``seconds`` on the step's path."""
     spec = state.spec
     if isinstance(runner, AttentionPlan):
         res = runner.planner_result
@@ -221,9 +230,9 @@ def plan_event(state: SiteState, runner: Runner, seconds: float) -> PlanEvent:
                          hash=runner.tile_plan.content_hash()[:16],
                          structure=str(runner.tile_plan.meta.get("structure")),
                          method=runner.tile_plan.method, comparison=method_summaries(res) if res is not None else None,
-                         result=res)
+                         result=res, planner=runner.planner, ahead=runner.planned_ahead, call=state.calls)
     return PlanEvent(site=spec.name, graph=spec.graph, rank=0, world=1, seconds=seconds, hash="kernels",
-                     structure=repr(runner))
+                     structure=repr(runner), planner="kernels", call=state.calls)
 
 
 def runner_for(state: SiteState, q_shape: tuple, kv_shape: tuple, dtype: torch.dtype, device,

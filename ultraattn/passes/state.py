@@ -24,6 +24,7 @@ holds it is garbage collected (``forget_with``), so recompiles do not grow the t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import threading
 import weakref
@@ -138,11 +139,13 @@ class SideTable:
             graphs = [g for g in self.graphs if report_file is None or g.report_file == report_file]
             idx = {g.index for g in graphs}
             latest: dict[tuple[int, str], PlanEvent] = {}
+            history = []
             for ev in self.plan_events:
                 if ev.graph in idx:
                     latest[(ev.graph, ev.site)] = ev
+                    history.append(dataclasses.replace(ev, comparison=None, result=None))
             return CompileReport(graphs=tuple(graphs), aot_graphs=tuple(g for g in self.aot_graphs if g.graph in idx),
-                                 plans=tuple(latest.values()),
+                                 plans=tuple(latest.values()), history=tuple(history),
                                  stats=tuple(s.stats() for g in graphs for s in self.sites_of(g)))
 
     # ------------------------------------------------------------------ reset

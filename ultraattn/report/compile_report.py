@@ -138,9 +138,36 @@ def plans_table(stats: list[SiteStats] | tuple[SiteStats, ...]) -> Table:
     return t
 
 
+def duration(seconds: float) -> str:
+    """Milliseconds under a second (run-time plans), else seconds."""
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _planner_words(ev: PlanEvent) -> str:
+    if not ev.planner:
+        return ""
+    how = {"fast": "fast planner", "ilp": "ILP planner", "baseline": f"baseline {ev.method}",
+           "kernels": "kernel layout"}.get(ev.planner, ev.planner)
+    return f"{how}{', made ahead' if ev.ahead else ''}, "
+
+
 def plan_line(ev: PlanEvent) -> str:
-    return (f"[bold]ultraattn[/bold] {ev.site}: planned in {ev.seconds:.2f} s ({ev.structure}, plan {ev.hash}, "
-            f"{ev.world} ranks)")
+    return (f"[bold]ultraattn[/bold] {ev.site} (call {ev.call}): planned in {duration(ev.seconds)} "
+            f"({_planner_words(ev)}{ev.structure}, plan {ev.hash}, {ev.world} ranks)")
+
+
+def planning_table(history: tuple[PlanEvent, ...] | list[PlanEvent], *, last: int | None = None) -> Table:
+    """One row per plan made at run time: the step (the site's call) that needed it, the planner, the time the
+    step spent (a plan made ahead costs the step only the lookup) and the plan's hash."""
+    rows = list(history)[-last:] if last else list(history)
+    t = Table(title="planning per step" + (f" (last {len(rows)})" if last and len(history) > last else ""),
+              title_justify="left")
+    for col in ("site", "call", "planner", "ahead", "on the step", "structure", "plan"):
+        t.add_column(col, justify="right" if col in ("call", "on the step") else "left")
+    for ev in rows:
+        t.add_row(ev.site, str(ev.call), ev.planner or "?", "yes" if ev.ahead else "", duration(ev.seconds),
+                  ev.structure, ev.hash)
+    return t
 
 
 def print_plan_event(ev: PlanEvent, *, full: bool, console: Console | None = None) -> None:
@@ -179,8 +206,10 @@ def render_saved(path: str | os.PathLike, console: Console | None = None) -> Non
         for aot in report.aot_graphs:
             if aot.graph == g.index and aot.expanded:
                 console.print(schedule_table(aot))
+    if report.history:
+        console.print(planning_table(report.history))
     for p in report.plans:
-        console.print(f"[bold]{p.site}[/bold]: planned in {p.seconds:.2f} s, plan {p.hash}, {p.world} ranks, "
-                      f"structure {p.structure}")
+        console.print(f"[bold]{p.site}[/bold] (latest plan, call {p.call}): planned in {duration(p.seconds)} "
+                      f"({_planner_words(p)}plan {p.hash}, {p.world} ranks, structure {p.structure})")
         if p.comparison:
             console.print(comparison_table(p.comparison, title=f"{p.site}: modeled time against the baselines"))
