@@ -98,9 +98,16 @@ def test_layout_errors_name_the_fix():
         K.make_layout(pattern_from_mask_mod(doc, 64, 64, block_size=32, batch=2), batch=3, mask_mod=doc)
 
 
-def test_pack_unpack_roundtrip():
-    m = torch.rand(5, 16, 64) < 0.3
-    assert torch.equal(K.unpack_bits(K.pack_bits(m), 64), m)
+@pytest.mark.parametrize("kb", [16, 64, 96])
+def test_pack_unpack_roundtrip(kb):
+    m = torch.rand(5, 16, kb) < 0.3
+    m[:, 0, min(31, kb - 1)] = True  # bit 31 of a word is its sign bit
+    packed = K.pack_bits(m)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 16, (kb + 31) // 32)
+    assert torch.equal(K.unpack_bits(packed, kb), m)
+    # the words' little-endian bytes hold bit c % 8 of byte c // 8 (the layout's documented order)
+    as_bytes = packed.contiguous().view(torch.uint8)[..., : kb // 8].to(torch.int32)
+    assert torch.equal(((as_bytes[..., None] >> torch.arange(8)) & 1).reshape(5, 16, kb).bool(), m)
 
 
 # ----------------------------------------------------------------------------- reference op (CPU path)

@@ -44,6 +44,18 @@ def bwd_configs(qb: int, kb: int):
     return _configs(_BWD, qb, kb)
 
 
+def tile_configs(kernel: str, qb: int, kb: int, *, head_dim: int, arch: int) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner may launch for ``kernel`` ('fwd', 'dq', 'dkv')."""
+    return _fit(_FWD if kernel == "fwd" else _BWD, qb, kb)
+
+
+def launch_constexprs(dtype: str, head_dim: int, group: int, q_block: int, kv_block: int, *,
+                      interpret: bool) -> dict:
+    """The compile-time arguments every kernel takes, from the inputs' dtype ('bf16', 'fp16', 'fp32')."""
+    return dict(GROUP=group, D=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), QB=q_block,
+                KB=kv_block, UPCAST=interpret or dtype == "fp32", PREC="ieee" if dtype == "fp32" else "tf32")
+
+
 def interpret_blocks(qb: int, kb: int) -> tuple[int, int]:
     """Tile shape under the interpreter: 64 at most, so 128-blocks also exercise the sub-tile loops."""
     return min(qb, 64), min(kb, 64)

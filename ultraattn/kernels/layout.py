@@ -8,10 +8,10 @@ cached by the caller:
   (FlexAttention's ``kv_num_blocks``/``kv_indices`` form, split by kind so that FULL blocks
   run a loop body without any mask code); and the transposed lists (for each KV block, the
   Q blocks that see it) for the dK/dV kernel. Lists are int32 ``[U, N, N']`` with a count.
-* **Bit tiles.** Each PARTIAL cell gets a tile of ``q_block x kv_block`` bits, packed 8 per
-  byte along the KV axis (``bits[t, r, c // 8] >> (c % 8) & 1``). A kernel applies it with
-  one byte load per element (neighbouring lanes read the same byte, served from L1) and a
-  shift: no Python, no mask_mod compiled into the kernel, so one compiled kernel serves
+* **Bit tiles.** Each PARTIAL cell gets a tile of ``q_block x kv_block`` bits, packed 32 per
+  int32 word along the KV axis (``bits[t, r, c // 32] >> (c % 32) & 1``). A kernel applies it
+  with one word load per 32 elements and shifts: no Python, no mask_mod compiled into the
+  kernel, so one compiled kernel serves
   every mask (any BlockMask, data-dependent document masks included) without recompiling.
   A 128 x 128 tile is 2 KiB, an eighth of a dense bool tile and 1/32 of the K/V tile it
   gates. Generating code from the mask_mod would save those loads but recompile per mask
@@ -72,7 +72,7 @@ class BlockSparseLayout:
     part_q_idx: Tensor
     part_q_tile: Tensor
     bits: Tensor
-    """uint8 [P, q_block, kv_block // 8]: packed masks of the PARTIAL cells (P >= 1)."""
+    """int32 [P, q_block, ceil(kv_block / 32)]: packed masks of the PARTIAL cells (P >= 1)."""
     name: str = "custom"
 
     @property
@@ -128,17 +128,23 @@ class BlockSparseLayout:
 
 
 def pack_bits(mask: Tensor) -> Tensor:
-    """bool [..., K] (K % 8 == 0) -> uint8 [..., K // 8], bit c % 8 of byte c // 8."""
+    """bool [..., K] -> int32 [..., ceil(K / 32)]: bit c % 32 of word c // 32 (K % 8 == 0).
+
+    The same bits as little-endian bytes with bit c % 8 of byte c // 8; words let a kernel fetch
+    32 mask elements with one load (``triton_kernels._load_bits``)."""
     *lead, k = mask.shape
-    weights = (1 << torch.arange(8, dtype=torch.int32, device=mask.device))
-    return (mask.reshape(*lead, k // 8, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+    w = (k + 31) // 32
+    m = torch.nn.functional.pad(mask.to(torch.int64), (0, 32 * w - k)).reshape(*lead, w, 32)
+    weights = torch.ones(32, dtype=torch.int64, device=mask.device) << torch.arange(32, device=mask.device)
+    words = (m * weights).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # two's complement
 
 
 def unpack_bits(bits: Tensor, k: int) -> Tensor:
-    """uint8 [..., K // 8] -> bool [..., K]."""
-    shifts = torch.arange(8, dtype=torch.int32, device=bits.device)
+    """int32 [..., ceil(K / 32)] -> bool [..., K]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
     out = (bits.to(torch.int32)[..., None] >> shifts) & 1
-    return out.reshape(*bits.shape[:-1], k).bool()
+    return out.reshape(*bits.shape[:-1], -1)[..., :k].bool()
 
 
 def _mask_mod_for(mask: BlockPattern | BlockMask | str | Callable, mask_mod: Callable | None) -> Callable | None:
@@ -258,11 +264,11 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
 
 def _partial_bits(mask_mod: Callable | None, kind: Tensor, b: int, h: int, qb: int, kb: int, q_len: int,
                   kv_len: int) -> Tensor:
-    """uint8 [cells, qb, kb / 8]: the packed element mask of each PARTIAL cell of one (batch, head) grid, in
+    """int32 [cells, qb, ceil(kb / 32)]: the packed element mask of each PARTIAL cell of one (batch, head) grid, in
     row-major cell order, evaluated ``_EVAL_CHUNK`` elements at a time."""
     cells = (kind == PARTIAL).nonzero()
     if not len(cells):
-        return torch.zeros(0, qb, kb // 8, dtype=torch.uint8)
+        return torch.zeros(0, qb, (kb + 31) // 32, dtype=torch.int32)
     rows, cols = torch.arange(qb), torch.arange(kb)
     chunk = max(1, _EVAL_CHUNK // (qb * kb))
     parts = []
@@ -298,5 +304,5 @@ def _dedupe(kinds: list[Tensor], bit_sets: list[Tensor], qb: int, kb: int
         cells = (kind_u[u] == PARTIAL).nonzero()
         tile_grid[u, cells[:, 0], cells[:, 1]] = torch.arange(offset, offset + len(cells), dtype=torch.int32)
         offset += len(cells)
-    bits_all = torch.cat(u_bits) if offset else torch.zeros(1, qb, kb // 8, dtype=torch.uint8)
+    bits_all = torch.cat(u_bits) if offset else torch.zeros(1, qb, (kb + 31) // 32, dtype=torch.int32)
     return pattern_of, kind_u, bits_all, tile_grid

@@ -29,6 +29,7 @@ from ultraattn.kernels.layout import BlockSparseLayout, make_layout
 from ultraattn.kernels.reference import reference_bwd, reference_fwd
 
 _LOG2E = 1.4426950408889634
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def _interpreted(t: Tensor) -> bool:
@@ -98,10 +99,8 @@ def _launch_args(q: Tensor, k: Tensor, q_block: int, kv_block: int):
     interpreter, where kernels are not autotuned)."""
     B, H, Sq, D = q.shape
     Hk, Sk = k.shape[1], k.shape[2]
-    block_d = max(16, 1 << (D - 1).bit_length())
-    upcast = config.interpret() or q.dtype == torch.float32
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    const = dict(GROUP=H // Hk, D=D, BLOCK_D=block_d, QB=q_block, KB=kv_block, UPCAST=upcast, PREC=prec)
+    const = config.launch_constexprs(_DTYPE_NAMES[q.dtype], D, H // Hk, q_block, kv_block,
+                                     interpret=config.interpret())
     if config.interpret():
         const.update(zip(("BLOCK_M", "BLOCK_N"), config.interpret_blocks(q_block, kv_block)))
     return B, H, Hk, Sq, Sk, const
@@ -154,22 +153,22 @@ def bsa_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Ten
     nq, nk = full_idx.shape[1], full_idx.shape[2]
     B, H, Hk, Sq, Sk, const = _launch_args(q, k, q_block, kv_block)
     do = do.to(q.dtype)  # the kernels' dots take one input dtype (an fp32 dO of an fp32_out forward)
-    lse = lse.contiguous()
-    delta = delta.contiguous()
-    has_dlse = dlse is not None
-    dl = dlse.contiguous() if has_dlse else delta
+    # The per-row terms, once: LSE in base 2 (+inf where a row attends nowhere, so its p = exp2(-inf) = 0)
+    # and delta - dLSE; the dK/dV inner loop then loads two vectors and computes nothing per row.
+    lse2 = torch.where(lse == -math.inf, math.inf, lse.float() * _LOG2E).contiguous()
+    dd = (delta.float() - dlse.float() if dlse is not None else delta.float()).contiguous()
     # (gradients get their own strides: empty_like of a non-dense input, e.g. a head slice, is dense)
     dq, dk, dv = (torch.empty_like(x, dtype=torch.float32 if fp32_grads else x.dtype) for x in (q, k, v))
     rows, cols = nq * q_block, nk * kv_block
     wrap_triton(tk.dq_kernel(q_block, kv_block))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
-        q, k, v, do, lse, delta, dl, dq, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits,
+        q, k, v, do, lse2, dd, dq, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        H, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const, HAS_DLSE=has_dlse)
+        H, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const)
     wrap_triton(tk.dkv_kernel(q_block, kv_block))[lambda meta: (cols // meta["BLOCK_N"], B * Hk)](
-        q, k, v, do, lse, delta, dl, dk, dv, pattern_of, full_q_cnt, full_q_idx, part_q_cnt, part_q_idx,
+        q, k, v, do, lse2, dd, dk, dv, pattern_of, full_q_cnt, full_q_idx, part_q_cnt, part_q_idx,
         part_q_tile, bits,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        H, Hk, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const, HAS_DLSE=has_dlse)
+        H, Hk, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const)
     return dq, dk, dv
 
 

@@ -16,8 +16,10 @@ deterministic, and the extra FLOPs are the usual FlashAttention-2 trade).
 Numerics: scores are scaled into base 2 (``qk_scale = scale * log2(e)``) and the online
 softmax runs in fp32; a row with no attended key keeps ``m = -inf`` and is guarded so that
 its output is 0 and its LSE -inf, never NaN. Backward takes the GLOBAL LSE (a tile's local
-softmax is not the final one in the distributed case) and ``delta - dlse`` per row; a row
-with LSE -inf contributes nothing. fp32 inputs use IEEE dots (no TF32) so fp32 results are
+softmax is not the final one in the distributed case) and ``delta - dlse`` per row, both as
+per-row fp32 terms made once by the op (``LSE2``: the LSE in base 2, +inf where it is -inf, so
+a row that attends nowhere contributes exp2(-inf) = 0; ``DD``: delta - dlse), so the dK/dV inner
+loop loads two vectors and computes nothing per row. fp32 inputs use IEEE dots (no TF32) so fp32 results are
 exact to fp32 rounding; 16-bit inputs feed the tensor cores and accumulate in fp32. Under the
 interpreter 16-bit tiles are upcast first (it computes bf16 arithmetic wrongly).
 """
@@ -34,19 +36,24 @@ _NO_SPEC = ["q_len", "kv_len", "NQ", "NK"]
 
 
 @triton.jit
-def _load_bits(BITS, tile, rows_in, cols_in, QB: tl.constexpr, KB: tl.constexpr):
-    """Mask bits [len(rows_in), len(cols_in)] of bit tile ``tile`` (rows/cols relative to the block)."""
-    ptr = BITS + tile.to(tl.int64) * (QB * (KB // 8)) + rows_in[:, None] * (KB // 8) + cols_in[None, :] // 8
-    byte = tl.load(ptr).to(tl.int32)
-    return ((byte >> (cols_in[None, :] % 8)) & 1) != 0
+def _load_bits(BITS, tile, r_in, c_in, QB: tl.constexpr, KB: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Mask bits [BLOCK_M, BLOCK_N] of bit tile ``tile`` at rows ``r_in``.., columns ``c_in``.. of the block.
 
-
-@triton.jit
-def _load_bits_t(BITS, tile, rows_in, cols_in, QB: tl.constexpr, KB: tl.constexpr):
-    """The transpose of ``_load_bits``: [len(cols_in), len(rows_in)] (keys as rows, for dK/dV)."""
-    ptr = BITS + tile.to(tl.int64) * (QB * (KB // 8)) + rows_in[None, :] * (KB // 8) + cols_in[:, None] // 8
-    byte = tl.load(ptr).to(tl.int32)
-    return ((byte >> (cols_in[:, None] % 8)) & 1) != 0
+    Bits are 32-bit words along the KV axis (``layout.pack_bits``). With ``BLOCK_N >= 32`` a row of
+    the tile is BLOCK_N / 32 word loads, expanded by shifts: one load per 32 mask elements, where an
+    element-wise gather keeps a 64-bit address per element in registers (what made these kernels spill).
+    """
+    KW: tl.constexpr = (KB + 31) // 32
+    rows = r_in + tl.arange(0, BLOCK_M)
+    base = BITS + tile.to(tl.int64) * (QB * KW) + rows[:, None] * KW
+    if BLOCK_N >= 32:
+        words = tl.load(base + (c_in // 32 + tl.arange(0, BLOCK_N // 32))[None, :])
+        bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+        return tl.reshape(bits, [BLOCK_M, BLOCK_N]) != 0
+    else:
+        cols = c_in + tl.arange(0, BLOCK_N)
+        return ((tl.load(base + (cols // 32)[None, :]) >> (cols % 32)[None, :]) & 1) != 0
 
 
 @triton.jit
@@ -88,10 +95,7 @@ def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile,
         kt = kt.to(tl.float32)
     s = tl.dot(q, kt, input_precision=PREC) * qk_scale
     if IS_PARTIAL:
-        cols_in = sub_in + tl.arange(0, BLOCK_N)
-        rows_in = r_in + tl.arange(0, BLOCK_M)
-        keep = _load_bits(BITS, tile, rows_in, cols_in, QB, KB)
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.where(_load_bits(BITS, tile, r_in, sub_in, QB, KB, BLOCK_M, BLOCK_N), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_safe[:, None])
@@ -117,6 +121,7 @@ def bsa_fwd_kernel(Q, K, V, OUT, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_ID
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
                    UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     EVEN_D: tl.constexpr = D == BLOCK_D
+    SUBS: tl.constexpr = KB // BLOCK_N
     bh, b, h, kh, u, i, r_in, offs_m, offs_d = _row_program(PAT, H, GROUP, QB, BLOCK_M, BLOCK_D)
     dmask = offs_d < D
     q = _load_rows(Q, b, h, sqb, sqh, sqm, sqd, offs_m, offs_d, q_len, D, UPCAST)
@@ -126,18 +131,22 @@ def bsa_fwd_kernel(Q, K, V, OUT, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_ID
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row = u.to(tl.int64) * NQ + i
-    for partial in tl.static_range(2):  # FULL blocks (no mask code), then PARTIAL blocks (bit tiles)
+    # FULL blocks (no mask code), then PARTIAL blocks (bit tiles). Each path is ONE flat loop over
+    # (listed block, BLOCK_N sub-tile): a nested static sub-tile loop would unroll the body
+    # KB / BLOCK_N times, and the software pipeliner would keep every copy's loads in flight.
+    for partial in tl.static_range(2):
         if partial == 0:
             CNT, IDX = FULL_CNT, FULL_IDX
         else:
             CNT, IDX = PART_CNT, PART_IDX
-        for t in range(0, tl.load(CNT + row)):
+        for it in range(0, tl.load(CNT + row) * SUBS):
+            t = it // SUBS
+            sub = (it % SUBS) * BLOCK_N
             j = tl.load(IDX + row * NK + t)
             tile = tl.load(PART_TILE + row * NK + t) if partial == 1 else 0
-            for sub in tl.static_range(KB // BLOCK_N):
-                acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile,
-                                           j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
-                                           D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC)
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile,
+                                       j * KB + sub, sub, r_in, kv_len, qk_scale, offs_d,
+                                       D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -173,8 +182,7 @@ def _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS,
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     p = tl.math.exp2(s - lse2[:, None])
     if IS_PARTIAL:
-        keep = _load_bits(BITS, tile, r_in + tl.arange(0, BLOCK_M), sub_in + tl.arange(0, BLOCK_N), QB, KB)
-        p = tl.where(keep, p, 0.0)
+        p = tl.where(_load_bits(BITS, tile, r_in, sub_in, QB, KB, BLOCK_M, BLOCK_N), p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = p * (dp - dd[:, None])
     dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -182,49 +190,48 @@ def _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS,
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def bsa_bwd_dq_kernel(Q, K, V, DO, LSE, DD, DLSE, DQ, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, PART_TILE, BITS,
+def bsa_bwd_dq_kernel(Q, K, V, DO, LSE2, DD, DQ, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, PART_TILE, BITS,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                       sgb, sgh, sgm, sgd, H, q_len, kv_len, NQ, NK, qk_scale, scale,
                       GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr,
-                      KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_DLSE: tl.constexpr,
+                      KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dQ for BLOCK_M rows of one (b, h); strides: DO sd*, DQ sg*."""
+    """dQ for BLOCK_M rows of one (b, h); strides: DO sd*, DQ sg*. LSE2, DD: the per-row terms (ops.bsa_bwd)."""
     EVEN_D: tl.constexpr = D == BLOCK_D
+    SUBS: tl.constexpr = KB // BLOCK_N
     bh, b, h, kh, u, i, r_in, offs_m, offs_d = _row_program(PAT, H, GROUP, QB, BLOCK_M, BLOCK_D)
     mmask = offs_m < q_len
     qmask = mmask[:, None] & (offs_d < D)[None, :]
     q = _load_rows(Q, b, h, sqb, sqh, sqm, sqd, offs_m, offs_d, q_len, D, UPCAST)
     do = _load_rows(DO, b, h, sdb, sdh, sdm, sdd, offs_m, offs_d, q_len, D, UPCAST)
-    lse = tl.load(LSE + bh.to(tl.int64) * q_len + offs_m, mask=mmask, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.load(LSE2 + bh.to(tl.int64) * q_len + offs_m, mask=mmask, other=float("inf"))
     dd = tl.load(DD + bh.to(tl.int64) * q_len + offs_m, mask=mmask, other=0.0)
-    if HAS_DLSE:
-        dd -= tl.load(DLSE + bh.to(tl.int64) * q_len + offs_m, mask=mmask, other=0.0)
     K_base = K + b.to(tl.int64) * skb + kh.to(tl.int64) * skh
     V_base = V + b.to(tl.int64) * svb + kh.to(tl.int64) * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row = u.to(tl.int64) * NQ + i
-    for partial in tl.static_range(2):
+    for partial in tl.static_range(2):  # one flat loop per path, as in the forward
         if partial == 0:
             CNT, IDX = FULL_CNT, FULL_IDX
         else:
             CNT, IDX = PART_CNT, PART_IDX
-        for t in range(0, tl.load(CNT + row)):
+        for it in range(0, tl.load(CNT + row) * SUBS):
+            t = it // SUBS
+            sub = (it % SUBS) * BLOCK_N
             j = tl.load(IDX + row * NK + t)
             tile = tl.load(PART_TILE + row * NK + t) if partial == 1 else 0
-            for sub in tl.static_range(KB // BLOCK_N):
-                dq = _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS, tile,
-                                   j * KB + sub * BLOCK_N, sub * BLOCK_N, r_in, kv_len, qk_scale, offs_d,
-                                   D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC)
+            dq = _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS, tile,
+                               j * KB + sub, sub, r_in, kv_len, qk_scale, offs_d,
+                               D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC)
     tl.store(DQ + b.to(tl.int64) * sgb + h.to(tl.int64) * sgh + offs_m[:, None].to(tl.int64) * sgm
              + offs_d[None, :] * sgd, (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
 
 
 @triton.jit
-def _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm, sqd, sdm, sdd, BITS, tile, start,
+def _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE2_row, DD_row, sqm, sqd, sdm, sdd, BITS, tile, start,
                   sub_in, c_in, q_len, qk_scale, offs_d, D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
-                  UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_DLSE: tl.constexpr):
+                  UPCAST: tl.constexpr, PREC: tl.constexpr):
     offs_m = start + tl.arange(0, BLOCK_M)
     dmask = offs_d < D
     mmask = offs_m < q_len
@@ -234,17 +241,14 @@ def _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm,
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse = tl.load(LSE_row + offs_m, mask=mmask, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.load(LSE2_row + offs_m, mask=mmask, other=float("inf"))
     dd = tl.load(DD_row + offs_m, mask=mmask, other=0.0)
-    if HAS_DLSE:
-        dd -= tl.load(DLSE_row + offs_m, mask=mmask, other=0.0)
     # Transposed scores: [BLOCK_N, BLOCK_M], rows are keys.
     st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
     pt = tl.math.exp2(st - lse2[None, :])
     if IS_PARTIAL:
-        keep = _load_bits_t(BITS, tile, sub_in + tl.arange(0, BLOCK_M), c_in + tl.arange(0, BLOCK_N), QB, KB)
-        pt = tl.where(keep, pt, 0.0)
+        keep = _load_bits(BITS, tile, sub_in, c_in, QB, KB, BLOCK_M, BLOCK_N)
+        pt = tl.where(tl.trans(keep), pt, 0.0)
     dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
     dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
     dst = pt * (dpt - dd[None, :])
@@ -253,15 +257,16 @@ def _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm,
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
-def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE, DD, DLSE, DK, DV, PAT, FULL_Q_CNT, FULL_Q_IDX, PART_Q_CNT, PART_Q_IDX,
+def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE2, DD, DK, DV, PAT, FULL_Q_CNT, FULL_Q_IDX, PART_Q_CNT, PART_Q_IDX,
                        PART_Q_TILE, BITS,
                        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                        sgkb, sgkh, sgkn, sgkd, sgvb, sgvh, sgvn, sgvd, H, HK, q_len, kv_len, NQ, NK, qk_scale, scale,
                        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr,
-                       KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_DLSE: tl.constexpr,
+                       KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV for BLOCK_N keys of one (b, kv head), summed over its GROUP query heads; strides: DK sgk*, DV sgv*."""
     EVEN_D: tl.constexpr = D == BLOCK_D
+    SUBS: tl.constexpr = QB // BLOCK_M
     pid_n = tl.program_id(0)
     bkh = tl.program_id(1)
     b = bkh // HK
@@ -288,23 +293,22 @@ def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE, DD, DLSE, DK, DV, PAT, FULL_Q_CNT, FULL
         u = tl.load(PAT + bh)
         Q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
         DO_base = DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
-        LSE_row = LSE + bh.to(tl.int64) * q_len
+        LSE2_row = LSE2 + bh.to(tl.int64) * q_len
         DD_row = DD + bh.to(tl.int64) * q_len
-        DLSE_row = DLSE + bh.to(tl.int64) * q_len
         col = u.to(tl.int64) * NK + j
-        for partial in tl.static_range(2):
+        for partial in tl.static_range(2):  # one flat loop per path, as in the forward
             if partial == 0:
                 CNT, IDX = FULL_Q_CNT, FULL_Q_IDX
             else:
                 CNT, IDX = PART_Q_CNT, PART_Q_IDX
-            for t in range(0, tl.load(CNT + col)):
+            for it in range(0, tl.load(CNT + col) * SUBS):
+                t = it // SUBS
+                sub = (it % SUBS) * BLOCK_M
                 i = tl.load(IDX + col * NQ + t)
                 tile = tl.load(PART_Q_TILE + col * NQ + t) if partial == 1 else 0
-                for sub in tl.static_range(QB // BLOCK_M):
-                    dk, dv = _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE_row, DD_row, DLSE_row, sqm, sqd, sdm,
-                                           sdd, BITS, tile, i * QB + sub * BLOCK_M, sub * BLOCK_M, c_in, q_len,
-                                           qk_scale, offs_d, D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D,
-                                           UPCAST, PREC, HAS_DLSE)
+                dk, dv = _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE2_row, DD_row, sqm, sqd, sdm, sdd,
+                                       BITS, tile, i * QB + sub, sub, c_in, q_len, qk_scale, offs_d,
+                                       D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC)
     b64, kh64, n64 = b.to(tl.int64), kh.to(tl.int64), offs_n[:, None].to(tl.int64)
     dk_off = b64 * sgkb + kh64 * sgkh + n64 * sgkn + offs_d[None, :] * sgkd
     dv_off = b64 * sgvb + kh64 * sgvh + n64 * sgvn + offs_d[None, :] * sgvd

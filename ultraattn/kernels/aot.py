@@ -1,0 +1,290 @@
+"""Ahead-of-time builds of the Triton kernels for a named GPU target, on any machine (no GPU needed).
+
+Triton's interpreter (the CPU test path) checks the arithmetic, not whether a kernel compiles
+for a GPU, how many registers it takes, whether it spills or how much shared memory its
+pipelining needs. ``triton.compile`` with an explicit ``GPUTarget`` runs the whole NVIDIA
+pipeline (TTIR, TTGIR, LLVM, PTX, and the ``ptxas`` inside the triton wheel) without a device,
+so each build here reports what ``ptxas -v`` reports on a GPU machine.
+
+A :class:`Variant` is one specialisation the autotuner may launch: kernel, target, dtype, head
+dim, GQA group, pattern block and tile config. Arguments are specialised the way a launch on
+contiguous, 16-byte aligned tensors specialises them (unit strides along the head dim are
+constants, other strides and pointers divisible by 16; lengths never specialised, as in
+``triton_kernels._NO_SPEC``), so the build is the one a GPU would run. :func:`build` returns a
+:class:`Build` (registers, stack, spill bytes, shared memory, seconds); :func:`sweep` builds many
+in worker processes. ``benchmarks/kernels_ptx.py`` writes the table; ``tests/test_kernels_aot.py``
+holds the kernels to it in CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from ultraattn.kernels import config
+
+KERNELS = ("fwd", "dq", "dkv")
+"""The three kernels: forward, dQ, dK/dV."""
+
+# Shared memory one thread block may use (the opt-in maximum), per target: CUDA C++ Programming
+# Guide, "Technical Specifications per Compute Capability": 227 KB on 9.0 (H100), 163 KB on 8.0
+# (A100). Triton refuses a launch above it (OutOfResources), so a config above it is dead weight.
+TARGETS: dict[str, tuple[int, int]] = {"sm90": (90, 227 * 1024), "sm80": (80, 163 * 1024)}
+"""name -> (compute capability, shared memory limit in bytes)."""
+
+_DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+_INDEX_ARGS = re.compile(r"^(PAT|BITS|.*_CNT|.*_IDX|.*_TILE)$")
+_FP32_ARGS = {"LSE", "DD", "LSE2", "DLSE"}
+_UNIT_STRIDES = re.compile(r"^s\w*d$")  # strides along the head dim (sqd, skd, sgkd, ...): 1 when contiguous
+_NO_ALIGN = {"H", "HK", "q_len", "kv_len", "NQ", "NK"}
+
+
+def has_nvidia_backend() -> tuple[bool, str]:
+    """(whether this Triton can build for NVIDIA targets, why not)."""
+    if not config.HAS_TRITON:
+        return False, "triton is not installed"
+    try:
+        from triton.backends import backends
+    except ImportError as e:  # very old Triton layout
+        return False, f"triton.backends is missing ({e})"
+    if "nvidia" not in backends:
+        return False, f"this Triton has no NVIDIA backend (backends: {sorted(backends)})"
+    return True, ""
+
+
+@dataclass(frozen=True, order=True)
+class Variant:
+    """One kernel specialisation: what the autotuner may launch for one (dtype, head dim, group, block)."""
+
+    kernel: str
+    target: str
+    dtype: str
+    head_dim: int
+    group: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    q_block: int = 128
+    kv_block: int = 128
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel={self.kernel!r}: expected one of {KERNELS}")
+        if self.target not in TARGETS:
+            raise ValueError(f"target={self.target!r}: expected one of {sorted(TARGETS)}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: expected one of {sorted(_DTYPES)}")
+
+    @property
+    def config(self) -> tuple[int, int, int, int]:
+        return (self.block_m, self.block_n, self.num_warps, self.num_stages)
+
+    def label(self) -> str:
+        return (f"{self.kernel} {self.target} {self.dtype} D={self.head_dim} g={self.group} "
+                f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}")
+
+
+@dataclass(frozen=True)
+class Build:
+    """What building one variant gave: ptxas's resource report, Triton's shared memory, time."""
+
+    variant: Variant
+    ok: bool
+    registers: int = 0
+    stack_bytes: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    shared_bytes: int = 0
+    shared_limit: int = 0
+    seconds: float = 0.0
+    cached: bool = False
+    wgmma: bool = False
+    error: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_stores > 0 or self.spill_loads > 0
+
+    @property
+    def fits(self) -> bool:
+        return self.shared_bytes <= self.shared_limit
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["variant"] = asdict(self.variant)
+        d["spills"], d["fits"] = self.spills, self.fits
+        return d
+
+
+def variants(kernels: Iterable[str] = KERNELS, targets: Iterable[str] = tuple(TARGETS),
+             dtypes: Iterable[str] = ("bf16",), head_dims: Iterable[int] = (64, 128),
+             groups: Iterable[int] = (1,), q_block: int = 128, kv_block: int = 128) -> list[Variant]:
+    """Every variant of the autotune spaces (``config.tile_configs``) for the given axes."""
+    out = []
+    for kernel in kernels:
+        for target in targets:
+            for dtype in dtypes:
+                for d in head_dims:
+                    for g in groups:
+                        for c in config.tile_configs(kernel, q_block, kv_block, head_dim=d,
+                                                     arch=TARGETS[target][0]):
+                            out.append(Variant(kernel, target, dtype, d, g, *c, q_block=q_block, kv_block=kv_block))
+    return out
+
+
+def _jit_fn(kernel: str):
+    from ultraattn.kernels import triton_kernels as tk
+
+    return {"fwd": tk.bsa_fwd_kernel, "dq": tk.bsa_bwd_dq_kernel, "dkv": tk.bsa_bwd_dkv_kernel}[kernel]
+
+
+def _signature(fn, v: Variant) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of ``fn`` as a launch on contiguous aligned tensors specialises them."""
+    const = config.launch_constexprs(v.dtype, v.head_dim, v.group, v.q_block, v.kv_block, interpret=False)
+    const.update(BLOCK_M=v.block_m, BLOCK_N=v.block_n, HAS_DLSE=True)
+    sig, constexprs, attrs = {}, {}, {}
+    for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
+        if p.is_constexpr:
+            if name not in const:
+                raise KeyError(f"{fn.__name__}: no value for constexpr {name}")
+            sig[name], constexprs[(i,)] = "constexpr", const[name]
+        elif _UNIT_STRIDES.match(name):
+            sig[name], constexprs[(i,)] = "constexpr", 1
+        elif name.isupper() and (_INDEX_ARGS.match(name) or name in _FP32_ARGS) and name not in _NO_ALIGN:
+            sig[name] = "*i32" if _INDEX_ARGS.match(name) else "*fp32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name.isupper() and name not in _NO_ALIGN:  # Q, K, V, DO, OUT, DQ, DK, DV
+            sig[name] = "*" + _DTYPES[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("qk_scale", "scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name not in _NO_ALIGN:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, constexprs, attrs
+
+
+_PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+
+
+def _parse_ptxas(log: str) -> tuple[int, int, int, int] | None:
+    """(registers, stack, spill stores, spill loads) from ``ptxas -v`` output, or None."""
+    regs, frame = _REGS.search(log), _PTXAS.search(log)
+    if not regs or not frame:
+        return None
+    return int(regs.group(1)), int(frame.group(1)), int(frame.group(2)), int(frame.group(3))
+
+
+def _ptxas_again(ptx: str, arch: str) -> str:
+    """``ptxas -v`` on a cached kernel's PTX (Triton's cache skips ptxas, so the numbers are not in its log)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        ptxas = get_ptxas(arch).path if _takes_arch(get_ptxas) else get_ptxas().path
+        r = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", src, "-o", src + ".o"], capture_output=True,
+                           text=True, check=False)
+        return r.stderr + r.stdout
+
+
+def _takes_arch(fn: Callable) -> bool:
+    import inspect
+
+    return len(inspect.signature(fn).parameters) > 0
+
+
+def build(v: Variant) -> Build:
+    """Compile one variant for its target and read its resources (never raises for a failed build)."""
+    ok, why = has_nvidia_backend()
+    if not ok:
+        return Build(v, ok=False, error=why)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _jit_fn(v.kernel)
+    cap, limit = TARGETS[v.target]
+    sig, constexprs, attrs = _signature(fn, v)
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    log = io.StringIO()
+    knobs = triton.knobs.nvidia
+    old = knobs.dump_ptxas_log
+    t0 = time.perf_counter()
+    try:
+        knobs.dump_ptxas_log = True
+        with contextlib.redirect_stdout(log):
+            k = triton.compile(src, target=GPUTarget("cuda", cap, 32),
+                               options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+    except Exception as e:  # noqa: BLE001 - a build that fails is a result to report, not a crash
+        return Build(v, ok=False, shared_limit=limit, seconds=time.perf_counter() - t0,
+                     error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
+    finally:
+        knobs.dump_ptxas_log = old
+    seconds = time.perf_counter() - t0
+    res = _parse_ptxas(log.getvalue())
+    cached = res is None
+    if cached:
+        arch = f"sm_{cap}a" if cap == 90 else f"sm_{cap}"
+        res = _parse_ptxas(_ptxas_again(k.asm["ptx"], arch))
+    if res is None:
+        return Build(v, ok=False, shared_limit=limit, seconds=seconds, error="no resource line in ptxas -v output")
+    regs, stack, st, ld = res
+    return Build(v, ok=True, registers=regs, stack_bytes=stack, spill_stores=st, spill_loads=ld,
+                 shared_bytes=int(k.metadata.shared), shared_limit=limit, seconds=seconds, cached=cached,
+                 wgmma="warp_group_dot" in k.asm.get("ttgir", ""))
+
+
+def sweep(vs: Sequence[Variant], *, jobs: int = 1, progress: Callable[[Build], None] | None = None) -> list[Build]:
+    """Build every variant (``jobs`` worker processes; builds are CPU-bound, mostly in ptxas)."""
+    if jobs <= 1:
+        out = []
+        for v in vs:
+            out.append(build(v))
+            if progress:
+                progress(out[-1])
+        return out
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        out = []
+        for b in pool.map(build, vs):
+            out.append(b)
+            if progress:
+                progress(b)
+        return out
+
+
+def summary(builds: Iterable[Build]) -> dict:
+    """Per (kernel, target): worst registers, spilling builds, largest shared memory, failures."""
+    rows: dict[str, dict] = {}
+    for b in builds:
+        key = f"{b.variant.kernel} {b.variant.target}"
+        r = rows.setdefault(key, {"builds": 0, "failed": 0, "max_registers": 0, "spilling": 0, "max_stack": 0,
+                                  "max_shared": 0, "shared_limit": b.shared_limit, "over_shared": 0})
+        r["builds"] += 1
+        if not b.ok:
+            r["failed"] += 1
+            continue
+        r["max_registers"] = max(r["max_registers"], b.registers)
+        r["spilling"] += b.spills
+        r["max_stack"] = max(r["max_stack"], b.stack_bytes)
+        r["max_shared"] = max(r["max_shared"], b.shared_bytes)
+        r["over_shared"] += not b.fits
+    return rows
+
+
+def to_json(builds: Sequence[Build], **meta) -> str:
+    return json.dumps({"meta": meta, "summary": summary(builds), "builds": [b.to_json() for b in builds]}, indent=1)
