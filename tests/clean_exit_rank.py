@@ -88,7 +88,12 @@ def main(rank: int, world: int, port: int, plans: int) -> dict:
     live_untouched = release_destroyed_groups() == 0
     _WORLD_GROUP.append(weakref.ref(dist.group.WORLD))
     dist.destroy_process_group()
-    return {"rank": rank, "plans": plans, "kinds": counts, "live_untouched": live_untouched,
+    try:  # a plan outliving its group says so (ultraattn holds the group weakly: it was freed)
+        plan.group  # noqa: B018
+        stale = "no error"
+    except RuntimeError as exc:
+        stale = str(exc)
+    return {"stale_plan": stale, "rank": rank, "plans": plans, "kinds": counts, "live_untouched": live_untouched,
             "functional_imported": "torch.distributed.nn.functional" in sys.modules}
 
 

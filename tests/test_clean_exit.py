@@ -56,4 +56,5 @@ def test_every_rank_exits_with_status_0(world, plans, runs):
             assert set(info["kinds"]) == {"fast", "ilp", "ring", "zigzag", "allgather", "ulysses", "usp"}, info
             # the situation that aborted: PyTorch's module holding WORLD in its defaults was imported after init
             assert info["functional_imported"] and info["live_untouched"], info
+            assert "was destroyed" in info["stale_plan"] and "plan_attention" in info["stale_plan"], info
     assert statuses == [0] * len(statuses)

@@ -89,11 +89,11 @@ class GroupRef:
         self._ref = None if group is None else weakref.ref(group)
 
     def get(self):
-        """The group (None for one process); RuntimeError when it was destroyed and freed."""
+        """The group (None for one process); RuntimeError once it was destroyed (freed, or no longer registered)."""
         if self._ref is None:
             return None
         group = self._ref()
-        if group is None:
+        if group is None or not _is_registered(group):
             raise RuntimeError("the process group this plan was made for was destroyed (destroy_process_group); "
                                "make the plan again (plan_attention) in the current process group")
         return group
@@ -291,6 +291,13 @@ def _register_exit_handler() -> None:
         if not _EXIT_REGISTERED:
             atexit.register(release_destroyed_groups)
             _EXIT_REGISTERED = True
+
+
+def _is_registered(group) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return group in pg_map if pg_map is not None else True
 
 
 def _live_groups() -> list:
