@@ -43,7 +43,7 @@ def launch(world: int, plans: int, timeout: float = 240.0) -> list[tuple[int, st
     return out
 
 
-@pytest.mark.parametrize("world,plans,runs", [(2, 200, 3), (4, 80, 2)], ids=["2ranks", "4ranks"])
+@pytest.mark.parametrize("world,plans,runs", [(2, 200, 3), (4, 60, 2)], ids=["2ranks", "4ranks"])
 def test_every_rank_exits_with_status_0(world, plans, runs):
     statuses = []
     for run in range(RUNS or runs):
