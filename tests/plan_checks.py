@@ -23,7 +23,7 @@ def check_plan(p: TilePlan, pattern: BlockPattern, backward: bool = True) -> Non
         for i, j in k.cells:
             assert int(a[k.head_group, i, j]) == k.rank
             seen[(k.head_group, i, j)] += 1
-    assert len(seen) == int(nonempty.sum()) and set(seen.values()) == {1}
+    assert len(seen) == int(nonempty.sum()) and set(seen.values()) <= {1}  # (empty: a mask with no block)
     # equal token counts
     counts = defaultdict(int)
     for r in p.owner:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from fuzz_case import check_2x
 from torch.nn.attention.flex_attention import create_block_mask
 
 import ultraattn
@@ -62,34 +63,15 @@ LIB = [
     ("prefix_lm", (("prefix", 60),)),
     ("random", ()),
 ]
-_EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps,
-        "fp16": torch.finfo(torch.float16).eps}
-
-
-def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    same_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
-    d = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
-    return float(d.max()) if d.numel() else 0.0
 
 
 def check_numerics(case: Case, res: dict) -> list[str]:
-    """The 2x rule for out, lse, dq, dk, dv; returns the violations (empty = pass)."""
+    """The 2x rule for out, lse, dq, dk, dv (``fuzz_case.check_2x``); returns the violations (empty = pass)."""
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
-    ref64 = reference(case, torch.float64)
-    ref = reference(case, dt)
-    bad = []
-    for n, name in enumerate(("out", "lse", "dq", "dk", "dv")):
-        got = res[name]
-        assert got.shape == ref64[n].shape, (case.name, name, got.shape, ref64[n].shape)
-        err = _max_err(got, ref64[n])
-        base = _max_err(ref[n], ref64[n])
-        # floor: a few ulps of the output's scale, for when the reference happens to be exact
-        scale = float(ref64[n].double().abs().nan_to_num(0, 0, 0).max()) or 1.0
-        tol = 2 * base + 4 * _EPS[case.dtype] * scale
-        if not err <= tol:
-            bad.append(f"{case.name} {name}: err {err:.3g} > 2 x ref err {base:.3g} (+floor) = {tol:.3g}")
-    return bad
+    names = ("out", "lse", "dq", "dk", "dv")
+    ref64 = dict(zip(names, reference(case, torch.float64)))
+    ref = dict(zip(names, reference(case, dt)))
+    return [f"{case.name} {m}" for m in check_2x(res, ref64, ref, case.dtype)]
 
 
 def random_dense(seed: int, seqlen: int, block: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ from ultraattn.passes.site import SiteState, seed_plan
 from ultraattn.passes.state import SideTable
 from ultraattn.planner.api import padded_chunk
 from ultraattn.planner.plan import TokenLayout
-from ultraattn.runtime.comm import resolve_group
+from ultraattn.runtime.comm import GroupRef, resolve_group
 from ultraattn.runtime.sequence import SequenceShards
 
 
@@ -147,7 +147,8 @@ def shard_sequence(gm: fx.GraphModule, states: list[SiteState], opts: BackendOpt
         by_key[n.args[4]].layout = layout
     _mesh, ranks, group, me = resolve_group(opts.mesh, None)
     key = f"g{index}-{layout.to_string()}"
-    table.add_layout(key, SequenceShards(layout, rank=me, global_ranks=ranks, group=group, timeout=opts.timeout))
+    seq = SequenceShards(layout, rank=me, global_ranks=ranks, group_ref=GroupRef(group), timeout=opts.timeout)
+    table.add_layout(key, seq)
     summary = lower(gm, an, key, outputs=opts.outputs, local_len=layout.local_len,
                     layout_text=f"{layout.to_string()} ({how})", debug=opts.debug)
     refresh_fake_values(gm, phs, example_inputs)

@@ -322,7 +322,8 @@ def busy_bound(kern: Kernels, msgs: Messages, mesh: Mesh, cost: CostModel) -> fl
         src, dst = msgs.src[sel], msgs.dst[sel]
         dur = message_seconds(msgs.select(sel), mesh, cost)
         link = ((src // mesh.devices) != (dst // mesh.devices)).astype(np.int64)
-        busy = np.bincount(kern.rank_K * 5, sec_K, minlength=5 * w)
+        # float even with no kernel: numpy's weighted bincount of an empty index array is int64 (an all-empty mask)
+        busy = np.bincount(kern.rank_K * 5, sec_K, minlength=5 * w).astype(np.float64)
         busy += np.bincount(src * 5 + 1 + link, dur, minlength=5 * w) + np.bincount(dst * 5 + 3 + link, dur,
                                                                                       minlength=5 * w)
         total += float(busy.max(initial=0.0))

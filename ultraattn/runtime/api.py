@@ -37,12 +37,12 @@ from ..masks.factories import generate_causal, generate_full
 from ..masks.pattern import PARTIAL, BlockPattern
 from ..planner.api import baseline_plan
 from ..planner.api import plan as run_planner
-from ..planner.baselines import BASELINES
+from ..planner.baselines import BASELINES, ulysses_degree
 from ..planner.cost import DEFAULT_COST, CostModel
 from ..planner.fast import FastPlanner, planner_key
 from ..planner.plan import AttnShape, Mesh, TilePlan, TokenLayout
 from ..planner.tiling import PlannerOptions
-from .comm import Comm, resolve_group, store_exchange
+from .comm import Comm, GroupRef, resolve_group, store_exchange
 from .executor import Executor, run
 from .online import ONLINE
 from .sequence import SequenceShards
@@ -67,8 +67,8 @@ class AttentionPlan:
     """This process's rank in the plan (position in the mesh, row-major)."""
     global_ranks: tuple[int, ...]
     """Global rank of each plan rank."""
-    group: object
-    """Process group used for communication (None at world size 1)."""
+    group_ref: GroupRef
+    """The process group used for communication, held weakly (``group``; None at world size 1)."""
     dtype: torch.dtype
     timeout: float
     planning_seconds: float
@@ -84,6 +84,11 @@ class AttentionPlan:
     _executor: Executor | None = field(default=None, repr=False)
     _checked: bool = field(default=False, repr=False)
     _seq: SequenceShards | None = field(default=None, repr=False)
+
+    @property
+    def group(self):
+        """Process group used for communication (None at world size 1); an error once it was destroyed."""
+        return self.group_ref.get()
 
     @property
     def pattern(self) -> BlockPattern:
@@ -122,7 +127,7 @@ class AttentionPlan:
         """The layout bound to this rank and group: shards and gathers along any dimension."""
         if self._seq is None:
             self._seq = SequenceShards(self.layout, rank=self.rank, global_ranks=self.global_ranks,
-                                       group=self.group, timeout=self.timeout)
+                                       group_ref=self.group_ref, timeout=self.timeout)
         return self._seq
 
     @property
@@ -288,6 +293,7 @@ def plan_attention(
     shape = AttnShape(seq_len=seqlen, num_heads=num_heads, head_dim=head_dim, num_kv_heads=num_kv_heads,
                       batch=batch, dtype=_DTYPES[dtype])
     pmesh, ranks, comm_group, me = resolve_group(mesh, group)
+    _check_method(method, shape, pmesh)  # on every rank, before any communication
     if which == "fast":
         return _plan_fast(mask, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me, dtype=dtype,
                           block_size=block_size, mask_mod=mask_mod, options=options or PlannerOptions(), cost=cost,
@@ -295,6 +301,20 @@ def plan_attention(
     return _plan_ilp(mask, which=which, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me,
                      dtype=dtype, block_size=block_size, mask_mod=mask_mod, method=method, options=options, cost=cost,
                      timeout=timeout, layout=layout)
+
+
+def _check_method(method: str, shape: AttnShape, pmesh: Mesh) -> None:
+    """Refuse a baseline that cannot run this configuration, on every rank alike and before any rank communicates
+    (else rank 0 alone would find out while planning and the others would learn it from its broadcast)."""
+    if method == "ulysses" and not ulysses_degree(pmesh, shape, within_node=False):
+        w = pmesh.world
+        which = " and ".join(f"{nm}={n}" for nm, n in (("num_heads", shape.num_heads),
+                                                        ("num_kv_heads", shape.kv_heads)) if n % w)
+        raise ValueError(
+            f"method='ulysses' gives each of the {w} ranks an equal share of the heads, but the world size {w} "
+            f"does not divide {which}; use a process group (or mesh) whose size divides num_heads and "
+            f"num_kv_heads, or method='usp' (Ulysses inside a node, a ring across) or 'ultraattn' (any head count)"
+        )
 
 
 def _plan_ilp(mask, *, which: str, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: int, dtype: torch.dtype,
@@ -337,7 +357,7 @@ def _plan_ilp(mask, *, which: str, shape: AttnShape, pmesh: Mesh, ranks, comm_gr
     if which == "ilp":
         tile_plan.meta.setdefault("planner", "ilp")
     ap = AttentionPlan(tile_plan=tile_plan, mask=pattern, mask_mod=mm, rank=me, global_ranks=ranks,
-                       group=comm_group if pmesh.world > 1 else None, dtype=dtype, timeout=timeout,
+                       group_ref=GroupRef(comm_group if pmesh.world > 1 else None), dtype=dtype, timeout=timeout,
                        planning_seconds=seconds, planner_result=result, planner=which)
     _check_chunking(ap)
     return ap
@@ -357,7 +377,7 @@ def _plan_fast(mask, *, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: in
                                                  balance_tol=options.balance_tol))
     tile_plan, ahead = ONLINE.plan(fp, cells)
     ap = AttentionPlan(tile_plan=tile_plan, mask=cells, mask_mod=mm, rank=me, global_ranks=ranks,
-                       group=comm_group if pmesh.world > 1 else None, dtype=dtype, timeout=timeout,
+                       group_ref=GroupRef(comm_group if pmesh.world > 1 else None), dtype=dtype, timeout=timeout,
                        planning_seconds=time.perf_counter() - t0, planner="fast", planned_ahead=ahead,
                        verify=debug)
     _check_chunking(ap)
@@ -384,7 +404,7 @@ def _make_executor(ap: AttentionPlan) -> Executor:
     geo = TileGeometry(seq_len=s.seq_len, chunk=tp.chunk_size, q_block=ap.pattern.q_block,
                        kv_block=ap.pattern.kv_block, batch=s.batch, num_heads=s.num_heads, num_kv_heads=s.kv_heads,
                        head_groups=g_count, head_dim=s.head_dim, kind_gQK=kinds, mask_mod=ap.mask_mod)
-    comm = (Comm(rank=ap.rank, global_ranks=ap.global_ranks, group=ap.group, timeout=ap.timeout)
+    comm = (Comm(rank=ap.rank, global_ranks=ap.global_ranks, group_ref=ap.group_ref, timeout=ap.timeout)
             if ap.world > 1 else None)
     return Executor(tp, ap.rank, geo, comm, ap.dtype)
 

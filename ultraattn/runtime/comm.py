@@ -10,13 +10,22 @@ transfer list in the same order).
 
 Every wait is bounded: a peer that died or never joins raises ``RankTimeoutError`` naming
 that peer and what was expected from it, instead of hanging.
+
+ultraattn holds process groups only weakly (``GroupRef``) and, at exit, frees groups the user destroyed
+that a PyTorch module still holds (``release_destroyed_groups``): a group that outlives
+``destroy_process_group()`` into interpreter shutdown can abort the process (see there).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
+import threading
 import time
+import types
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -68,15 +77,47 @@ class CommLog:
         return out
 
 
+class GroupRef:
+    """ultraattn's handle on a process group: a weak reference, so that no plan, layout or cache of ultraattn keeps
+    a group alive after ``destroy_process_group()`` (why that matters: ``release_destroyed_groups``). While a
+    group is in use, torch.distributed holds it (its registry, a DeviceMesh); ``get`` names the fix when it is
+    gone. ``GroupRef(None)``: one process, no group."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, group) -> None:
+        self._ref = None if group is None else weakref.ref(group)
+
+    def get(self):
+        """The group (None for one process); RuntimeError once it was destroyed (freed, or no longer registered)."""
+        if self._ref is None:
+            return None
+        group = self._ref()
+        if group is None or not _is_registered(group):
+            raise RuntimeError("the process group this plan was made for was destroyed (destroy_process_group); "
+                               "make the plan again (plan_attention) in the current process group")
+        return group
+
+    def __repr__(self) -> str:
+        return "GroupRef(None)" if self._ref is None else f"GroupRef({self._ref()!r})"
+
+
+NO_GROUP = GroupRef(None)
+
+
 class Comm:
     """Messages between plan ranks over a process group (or none at world size 1)."""
 
-    def __init__(self, *, rank: int, global_ranks: Sequence[int], group, timeout: float) -> None:
+    def __init__(self, *, rank: int, global_ranks: Sequence[int], group_ref: GroupRef, timeout: float) -> None:
         self.rank = rank
         self.global_ranks = list(global_ranks)
-        self.group = group
+        self.group_ref = group_ref
         self.timeout = timeout
         self.log = CommLog()
+
+    @property
+    def group(self):
+        return self.group_ref.get()
 
     def isend(self, buf: Tensor, *, dst: int, tag: int, record: tuple) -> object:
         self.log.records.append((record[0], "send", *record[1:], buf.numel(), tag))
@@ -215,4 +256,81 @@ def resolve_group(mesh, group) -> tuple[Mesh, tuple[int, ...], object, int]:
         pm = Mesh(nodes=1, devices=len(ranks))
     if me not in ranks:
         raise ValueError(f"this process (global rank {me}) is not in the plan's ranks {list(ranks)}")
+    _register_exit_handler()
     return pm, ranks, comm_group, ranks.index(me)
+
+
+# ----------------------------------------------------------------------------- a clean exit
+# [Note: destroyed groups at exit] ``torch/distributed/nn/functional.py`` (torch 2.11-2.13) binds
+# ``group=group.WORLD`` as DEFAULT ARGUMENTS of its functions (broadcast, all_reduce, all_to_all, ... ), evaluated
+# when the module is imported. torch._dynamo imports it (via torch.distributed._shard.sharded_tensor.reshard), and
+# ultraattn's first kernel launch / compile imports torch._dynamo, typically AFTER init_process_group: the WORLD
+# ProcessGroup then stays referenced by those defaults after destroy_process_group() and is freed only while the
+# interpreter shuts down. Its gloo worker threads are still alive then; one that drops the last reference to a
+# finished work whose tensors have Python objects must take the GIL (TensorImpl::decref_pyobject ->
+# pybind11::gil_scoped_acquire), and during Py_FinalizeEx that calls pthread_exit, whose forced unwinding through a
+# noexcept frame ends in std::terminate: "terminate called without an active exception", SIGABRT, after the
+# program's last line (core dump: gloo runLoop -> ~AsyncAllreduceWork -> decref_pyobject -> take_gil ->
+# PyThread_exit_thread -> std::terminate, main thread in Py_FinalizeEx). Plain PyTorch shows it without
+# ultraattn (torch 2.13, 2 gloo ranks, 100 steps of collectives, destroy_process_group(), exit): with
+# `import torch._dynamo` after init 10 of 30 runs aborted; holding dist.group.WORLD in a variable instead 8 of 30;
+# neither 0 of 30; dynamo plus this handler's fix 0 of 30 (all_reduce alone: 5 of 10; with isend/irecv in each
+# step 0 of 10, so how often it strikes depends on a program's last operations). Freed at destroy_process_group(),
+# the group joins its workers while the interpreter is whole. The workaround is narrow: at exit, after the user
+# destroyed the group, drop only those stale defaults (to None: "the default group", what the module binds when
+# imported before init). Nothing changes for groups still registered.
+_EXIT_LOCK = threading.Lock()
+_EXIT_REGISTERED = False
+_HOLDERS = ("torch.distributed.nn.functional",)
+"""Modules known to hold process groups in function defaults."""
+
+
+def _register_exit_handler() -> None:
+    global _EXIT_REGISTERED
+    with _EXIT_LOCK:
+        if not _EXIT_REGISTERED:
+            atexit.register(release_destroyed_groups)
+            _EXIT_REGISTERED = True
+
+
+def _is_registered(group) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return group in pg_map if pg_map is not None else True
+
+
+def _live_groups() -> list:
+    """The process groups torch.distributed still has registered (none after destroy_process_group())."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    world = getattr(dist.distributed_c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    return list(pg_map) if pg_map is not None else [dist.group.WORLD]
+
+
+def release_destroyed_groups() -> int:
+    """Drop the references PyTorch modules keep in function defaults to process groups that were destroyed
+    (``[Note: destroyed groups at exit]`` above); returns how many defaults were replaced. Registered with
+    ``atexit`` when ultraattn first binds a plan to a group; harmless to call at any time."""
+    live = _live_groups()
+    pg_type = getattr(dist, "ProcessGroup", None)
+    if pg_type is None:
+        return 0
+
+    def stale(value) -> bool:
+        return isinstance(value, pg_type) and not any(value is g for g in live)
+
+    replaced = 0
+    for name in _HOLDERS:
+        module = sys.modules.get(name)
+        for fn in vars(module).values() if module is not None else ():
+            if not isinstance(fn, types.FunctionType):
+                continue
+            if fn.__defaults__ and any(stale(d) for d in fn.__defaults__):
+                replaced += sum(stale(d) for d in fn.__defaults__)
+                fn.__defaults__ = tuple(None if stale(d) else d for d in fn.__defaults__)
+            if fn.__kwdefaults__ and any(stale(d) for d in fn.__kwdefaults__.values()):
+                replaced += sum(stale(d) for d in fn.__kwdefaults__.values())
+                fn.__kwdefaults__ = {k: None if stale(d) else d for k, d in fn.__kwdefaults__.items()}
+    return replaced

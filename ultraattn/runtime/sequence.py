@@ -1,6 +1,6 @@
 """Sequence shards of any tensor: a ``TokenLayout`` bound to this rank and its process group.
 
-    seq = SequenceShards(layout, rank=r, global_ranks=ranks, group=pg, timeout=300)
+    seq = SequenceShards(layout, rank=r, global_ranks=ranks, group_ref=GroupRef(pg), timeout=300)
     x_local = seq.shard(x, dim=1, length=S)       # this rank's tokens (the tail zero-padded)
     x = seq.gather(x_local, dim=1, length=S)      # every rank's tokens, in order (an all-gather)
     total = seq.all_reduce(partial)               # sum over the ranks
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..planner.plan import TokenLayout
-from .comm import RankTimeoutError, _all_gather_single, ranks_differing
+from .comm import NO_GROUP, GroupRef, RankTimeoutError, _all_gather_single, ranks_differing
 
 
 def _split_dim(x: Tensor, dim: int, length: int, inner: int) -> tuple[Tensor, int]:
@@ -48,11 +48,16 @@ class SequenceShards:
     """This process's rank in the layout (its position in ``global_ranks``)."""
     global_ranks: tuple[int, ...]
     """Global rank of each layout rank."""
-    group: object = None
-    """Process group (None: one process)."""
+    group_ref: GroupRef = NO_GROUP
+    """The process group, held weakly (``group``; None: one process)."""
     timeout: float = 300.0
     checks: dict = None
     """name -> calls checked so far (``check_same``)."""
+
+    @property
+    def group(self):
+        """Process group (None: one process)."""
+        return self.group_ref.get()
 
     @property
     def world(self) -> int:

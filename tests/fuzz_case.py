@@ -1,0 +1,204 @@
+"""One runtime fuzz case as plain data, what a rank does with it, its fp64 reference, and its reproduction.
+
+A case is a dict of literals (``world``, ``seqlen``, ``heads``, ``kv_heads``, ``head_dim``, ``batch``, ``dtype``,
+``block``, ``method``, ``planner``, ``mask_arg``, ``mask``, ``seed``), so it pickles to spawned ranks and prints as
+Python. ``mask`` names a pattern and its parameters (``dense_mask``): random block patterns with element noise,
+documents (length-1 documents included; tokens past the last document attend nowhere), windows, prefixes,
+dilations, each with optional rows that attend nowhere.
+
+The functions marked SELF-CONTAINED use only torch, math and ultraattn's public API (imports inside), because
+``repro`` copies their source into the reproduction it prints: the snippet runs exactly the code the fuzzer ran.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pprint
+import textwrap
+
+
+# ----------------------------------------------------------------------------- SELF-CONTAINED
+def dense_mask(case: dict):
+    """bool [batch, S, S]: which key each query attends to (the oracle's mask and the mask_mod's table)."""
+    import torch
+
+    s, b, spec = case["seqlen"], case["batch"], case["mask"]
+    q = torch.arange(s).view(-1, 1)
+    kv = torch.arange(s).view(1, -1)
+    out = torch.zeros(b, s, s, dtype=torch.bool)
+    for e in range(b):
+        kind = spec["kind"]
+        if kind == "blocks":  # each block EMPTY / FULL / PARTIAL (random elements), then element noise
+            g = torch.Generator().manual_seed(spec["seed"] + 7919 * e)
+            blk = spec["block"]
+            nb = -(-s // blk)
+            p_empty, p_full = spec["p_empty"], spec["p_full"]
+            u = torch.rand(nb, nb, generator=g)
+            kind_qk = torch.where(u < p_empty, 0, torch.where(u < p_empty + p_full, 1, 2))
+            kind_el = kind_qk.repeat_interleave(blk, 0).repeat_interleave(blk, 1)[:s, :s]
+            fine = torch.rand(s, s, generator=g) < spec["density"]
+            m = (kind_el == 1) | ((kind_el == 2) & fine)
+            m ^= torch.rand(s, s, generator=g) < spec["noise"]
+        elif kind == "documents":  # block-diagonal (causal inside when asked); past the documents: nothing
+            lengths = spec["lengths"][e % len(spec["lengths"])]
+            doc = torch.full((s,), -1, dtype=torch.long)
+            start = 0
+            for n, length in enumerate(lengths):
+                doc[start:min(start + length, s)] = n
+                start += length
+            m = (doc.view(-1, 1) == doc.view(1, -1)) & (doc.view(-1, 1) >= 0)
+            if spec["causal"]:
+                m &= q >= kv
+        elif kind == "window":
+            d = q - kv
+            m = (d < spec["window"]) & (d >= 0) if spec["causal"] else d.abs() < spec["window"]
+        elif kind == "prefix":  # prefix-LM: the prefix sees itself, later tokens see the prefix and the past
+            m = (kv < spec["prefix"]) | (q >= kv)
+        elif kind == "dilated":  # causal, every `dilation`-th key back, `span` of them
+            d = q - kv
+            m = (d >= 0) & (d % spec["dilation"] == 0) & (d < spec["dilation"] * spec["span"])
+        else:
+            raise ValueError(f"unknown mask kind {kind!r}")
+        for start, length in spec.get("empty_rows", ()):  # rows that attend nowhere
+            m[start:start + length] = False
+        out[e] = m
+    return out
+
+
+def make_inputs(case: dict):
+    """q, k, v, the output's gradient and the LSE's gradient (global tensors, the case's dtype; dlse fp32)."""
+    import torch
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case["dtype"]]
+    g = torch.Generator().manual_seed(case["seed"])
+    b, s, d = case["batch"], case["seqlen"], case["head_dim"]
+    q = torch.randn(b, case["heads"], s, d, generator=g).to(dt)
+    k = torch.randn(b, case["kv_heads"], s, d, generator=g).to(dt)
+    v = torch.randn(b, case["kv_heads"], s, d, generator=g).to(dt)
+    do = torch.randn(b, case["heads"], s, d, generator=g).to(dt)
+    dlse = torch.randn(b, case["heads"], s, generator=g)
+    return q, k, v, do, dlse
+
+
+def run_attention(rank: int, world: int, case: dict) -> dict:
+    """The case through ultraattn's public runtime API on this rank: plan_attention, dispatch, dist_attention,
+    undispatch, backward. Rank 0 returns the global out, lse, dq, dk, dv (gradients summed over the ranks, each
+    of which holds its own tokens'); every rank returns the messages it moved."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import ultraattn
+    from ultraattn.planner.tiling import PlannerOptions
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case["dtype"]]
+    s, b = case["seqlen"], case["batch"]
+    table = dense_mask(case)
+
+    def mask_mod(bi, h, q_idx, kv_idx):
+        return table[bi, q_idx, kv_idx]
+
+    if case["mask_arg"] == "block_mask":
+        mask = create_block_mask(mask_mod, b, None, s, s, device="cpu", BLOCK_SIZE=case["block"])
+    else:
+        mask = mask_mod
+    # short ILP limits: the fuzzer wants many cases, not the best plan
+    options = PlannerOptions(time_budget=1.0, ilp_time_limit=0.5, schedule_time_limit=0.3, heuristic_seconds=0.1)
+    plan = ultraattn.plan_attention(mask, seqlen=s, num_heads=case["heads"], head_dim=case["head_dim"],
+                                    num_kv_heads=case["kv_heads"], batch=b, dtype=dt, block_size=case["block"],
+                                    method=case["method"], planner=case["planner"], options=options, timeout=60)
+    q, k, v, do, dlse = make_inputs(case)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    ql, kl, vl = (ultraattn.dispatch(x, plan) for x in (q, k, v))
+    o_local, lse_local = ultraattn.dist_attention(ql, kl, vl, plan)
+    out, lse = ultraattn.undispatch(o_local, plan), ultraattn.undispatch(lse_local, plan)
+    ((out.double() * do.double()).sum() + (lse.double() * dlse.double()).sum()).backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    if world > 1:
+        for g in grads:
+            dist.all_reduce(g)
+    res = {"records": [r[:8] for ph in ("fwd", "bwd") for r in plan.comm_log[ph].records],
+           "planner": plan.planner}
+    if rank == 0:
+        tp = plan.tile_plan
+        res.update(out=out.detach(), lse=lse.detach(), dq=grads[0], dk=grads[1], dv=grads[2],
+                   transfers=[(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst, t.nbytes) for t in tp.transfers])
+    return res
+
+
+def reference(case: dict, dtype):
+    """Single-device dense attention in ``dtype`` (torch.float64: the oracle): out, lse, dq, dk, dv."""
+    import math
+
+    import torch
+
+    q, k, v, do, dlse = make_inputs(case)
+    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
+    r = case["heads"] // case["kv_heads"]
+    kk, vv = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    scores = (q @ kk.transpose(-1, -2)) * (1.0 / math.sqrt(case["head_dim"]))
+    scores = scores.masked_fill(~dense_mask(case)[:, None], float("-inf"))
+    lse = torch.logsumexp(scores.float() if dtype != torch.float64 else scores, -1)
+    out = torch.softmax(scores, -1).nan_to_num(0.0) @ vv
+    ((out.double() * do.double()).sum() + (lse.double() * dlse.double()).sum()).backward()
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def check_2x(got: dict, ref64: dict, ref: dict, dtype: str) -> list[str]:
+    """DESIGN.md's numerics policy: each of out, lse, dq, dk, dv within 2x the same-precision single-device
+    reference's error against fp64 (plus a floor of 4 ulps of the tensor's scale, for a reference that happens to be
+    exact). Equal infinities (the LSE of a row that attends nowhere) count as no error. The violations."""
+    import torch
+
+    eps = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps,
+           "fp16": torch.finfo(torch.float16).eps}[dtype]
+
+    def max_err(a, b):
+        a, b = a.double(), b.double()
+        same_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
+        d = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
+        return float(d.max()) if d.numel() else 0.0
+
+    bad = []
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        if tuple(got[name].shape) != tuple(ref64[name].shape):
+            bad.append(f"{name}: shape {tuple(got[name].shape)} != reference {tuple(ref64[name].shape)}")
+            continue
+        err, base = max_err(got[name], ref64[name]), max_err(ref[name], ref64[name])
+        scale = float(ref64[name].double().abs().nan_to_num(0, 0, 0).max()) or 1.0
+        tol = 2 * base + 4 * eps * scale
+        if not err <= tol:
+            bad.append(f"{name}: err {err:.3g} > 2 x same-precision reference err {base:.3g} (+floor) = {tol:.3g}")
+    return bad
+
+
+def reproduce(case: dict) -> list[str]:
+    """Run ``case`` on ``case['world']`` gloo ranks (spawned here) and check it; the violations."""
+    import torch
+
+    from ultraattn.testing import run_ranks
+
+    if case["world"] > 1:
+        got = run_ranks(run_attention, case["world"], args=(case,), timeout=600)[0]
+    else:
+        got = run_attention(0, 1, case)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case["dtype"]]
+    return check_2x(got, reference(case, torch.float64), reference(case, dt), case["dtype"])
+
+
+# ----------------------------------------------------------------------------- the reproduction
+_SNIPPET_FUNCTIONS = (dense_mask, make_inputs, run_attention, reference, check_2x, reproduce)
+
+
+def repro(case: dict) -> str:
+    """A self-contained Python program reproducing ``case`` (save it as a file and run it with python)."""
+    body = "\n\n".join(textwrap.dedent(inspect.getsource(f)) for f in _SNIPPET_FUNCTIONS)
+    return (
+        "# ultraattn runtime fuzzer (tests/test_fuzz_runtime.py): a failing case. Save as repro.py and run\n"
+        "# `python repro.py` (it spawns the ranks itself; needs torch and ultraattn).\n"
+        f"CASE = {pprint.pformat(case, width=110, sort_dicts=False)}\n\n\n"
+        f"{body}\n\n\n"
+        'if __name__ == "__main__":\n'
+        "    problems = reproduce(CASE)\n"
+        '    print("\\n".join(problems) if problems else "within the 2x rule: no problem")\n'
+    )
