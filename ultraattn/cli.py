@@ -18,7 +18,7 @@ from rich.console import Console
 
 from ultraattn.masks.convert import pattern_from_mask_mod
 from ultraattn.masks.spec import describe_masks, parse_mask_spec
-from ultraattn.planner.api import method_summaries, overall_ilp_status, plan
+from ultraattn.planner.api import choose_planner, method_summaries, overall_ilp_status, plan
 from ultraattn.planner.baselines import BASELINES, ulysses_degree
 from ultraattn.planner.cost import DEFAULT_COST, CostModel
 from ultraattn.planner.plan import AttnShape, Mesh
@@ -110,7 +110,8 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--cost", action="append", default=[], metavar="KEY=VALUE", help="override a cost-model field")
     pl.add_argument("--planner", choices=("auto", "ilp", "fast"), default="auto",
                     help="ilp: hierarchical ILPs (seconds); fast: the run-time planner (milliseconds, no ILP); "
-                         "auto: ilp, since a mask given here is known up front (default)")
+                         "auto: ilp, since a mask given here is known up front, or fast where PuLP is not installed "
+                         "(default)")
     pl.add_argument("--json", metavar="FILE", help="write the summary JSON here")
     pl.add_argument("--png", metavar="FILE", help="draw the tile assignment and schedule (needs matplotlib)")
     pl.add_argument("--quiet", action="store_true", help="no report, only the JSON (if asked) and one line")
@@ -209,12 +210,16 @@ def cmd_plan(args) -> int:
     if batch_patterns not in (1, shape.batch):
         raise CliError(f"--batch must be {batch_patterns} for this document mask (one length list per batch entry), "
                        f"got {shape.batch}")
+    try:
+        which = choose_planner(args.planner, known_up_front=True)
+    except ModuleNotFoundError as exc:
+        raise CliError(f"--planner {args.planner}: {exc}") from None
     with console.status("building the block pattern…") as status:
         pattern = pattern_from_mask_mod(mask_mod, seq, block_size=block, batch=shape.batch,
                                         num_heads=shape.num_heads, name=getattr(mask_mod, "__name__", args.mask))
         res = plan(pattern, shape, mesh, cost=cost, options=opts, backward=args.backward, baselines=baselines,
                    progress=lambda msg: status.update(f"planning: {msg}…"),
-                   planner="fast" if args.planner == "fast" else "ilp")
+                   planner=which)
     summary = _summary_json(args, res, shape, mesh)
     if not args.quiet:
         _report(console, args, res, mesh)

@@ -28,7 +28,7 @@ from ultraattn.cache import LRU
 from ultraattn.kernels import BlockSparseLayout, make_layout
 from ultraattn.masks.convert import pattern_from_mask_mod, to_block_pattern
 from ultraattn.passes.records import NullObserver, Observer, PlanEvent, SiteStats
-from ultraattn.planner.api import PlanResult, method_summaries, plan
+from ultraattn.planner.api import PlanResult, choose_planner, method_summaries, plan
 from ultraattn.planner.plan import AttnShape, Mesh
 from ultraattn.runtime.api import AttentionPlan, plan_attention
 from ultraattn.runtime.comm import ranks_differing
@@ -210,9 +210,7 @@ def plan_offline(spec: SiteSpec, tensors: Sequence[Tensor], *, nodes: int, devic
 def offline_planner(spec: SiteSpec) -> str:
     """The planner ``options["planner"]`` picks for this site: "auto" is the ILP planner for a mask known at
     compile time and the fast planner for one met at run time (what ``plan_attention`` picks on a rank)."""
-    if spec.options.planner != "auto":
-        return spec.options.planner
-    return "ilp" if spec.static_mask else "fast"
+    return choose_planner(spec.options.planner, known_up_front=spec.static_mask)
 
 
 def _plan_key(state: SiteState, q_shape, kv_shape, dtype, device, tensors: Sequence[Tensor]) -> str:

@@ -25,7 +25,7 @@ from ..masks.pattern import BlockPattern
 from .baselines import BASELINES, NotApplicable, allgather_plan, ring_plan, ulysses_degree, usp_plan
 from .build import make_plan
 from .cost import DEFAULT_COST, CostModel
-from .ilp import SolveInfo
+from .ilp import SolveInfo, have_pulp, require_pulp
 from .plan import AttnShape, Mesh, TilePlan, TokenLayout, padded_chunk
 from .schedule import Schedule, Workload, build_graph, simulate
 from .schedule_ilp import refine_schedule
@@ -220,6 +220,17 @@ class PlanResult:
         return name, base[name]
 
 
+def choose_planner(requested: str, *, known_up_front: bool) -> Literal["ilp", "fast"]:
+    """The planner that runs for ``requested`` ('auto', 'ilp', 'fast'): auto is the ILP planner for a
+    mask known up front (planned once, worth seconds) and the fast one for a mask met at run time, or
+    wherever PuLP is not installed. 'ilp' without PuLP is an error that says how to get it."""
+    if requested == "auto":
+        return "ilp" if known_up_front and have_pulp() else "fast"
+    if requested == "ilp":
+        require_pulp("planner='ilp'")
+    return requested
+
+
 def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel = DEFAULT_COST,
          options: PlannerOptions = PlannerOptions(), backward: bool = True, baselines=BASELINES,
          progress=None, layout: TokenLayout | None = None, planner: Literal["ilp", "fast"] = "ilp") -> PlanResult:
@@ -240,6 +251,7 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
     if planner == "fast":
         return _plan_fast(pattern, shape, mesh, cost=cost, options=options, backward=backward, baselines=baselines,
                           layout=layout)
+    require_pulp("planner='ilp'")
     t0 = time.perf_counter()
     if layout is not None:
         options = dataclasses.replace(options, chunks_per_rank=layout.chunks_per_rank)

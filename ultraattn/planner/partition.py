@@ -36,9 +36,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-import pulp
-
-from .ilp import SolveInfo, solve
+from .ilp import SolveInfo, require_pulp, solve
 
 
 @dataclass(slots=True, kw_only=True)
@@ -304,6 +302,7 @@ def heuristic(lv: Level, *, seconds: float = 2.0, seed: int = 0) -> Solution:
 def solve_ilp(lv: Level, incumbent: Solution, *, time_limit: float, max_nodes: int = 2000,
               max_binaries: int = 6000) -> tuple[Solution, SolveInfo]:
     """The exact MILP of the module docstring, warm-started; returns the better of ILP and incumbent."""
+    pulp = require_pulp()
     nb = lv.bins
     n_bin = len(lv.cells) * nb + lv.items * nb
     if nb == 1:
@@ -358,6 +357,7 @@ def solve_ilp(lv: Level, incumbent: Solution, *, time_limit: float, max_nodes: i
 def _owner_vars(lv: Level, B: range) -> dict:
     """y[(item, bin)]: 1 if the bin owns the item; constants for a given layout, and 0 where symmetry breaking
     rules it out (bin b's first counted item is at least its b-th counted item)."""
+    pulp = require_pulp()
     first_counted = {}
     rank = 0
     for i in range(lv.items):
@@ -378,6 +378,7 @@ def _owner_vars(lv: Level, B: range) -> dict:
 
 def _assignment_constraints(prob, lv: Level, x: dict, y: dict, B: range) -> None:
     """Every cell computed once, every item owned once, equal counted items per bin, compute within the cap."""
+    pulp = require_pulp()
     for c in range(len(lv.cells)):
         prob += pulp.lpSum(x[(c, b)] for b in B) == 1
     for i in range(lv.items):
@@ -393,6 +394,7 @@ def _crossing_vars(prob, groups: dict[int, list[int]], x: dict, y: dict, B: rang
     """For each item (a row of cells, or with ``tag`` "c" a column): f[(i, b)] >= 1 when bin b computes one of its
     cells without owning it (the item travels in), u[(i, b)] >= the number of such bins when b owns it (it
     travels out that many times). Variables are named ``a{tag}``, ``f{tag}``, ``u{tag}``."""
+    pulp = require_pulp()
     nb = len(B)
     a = {(i, b): pulp.LpVariable(f"a{tag}_{i}_{b}", 0, 1) for i in groups for b in B}
     f = {(i, b): pulp.LpVariable(f"f{tag}_{i}_{b}", 0, 1) for i in groups for b in B}

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import time
 
-import pulp
-
-from .ilp import SolveInfo, solve
+from .ilp import SolveInfo, require_pulp, solve
 from .schedule import Schedule, bottom_levels, simulate
 
 MAX_TASKS = 36
 
 
 def _order_critical_rank(sched: Schedule, rank: int, *, time_limit: float) -> tuple[list[int] | None, SolveInfo]:
+    pulp = require_pulp()
     g = sched.graph
     tasks = [t for t in g.tasks if (rank, "compute") in t.streams and t.duration > 0]
     info = SolveInfo(name=f"schedule (rank {rank})", status="Skipped")

@@ -35,7 +35,7 @@ from ..masks.cells import BlockCells, cells_from_pattern
 from ..masks.convert import pattern_from_block_mask, pattern_from_mask_mod
 from ..masks.factories import generate_causal, generate_full
 from ..masks.pattern import PARTIAL, BlockPattern
-from ..planner.api import baseline_plan
+from ..planner.api import baseline_plan, choose_planner
 from ..planner.api import plan as run_planner
 from ..planner.baselines import BASELINES, ulysses_degree
 from ..planner.cost import DEFAULT_COST, CostModel
@@ -217,12 +217,10 @@ def _resolve_planner(planner: str, mask, method: str) -> str:
         raise ValueError(f"`planner` must be one of {', '.join(map(repr, PLANNERS))}, got {planner!r}")
     if method != "ultraattn":
         return "baseline"
-    if planner == "auto":
-        return "fast" if isinstance(mask, (BlockMask, BlockCells, BlockPattern)) else "ilp"
     if planner == "ilp" and isinstance(mask, BlockCells):
         raise ValueError("planner='ilp' needs a BlockMask, BlockPattern, mask_mod or string mask, got BlockCells; "
                          "pass the BlockMask or use planner='fast'")
-    return planner
+    return choose_planner(planner, known_up_front=not isinstance(mask, (BlockMask, BlockCells, BlockPattern)))
 
 
 # ----------------------------------------------------------------------------- planning
