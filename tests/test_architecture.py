@@ -1,0 +1,41 @@
+"""House rules import-linter cannot state (its contracts, in pyproject.toml, cover the layers)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import ultraattn
+
+_PKG = pathlib.Path(ultraattn.__file__).parent
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in a file, ``from a import b`` giving ``a.b`` as well as ``a``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def test_the_planner_never_imports_torch_distributed():
+    """The planner is pure: every rank runs it alone (the fast planner on the step's path), so it
+    must not reach for a process group (import-linter forbids only top-level external packages)."""
+    files = sorted((_PKG / "planner").rglob("*.py"))
+    assert len(files) > 10
+    bad = [f"{f.relative_to(_PKG)}:{line}: {mod}" for f in files for line, mod in _imports(f)
+           if mod == "torch.distributed" or mod.startswith("torch.distributed.")]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_scan_sees_every_form_of_the_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import torch.distributed as dist\nfrom torch import distributed\n"
+                   "from torch.distributed import ProcessGroup\nfrom . import x\n")
+    mods = [m for _, m in _imports(src)]
+    assert "torch.distributed" in mods and "torch.distributed.ProcessGroup" in mods
+    assert mods.count("torch.distributed") == 3  # once per line
