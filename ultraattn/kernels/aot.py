@@ -23,7 +23,6 @@ import io
 import json
 import os
 import re
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -41,7 +40,7 @@ KERNELS = ("fwd", "dq", "dkv")
 TARGETS: dict[str, tuple[int, int]] = {"sm90": (90, 227 * 1024), "sm80": (80, 163 * 1024)}
 """name -> (compute capability, shared memory limit in bytes)."""
 
-_DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+DTYPES = ("bf16", "fp16", "fp32")
 _INDEX_ARGS = re.compile(r"^(PAT|BITS|.*_CNT|.*_IDX|.*_TILE)$")
 _FP32_ARGS = {"LSE", "DD", "LSE2", "DLSE"}
 _UNIT_STRIDES = re.compile(r"^s\w*d$")  # strides along the head dim (sqd, skd, sgkd, ...): 1 when contiguous
@@ -82,8 +81,8 @@ class Variant:
             raise ValueError(f"kernel={self.kernel!r}: expected one of {KERNELS}")
         if self.target not in TARGETS:
             raise ValueError(f"target={self.target!r}: expected one of {sorted(TARGETS)}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: expected one of {sorted(_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: expected one of {sorted(DTYPES)}")
 
     @property
     def config(self) -> tuple[int, int, int, int]:
@@ -108,6 +107,7 @@ class Build:
     shared_limit: int = 0
     seconds: float = 0.0
     cached: bool = False
+    """Triton's cache had it; it was built again in an empty cache for the numbers (``seconds`` is that build)."""
     wgmma: bool = False
     error: str = ""
     notes: tuple[str, ...] = field(default=())
@@ -137,8 +137,7 @@ def variants(kernels: Iterable[str] = KERNELS, targets: Iterable[str] = tuple(TA
             for dtype in dtypes:
                 for d in head_dims:
                     for g in groups:
-                        for c in config.tile_configs(kernel, q_block, kv_block, head_dim=d,
-                                                     arch=TARGETS[target][0]):
+                        for c in config.tile_configs(kernel, q_block, kv_block, config.row_class(d, dtype)):
                             out.append(Variant(kernel, target, dtype, d, g, *c, q_block=q_block, kv_block=kv_block))
     return out
 
@@ -152,7 +151,7 @@ def _jit_fn(kernel: str):
 def _signature(fn, v: Variant) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) of ``fn`` as a launch on contiguous aligned tensors specialises them."""
     const = config.launch_constexprs(v.dtype, v.head_dim, v.group, v.q_block, v.kv_block, interpret=False)
-    const.update(BLOCK_M=v.block_m, BLOCK_N=v.block_n, HAS_DLSE=True)
+    const.update(BLOCK_M=v.block_m, BLOCK_N=v.block_n)
     sig, constexprs, attrs = {}, {}, {}
     for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
         if p.is_constexpr:
@@ -165,7 +164,7 @@ def _signature(fn, v: Variant) -> tuple[dict, dict, dict]:
             sig[name] = "*i32" if _INDEX_ARGS.match(name) else "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name.isupper() and name not in _NO_ALIGN:  # Q, K, V, DO, OUT, DQ, DK, DV
-            sig[name] = "*" + _DTYPES[v.dtype]
+            sig[name] = "*" + v.dtype
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ("qk_scale", "scale"):
             sig[name] = "fp32"
@@ -188,24 +187,37 @@ def _parse_ptxas(log: str) -> tuple[int, int, int, int] | None:
     return int(regs.group(1)), int(frame.group(1)), int(frame.group(2)), int(frame.group(3))
 
 
-def _ptxas_again(ptx: str, arch: str) -> str:
-    """``ptxas -v`` on a cached kernel's PTX (Triton's cache skips ptxas, so the numbers are not in its log)."""
-    from triton.backends.nvidia.compiler import get_ptxas
+def _compile(src, cap: int, v: Variant) -> tuple[object, str]:
+    """(the compiled kernel, what ``ptxas -v`` printed: empty when Triton's cache served it)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
 
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        ptxas = get_ptxas(arch).path if _takes_arch(get_ptxas) else get_ptxas().path
-        r = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", src, "-o", src + ".o"], capture_output=True,
-                           text=True, check=False)
-        return r.stderr + r.stdout
+    log = io.StringIO()
+    knobs = triton.knobs.nvidia
+    old = knobs.dump_ptxas_log
+    try:
+        knobs.dump_ptxas_log = True
+        with contextlib.redirect_stdout(log):
+            k = triton.compile(src, target=GPUTarget("cuda", cap, 32),
+                               options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+    finally:
+        knobs.dump_ptxas_log = old
+    return k, log.getvalue()
 
 
-def _takes_arch(fn: Callable) -> bool:
-    import inspect
-
-    return len(inspect.signature(fn).parameters) > 0
+@contextlib.contextmanager
+def _fresh_cache():
+    """Triton's cache in an empty directory for the duration (TRITON_CACHE_DIR is read at each compile)."""
+    old = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="ultraattn-aot-") as d:
+        os.environ["TRITON_CACHE_DIR"] = d
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = old
 
 
 def build(v: Variant) -> Build:
@@ -213,34 +225,31 @@ def build(v: Variant) -> Build:
     ok, why = has_nvidia_backend()
     if not ok:
         return Build(v, ok=False, error=why)
-    import triton
-    from triton.backends.compiler import GPUTarget
+    if config.interpret():
+        return Build(v, ok=False, error="TRITON_INTERPRET=1 in this process: the kernels are interpreter functions; "
+                                        "build through sweep(), whose workers turn the interpreter off")
     from triton.compiler import ASTSource
 
     fn = _jit_fn(v.kernel)
     cap, limit = TARGETS[v.target]
     sig, constexprs, attrs = _signature(fn, v)
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    log = io.StringIO()
-    knobs = triton.knobs.nvidia
-    old = knobs.dump_ptxas_log
     t0 = time.perf_counter()
     try:
-        knobs.dump_ptxas_log = True
-        with contextlib.redirect_stdout(log):
-            k = triton.compile(src, target=GPUTarget("cuda", cap, 32),
-                               options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+        k, log = _compile(src, cap, v)
+        cached = _parse_ptxas(log) is None
+        if cached:
+            # Served from Triton's cache, which skips ptxas: build again in an empty cache, so the numbers
+            # are those of ptxas run with Triton's own flags (re-running ptxas on the PTX by hand would not
+            # be: Triton 3.9 passes --regAllocOptLevel=2, which changes the allocation).
+            t0 = time.perf_counter()
+            with _fresh_cache():
+                k, log = _compile(src, cap, v)
     except Exception as e:  # noqa: BLE001 - a build that fails is a result to report, not a crash
         return Build(v, ok=False, shared_limit=limit, seconds=time.perf_counter() - t0,
                      error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
-    finally:
-        knobs.dump_ptxas_log = old
     seconds = time.perf_counter() - t0
-    res = _parse_ptxas(log.getvalue())
-    cached = res is None
-    if cached:
-        arch = f"sm_{cap}a" if cap == 90 else f"sm_{cap}"
-        res = _parse_ptxas(_ptxas_again(k.asm["ptx"], arch))
+    res = _parse_ptxas(log)
     if res is None:
         return Build(v, ok=False, shared_limit=limit, seconds=seconds, error="no resource line in ptxas -v output")
     regs, stack, st, ld = res
@@ -250,41 +259,64 @@ def build(v: Variant) -> Build:
 
 
 def sweep(vs: Sequence[Variant], *, jobs: int = 1, progress: Callable[[Build], None] | None = None) -> list[Build]:
-    """Build every variant (``jobs`` worker processes; builds are CPU-bound, mostly in ptxas)."""
-    if jobs <= 1:
-        out = []
-        for v in vs:
-            out.append(build(v))
-            if progress:
-                progress(out[-1])
-        return out
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        out = []
-        for b in pool.map(build, vs):
-            out.append(b)
-            if progress:
-                progress(b)
-        return out
+    """Build every variant in ``jobs`` fresh worker processes (spawned with TRITON_INTERPRET=0, so this
+    works from a process that runs the kernels in Triton's interpreter, like the test suite: Triton reads
+    the variable when a kernel is decorated, and interpreter functions cannot be compiled for a GPU).
+    Builds are CPU-bound, mostly in ptxas."""
+    import multiprocessing
+
+    out = []
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"  # inherited by the workers, spawned at the first submit below
+    try:
+        with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = pool.map(build, vs)
+            if old is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+            for b in results:
+                out.append(b)
+                if progress:
+                    progress(b)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return out
 
 
-def summary(builds: Iterable[Build]) -> dict:
-    """Per (kernel, target): worst registers, spilling builds, largest shared memory, failures."""
-    rows: dict[str, dict] = {}
+def summary(builds: Iterable[Build], key: Callable[[Build], tuple] | None = None) -> dict[tuple, dict]:
+    """Per group of builds (default: per kernel and target): builds, failures, worst registers, spilling
+    builds, largest spill and stack, largest shared memory, builds over it, head dims, median compile
+    seconds."""
+    key = key or (lambda b: (b.variant.kernel, b.variant.target))
+    rows: dict[tuple, dict] = {}
     for b in builds:
-        key = f"{b.variant.kernel} {b.variant.target}"
-        r = rows.setdefault(key, {"builds": 0, "failed": 0, "max_registers": 0, "spilling": 0, "max_stack": 0,
-                                  "max_shared": 0, "shared_limit": b.shared_limit, "over_shared": 0})
+        r = rows.setdefault(key(b), {"builds": 0, "failed": 0, "max_registers": 0, "spilling": 0,
+                                     "max_spill_stores": 0, "max_stack": 0, "max_shared": 0,
+                                     "shared_limit": b.shared_limit, "over_shared": 0, "head_dims": set(),
+                                     "seconds": []})
         r["builds"] += 1
+        r["head_dims"].add(b.variant.head_dim)
         if not b.ok:
             r["failed"] += 1
             continue
         r["max_registers"] = max(r["max_registers"], b.registers)
         r["spilling"] += b.spills
+        r["max_spill_stores"] = max(r["max_spill_stores"], b.spill_stores)
         r["max_stack"] = max(r["max_stack"], b.stack_bytes)
         r["max_shared"] = max(r["max_shared"], b.shared_bytes)
         r["over_shared"] += not b.fits
+        r["seconds"].append(b.seconds)
+    for r in rows.values():
+        r["head_dims"] = sorted(r["head_dims"])
+        secs = sorted(r.pop("seconds"))
+        r["median_compile_s"] = secs[len(secs) // 2] if secs else None
     return rows
 
 
 def to_json(builds: Sequence[Build], **meta) -> str:
-    return json.dumps({"meta": meta, "summary": summary(builds), "builds": [b.to_json() for b in builds]}, indent=1)
+    return json.dumps({"meta": meta, "summary": {" ".join(k): r for k, r in summary(builds).items()},
+                       "builds": [b.to_json() for b in builds]}, indent=1)

@@ -16,37 +16,80 @@ def interpret() -> bool:
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward: BLOCK_M query rows per program, BLOCK_N
-# keys per inner step. Kept small: each entry costs a compile the first time a (head dim,
-# dtype, group, block) key is seen, never per sequence length (lengths are not specialised).
-_FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
-# Backward: dQ programs own BLOCK_M rows, dK/dV programs own BLOCK_N keys; both walk the other axis.
-_BWD = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 128, 4, 2), (128, 128, 8, 2), (32, 64, 4, 3)]
+# The autotuning spaces: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and row class.
+# Forward: BLOCK_M query rows per program, BLOCK_N keys per inner step; dQ programs own BLOCK_M
+# rows and walk keys; dK/dV programs own BLOCK_N keys and walk queries (and loop over the GQA
+# group, which raises their register use at group > 1).
+#
+# Every entry builds for sm_90 and sm_80 with no register spill and within the target's shared
+# memory, at every head dim of its class, bf16 and fp16, GQA groups 1-8: checked by ahead-of-time
+# builds (kernels/aot.py) with Triton 3.6 and 3.9; `python benchmarks/kernels_ptx.py` rebuilds
+# the table, tests/test_kernels_aot.py holds CI to a subset. The entries were chosen from sweeps
+# of tiles 16-128, 4/8 warps and 1-4 stages, keeping the largest tiles that were clean on both
+# targets. Which configs spill is not monotone in the head dim: ptxas allocates differently for
+# a padded head dim (80, 96: masked loads) than for 128, and caps some 8-warp sm_80 builds at 128
+# registers (forward 128 x 64 spills 20 B at head dim 32 but not at 64), hence one space per
+# padded-width class and a separate one for padded head dims up to 128.
+# Each entry costs one compile the first time a (head dim, dtype, group, block) key is seen,
+# never per sequence length (lengths are not specialised).
+_DKV_128 = [(128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 8, 2), (64, 32, 8, 3), (32, 64, 8, 2), (32, 64, 8, 3)]
+_SPACES: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
+    ("fwd", "d32"): [(128, 128, 8, 3), (64, 128, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 64, 8, 4),
+                     (32, 128, 8, 3)],
+    # 128 x 128 forward tiles: clean with Triton 3.9 at head dim 64/128, but at 255 registers, and
+    # Triton 3.6 spills 8 B at head dim 128 on sm_80: left to the head-dim-32 class.
+    ("fwd", "d64"): [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)],
+    ("fwd", "d128"): [(128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 8, 3), (64, 64, 8, 3), (128, 32, 8, 3)],
+    ("fwd", "d128p"): [(64, 128, 8, 3), (32, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)],
+    ("fwd", "d256"): [(64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 2), (32, 64, 8, 3)],
+    ("dq", "d32"): [(128, 64, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (64, 64, 4, 2), (128, 32, 8, 2),
+                    (64, 32, 8, 2)],
+    ("dq", "d64"): [(128, 64, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 2), (128, 32, 8, 2),
+                    (64, 32, 8, 2)],
+    ("dq", "d128"): [(128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 2),
+                     (128, 32, 8, 2)],
+    ("dq", "d128p"): [(64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)],
+    ("dq", "d256"): [(64, 32, 8, 2), (32, 64, 8, 2), (32, 64, 8, 1), (32, 32, 8, 2)],
+    ("dkv", "d32"): [(64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 3), (64, 32, 8, 2), (32, 64, 8, 2),
+                     (32, 64, 4, 2)],
+    ("dkv", "d64"): [(32, 128, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 8, 3), (32, 64, 8, 2)],
+    ("dkv", "d128"): _DKV_128,
+    ("dkv", "d128p"): _DKV_128,
+    ("dkv", "d256"): [(64, 32, 8, 2), (64, 32, 8, 1), (32, 32, 8, 2), (64, 16, 8, 1)],
+}
+ROW_CLASSES = ("d32", "d64", "d128", "d128p", "d256")
 
 
-def _fit(space, qb: int, kb: int) -> list[tuple[int, int, int, int]]:
+def row_class(head_dim: int, dtype: str) -> str:
+    """Which space a (head dim, dtype) uses: the padded row width in bf16/fp16 elements (an fp32 row
+    counts double: its tiles take the registers and shared memory of a row twice as wide), 'p' for
+    a head dim padded inside the 128 class (65-127). Rows wider than 256 use the 256 space:
+    ``benchmarks/kernels_ptx.py`` reports what that costs (fp32 at head dim 256 spills)."""
+    pad = max(16, 1 << (head_dim - 1).bit_length())
+    width = pad * (2 if dtype == "fp32" else 1)
+    if width <= 32:
+        return "d32"
+    if width <= 64:
+        return "d64"
+    if width <= 128:
+        return "d128" if dtype == "fp32" or head_dim == pad else "d128p"
+    return "d256"
+
+
+def tile_configs(kernel: str, qb: int, kb: int, rows: str) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner may launch for ``kernel`` ('fwd', 'dq',
+    'dkv') and row class ``rows`` (:func:`row_class`): the configs whose tiles divide the pattern
+    blocks qb x kb, or one 32 x 32 tile (at most) where none does."""
+    space = _SPACES[(kernel, rows)]
     ok = [c for c in space if qb % c[0] == 0 and kb % c[1] == 0]
-    return ok or [(min(qb, 64), min(kb, 64), 4, 2)]
+    return ok or [(min(qb, 32), min(kb, 32), 4, 2)]
 
 
-def _configs(space, qb: int, kb: int):
+def triton_configs(kernel: str, qb: int, kb: int, rows: str):
     import triton
 
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m, n, w, s in _fit(space, qb, kb)]
-
-
-def fwd_configs(qb: int, kb: int):
-    return _configs(_FWD, qb, kb)
-
-
-def bwd_configs(qb: int, kb: int):
-    return _configs(_BWD, qb, kb)
-
-
-def tile_configs(kernel: str, qb: int, kb: int, *, head_dim: int, arch: int) -> list[tuple[int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner may launch for ``kernel`` ('fwd', 'dq', 'dkv')."""
-    return _fit(_FWD if kernel == "fwd" else _BWD, qb, kb)
+            for m, n, w, s in tile_configs(kernel, qb, kb, rows)]
 
 
 def launch_constexprs(dtype: str, head_dim: int, group: int, q_block: int, kv_block: int, *,

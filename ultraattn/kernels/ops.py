@@ -95,15 +95,16 @@ def _(q, k, v, do, lse, delta, dlse, pattern_of, full_cnt, full_idx, part_cnt, p
 
 # ----------------------------------------------------------------------------- triton ops
 def _launch_args(q: Tensor, k: Tensor, q_block: int, kv_block: int):
-    """(B, H, Hk, Sq, Sk, keyword arguments every kernel takes: constexprs, and the tile shape under the
-    interpreter, where kernels are not autotuned)."""
+    """(B, H, Hk, Sq, Sk, row class (``config.row_class``: which autotune space), keyword arguments
+    every kernel takes: constexprs, and the tile shape under the interpreter, where kernels are not
+    autotuned)."""
     B, H, Sq, D = q.shape
     Hk, Sk = k.shape[1], k.shape[2]
     const = config.launch_constexprs(_DTYPE_NAMES[q.dtype], D, H // Hk, q_block, kv_block,
                                      interpret=config.interpret())
     if config.interpret():
         const.update(zip(("BLOCK_M", "BLOCK_N"), config.interpret_blocks(q_block, kv_block)))
-    return B, H, Hk, Sq, Sk, const
+    return B, H, Hk, Sq, Sk, config.row_class(D, _DTYPE_NAMES[q.dtype]), const
 
 
 @triton_op("ultraattn::bsa_fwd", mutates_args=())
@@ -121,11 +122,11 @@ def bsa_fwd(q: Tensor, k: Tensor, v: Tensor, pattern_of: Tensor, full_cnt: Tenso
     pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits = (
         t.contiguous() for t in (pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits))
     nq, nk = full_idx.shape[1], full_idx.shape[2]
-    B, H, Hk, Sq, Sk, const = _launch_args(q, k, q_block, kv_block)
+    B, H, Hk, Sq, Sk, space, const = _launch_args(q, k, q_block, kv_block)
     out = torch.empty_like(q, dtype=torch.float32 if fp32_out else q.dtype)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     rows = nq * q_block
-    wrap_triton(tk.fwd_kernel(q_block, kv_block))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
+    wrap_triton(tk.tuned("fwd", q_block, kv_block, space))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
         q, k, v, out, lse, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, Sq, Sk, nq, nk, scale * _LOG2E, **const)
@@ -151,7 +152,7 @@ def bsa_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Ten
                                                             part_tile, bits, full_q_cnt, full_q_idx, part_q_cnt,
                                                             part_q_idx, part_q_tile))
     nq, nk = full_idx.shape[1], full_idx.shape[2]
-    B, H, Hk, Sq, Sk, const = _launch_args(q, k, q_block, kv_block)
+    B, H, Hk, Sq, Sk, space, const = _launch_args(q, k, q_block, kv_block)
     do = do.to(q.dtype)  # the kernels' dots take one input dtype (an fp32 dO of an fp32_out forward)
     # The per-row terms, once: LSE in base 2 (+inf where a row attends nowhere, so its p = exp2(-inf) = 0)
     # and delta - dLSE; the dK/dV inner loop then loads two vectors and computes nothing per row.
@@ -160,11 +161,11 @@ def bsa_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Ten
     # (gradients get their own strides: empty_like of a non-dense input, e.g. a head slice, is dense)
     dq, dk, dv = (torch.empty_like(x, dtype=torch.float32 if fp32_grads else x.dtype) for x in (q, k, v))
     rows, cols = nq * q_block, nk * kv_block
-    wrap_triton(tk.dq_kernel(q_block, kv_block))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
+    wrap_triton(tk.tuned("dq", q_block, kv_block, space))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
         q, k, v, do, lse2, dd, dq, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         H, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const)
-    wrap_triton(tk.dkv_kernel(q_block, kv_block))[lambda meta: (cols // meta["BLOCK_N"], B * Hk)](
+    wrap_triton(tk.tuned("dkv", q_block, kv_block, space))[lambda meta: (cols // meta["BLOCK_N"], B * Hk)](
         q, k, v, do, lse2, dd, dk, dv, pattern_of, full_q_cnt, full_q_idx, part_q_cnt, part_q_idx,
         part_q_tile, bits,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),

@@ -26,10 +26,12 @@ interpreter 16-bit tiles are upcast first (it computes bf16 arithmetic wrongly).
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
-from ultraattn.kernels.config import bwd_configs, fwd_configs, interpret
+from ultraattn.kernels.config import interpret, triton_configs
 
 # Runtime-sized integer arguments that must not trigger a recompile when they change.
 _NO_SPEC = ["q_len", "kv_len", "NQ", "NK"]
@@ -316,31 +318,16 @@ def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE2, DD, DK, DV, PAT, FULL_Q_CNT, FULL_Q_ID
     tl.store(DV + dv_off, dv.to(DV.dtype.element_ty), mask=kmask)
 
 
-def _tuned(kernel, configs, key):
+_JIT = {"fwd": bsa_fwd_kernel, "dq": bsa_bwd_dq_kernel, "dkv": bsa_bwd_dkv_kernel}
+
+
+@functools.cache
+def tuned(kernel: str, qb: int, kb: int, rows: str):
+    """``kernel`` ('fwd', 'dq', 'dkv') for pattern blocks qb x kb and row class ``rows``
+    (``config.row_class``), autotuned over ``config.tile_configs`` (the kernel itself under the
+    interpreter, which launches the tile shape it is given). One autotuner per space, so each
+    (head dim, dtype, group, block) key is timed once."""
     if interpret():
-        return kernel
-    return triton.autotune(configs=configs, key=key)(kernel)
-
-
-_FWD: dict = {}
-_DQ: dict = {}
-_DKV: dict = {}
-
-
-def fwd_kernel(qb: int, kb: int):
-    """The forward kernel for pattern blocks qb x kb (autotuned over tile shapes that divide them)."""
-    if (qb, kb) not in _FWD:
-        _FWD[(qb, kb)] = _tuned(bsa_fwd_kernel, fwd_configs(qb, kb), ["GROUP", "D", "QB", "KB"])
-    return _FWD[(qb, kb)]
-
-
-def dq_kernel(qb: int, kb: int):
-    if (qb, kb) not in _DQ:
-        _DQ[(qb, kb)] = _tuned(bsa_bwd_dq_kernel, bwd_configs(qb, kb), ["GROUP", "D", "QB", "KB"])
-    return _DQ[(qb, kb)]
-
-
-def dkv_kernel(qb: int, kb: int):
-    if (qb, kb) not in _DKV:
-        _DKV[(qb, kb)] = _tuned(bsa_bwd_dkv_kernel, bwd_configs(qb, kb), ["GROUP", "D", "QB", "KB"])
-    return _DKV[(qb, kb)]
+        return _JIT[kernel]
+    return triton.autotune(configs=triton_configs(kernel, qb, kb, rows),
+                           key=["GROUP", "D", "QB", "KB"])(_JIT[kernel])
