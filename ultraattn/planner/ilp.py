@@ -6,40 +6,38 @@ every rank must compute the identical plan), warm start from the caller's incumb
 and a ``SolveInfo`` with status, objective, best bound and gap parsed from CBC's log.
 Failures never raise: the caller keeps its heuristic and the info says why.
 
-PuLP is imported when an ILP is built, not with the package: ``import ultraattn``, the kernels,
-the fast planner and the runtime work on a machine without it (the GPU machine has none). The
+PuLP is optional: where it is missing, ``import ultraattn``, the kernels, the fast planner and
+the runtime still work (the GPU machine has none). The
 ILP planner, asked for by name, fails with :func:`require_pulp`'s error; ``planner="auto"``
 picks the fast planner there (:func:`have_pulp`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import pulp
+try:  # optional: see the module docstring. Imported here when present, so import order stays as before
+    import pulp as _pulp  # (imported later, mid-run, the clean-exit test saw the destroyed WORLD group kept alive)
+except ImportError:
+    _pulp = None
 
 
 def have_pulp() -> bool:
     """Whether PuLP (the ILP planner's modelling library and CBC) is installed."""
-    return importlib.util.find_spec("pulp") is not None
+    return _pulp is not None
 
 
 def require_pulp(what: str = "the ILP planner"):
     """The ``pulp`` module, or an error that says who needs it and the two ways out."""
-    try:
-        import pulp
-    except ImportError as e:
+    if _pulp is None:
         raise ModuleNotFoundError(
-            f"{what} needs PuLP, which is not installed here ({e}): `pip install pulp` (it ships the CBC solver), "
-            "or plan with planner='fast' (no ILP; `ultraattn plan --planner fast`)", name="pulp") from e
-    return pulp
+            f"{what} needs PuLP, which is not installed here: `pip install pulp` (it ships the CBC solver), "
+            "or plan with planner='fast' (no ILP; `ultraattn plan --planner fast`)", name="pulp")
+    return _pulp
 
 
 @dataclass(slots=True, kw_only=True)
@@ -74,7 +72,7 @@ def _parse_log(text: str) -> tuple[str | None, float | None, float | None, float
     return (result.group(1).strip() if result else None), f(obj), f(bound), f(gap)
 
 
-def solve(prob: pulp.LpProblem, *, name: str, time_limit: float, max_nodes: int = 2000,
+def solve(prob, *, name: str, time_limit: float, max_nodes: int = 2000,
           warm_start: bool = True) -> SolveInfo:
     """Solve ``prob`` with CBC under limits (module docstring). Never raises."""
     pulp = require_pulp()
