@@ -96,9 +96,9 @@ def _print_table(rows: list[dict], builds: list[aot.Build]) -> None:
     console.print(t)
     for b in builds:
         if not b.ok:
-            console.print(f"[red]failed[/red] {b.variant}: {b.error}")
+            console.print(f"[red]failed[/red] {b.variant.label()}: {b.error}")
         elif b.spills or not b.fits:
-            console.print(f"[yellow]{'spills' if b.spills else 'over shared memory'}[/yellow] {b.variant}: "
+            console.print(f"[yellow]{'spills' if b.spills else 'over shared memory'}[/yellow] {b.variant.label()}: "
                           f"{b.registers} regs, {b.spill_stores} B spill stores, {b.shared_bytes} B shared")
 
 

@@ -45,8 +45,7 @@ def test_every_autotune_config_builds_without_spills_within_shared_memory(builds
                     | {(k, "sm90", rows) for k in aot.KERNELS for rows in ("d128p", "d256")})
     # every entry of those spaces (for 128 x 128 blocks) is among the builds
     for kernel, _, rows in seen:
-        built = {(b.variant.block_m, b.variant.block_n, b.variant.num_warps, b.variant.num_stages)
-                 for b in builds if b.variant.kernel == kernel
+        built = {b.variant.config for b in builds if b.variant.kernel == kernel
                  and config.row_class(b.variant.head_dim, b.variant.dtype) == rows}
         assert built == set(config.tile_configs(kernel, 128, 128, rows)), (kernel, rows)
     failed = [f"{b.variant}: {b.error}" for b in builds if not b.ok]

@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from ultraattn.kernels import config
 
@@ -110,7 +110,6 @@ class Build:
     """Triton's cache had it; it was built again in an empty cache for the numbers (``seconds`` is that build)."""
     wgmma: bool = False
     error: str = ""
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def spills(self) -> bool:
@@ -206,18 +205,24 @@ def _compile(src, cap: int, v: Variant) -> tuple[object, str]:
 
 
 @contextlib.contextmanager
+def _env(name: str, value: str):
+    """``os.environ[name] = value`` for the duration, then as it was."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+@contextlib.contextmanager
 def _fresh_cache():
     """Triton's cache in an empty directory for the duration (TRITON_CACHE_DIR is read at each compile)."""
-    old = os.environ.get("TRITON_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="ultraattn-aot-") as d:
-        os.environ["TRITON_CACHE_DIR"] = d
-        try:
-            yield
-        finally:
-            if old is None:
-                os.environ.pop("TRITON_CACHE_DIR", None)
-            else:
-                os.environ["TRITON_CACHE_DIR"] = old
+    with tempfile.TemporaryDirectory(prefix="ultraattn-aot-") as d, _env("TRITON_CACHE_DIR", d):
+        yield
 
 
 def build(v: Variant) -> Build:
@@ -266,24 +271,13 @@ def sweep(vs: Sequence[Variant], *, jobs: int = 1, progress: Callable[[Build], N
     import multiprocessing
 
     out = []
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"  # inherited by the workers, spawned at the first submit below
-    try:
-        with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = pool.map(build, vs)
-            if old is None:
-                os.environ.pop("TRITON_INTERPRET", None)
-            else:
-                os.environ["TRITON_INTERPRET"] = old
-            for b in results:
-                out.append(b)
-                if progress:
-                    progress(b)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    # inherited by the workers, spawned when map submits
+    with _env("TRITON_INTERPRET", "0"), ProcessPoolExecutor(max_workers=max(1, jobs),
+                                                            mp_context=multiprocessing.get_context("spawn")) as pool:
+        for b in pool.map(build, vs):
+            out.append(b)
+            if progress:
+                progress(b)
     return out
 
 

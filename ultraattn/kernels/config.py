@@ -57,7 +57,8 @@ _SPACES: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
     ("dkv", "d128p"): _DKV_128,
     ("dkv", "d256"): [(64, 32, 8, 2), (64, 32, 8, 1), (32, 32, 8, 2), (64, 16, 8, 1)],
 }
-ROW_CLASSES = ("d32", "d64", "d128", "d128p", "d256")
+ROW_CLASSES = tuple(dict.fromkeys(rows for _, rows in _SPACES))
+"""The row classes, narrowest first (``row_class``)."""
 
 
 def row_class(head_dim: int, dtype: str) -> str:
