@@ -204,7 +204,24 @@ def store_exchange(key: str, value: bytes, *, rank: int, world: int, timeout: fl
             )
         time.sleep(nap)
         nap = min(nap * 2, 0.05)
-    return [store.get(f"{key}/{r}") for r in range(world)]
+    values = [store.get(f"{key}/{r}") for r in range(world)]
+    _host_waits_for_readers(store, key, rank=rank, world=world, deadline=deadline)
+    return values
+
+
+def _host_waits_for_readers(store, key: str, *, rank: int, world: int, deadline: float) -> None:
+    """Rank 0 hosts the store: it returns only once every rank has read (or the deadline passed), so a
+    rank 0 that goes on to fail and exit (a mismatch the exchange just found) cannot close the store
+    under a peer still reading, which then saw a socket error instead of the mismatch."""
+    store.set(f"{key}/read/{rank}", b"1")
+    if rank != 0:
+        return
+    waiting = list(range(1, world))
+    nap = 1e-3
+    while waiting and time.monotonic() < deadline:
+        waiting = [r for r in waiting if not store.check([f"{key}/read/{r}"])]
+        time.sleep(nap if waiting else 0)
+        nap = min(nap * 2, 0.05)
 
 
 def _all_gather_single(out: Tensor, inp: Tensor, *, group, async_op: bool):
