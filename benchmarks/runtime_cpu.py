@@ -2,11 +2,18 @@
 
 For each mask, side by side in ONE run (same processes, same inputs, same thread count):
 
-* ``ultraattn``: the planned plan (planned for this machine: ``CPU_GLOO_COST``), executed by
-  ultraattn's runtime;
+* ``ultraattn``: the planned plan, executed by ultraattn's runtime, planned with the cost model of THIS machine:
+  the ranks calibrate it first (``ultraattn.calibrate`` on the same 4 ranks, ~40 s; the profile is saved next to
+  the results) unless ``--cost-profile FILE`` gives one;
 * ``ring``, ``zigzag``, ``allgather``: the baselines' plans executed by the same runtime;
 * ``flex_cp``: PyTorch's own FlexAttention context parallel (all-gather K/V, head-tail load
-  balancing; private API, see benchmarks/_flex_cp_peer.py), eager on CPU.
+  balancing; private API, see benchmarks/_flex_cp_peer.py). On CPU it runs EAGER, unfused flex_attention (a
+  dense reference implementation: torch.compile on CPU refuses its backward), so its figure is a peer's
+  end-to-end time here, not a kernel comparison.
+
+Every runtime method's row also has ``predicted_seconds``: the calibrated model's replay of its plan
+(``planner.api.evaluate``: forward + backward makespans). The summary gives each prediction's error and,
+per mask, the rank correlation between predicted and measured times over the methods.
 
 Then the CP overhead: ultraattn with one rank (no process group) against plain single-process
 attention on the same mask (SDPA with the dense boolean mask, the best plain CPU path for an
@@ -73,9 +80,16 @@ def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
 
     import ultraattn
     from ultraattn.masks import parse_mask_spec
-    from ultraattn.planner.cost import CPU_GLOO_COST
+    from ultraattn.planner.api import evaluate
+    from ultraattn.planner.profile import CostProfile
     from ultraattn.planner.tiling import PlannerOptions
+    from ultraattn.runtime.calibrate import calibrate
 
+    if cfg["cost_profile"]:
+        profile = CostProfile.load(cfg["cost_profile"])
+    else:
+        profile = calibrate(dist.group.WORLD, progress=rank == 0, out=cfg["profile_out"])
+    cost = profile.cost
     torch.manual_seed(0)
     rows = []
     h, d, reps = cfg["heads"], cfg["head_dim"], cfg["reps"]
@@ -94,9 +108,10 @@ def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
                     t0 = time.perf_counter()
                     plan = ultraattn.plan_attention(mm, seqlen=s, num_heads=h, head_dim=d, dtype=torch.float32,
                                                     method=method, options=PlannerOptions(time_budget=10),
-                                                    cost=CPU_GLOO_COST, timeout=600)
+                                                    cost=cost, timeout=600)
                     row["plan_seconds"] = time.perf_counter() - t0
                     row["structure"] = plan.tile_plan.meta.get("structure", method)
+                    row["predicted_seconds"] = evaluate(plan.tile_plan, plan.pattern, cost=cost).total_ms() / 1e3
                     ql, kl, vl = (ultraattn.dispatch(x, plan).requires_grad_() for x in (q, k, v))
                     go = torch.randn(1, h, plan.local_len, d)
 
@@ -194,10 +209,40 @@ def summarize(rows: list[dict]) -> list[dict]:
             ours = sub["ultraattn"]["seconds"]
             others = {m: r["seconds"] for m, r in sub.items() if m != "ultraattn"}
             best = min(others, key=others.get) if others else None
+            pred = {m: r["predicted_seconds"] for m, r in sub.items() if r.get("predicted_seconds")}
+            meas = {m: sub[m]["seconds"] for m in pred}
             out.append({"seqlen": s, "mask": mask, "ultraattn_s": ours,
                         "speedup_vs": {m: t / ours for m, t in others.items()},
-                        "best_other": best, "speedup_vs_best": (others[best] / ours) if best else None})
+                        "best_other": best, "speedup_vs_best": (others[best] / ours) if best else None,
+                        "predicted_over_measured": {m: pred[m] / meas[m] for m in pred},
+                        "rank_correlation": spearman([pred[m] for m in pred], [meas[m] for m in pred])})
     return out
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Spearman's rank correlation (ties share their mean rank); None below 3 values."""
+    if len(a) < 3:
+        return None
+
+    def ranks(x):
+        order = sorted(range(len(x)), key=x.__getitem__)
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(x):
+            j = i
+            while j + 1 < len(x) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    sa = math.sqrt(sum((x - ma) ** 2 for x in ra))
+    sb = math.sqrt(sum((y - mb) ** 2 for y in rb))
+    return cov / (sa * sb) if sa and sb else None
 
 
 def plot(result: dict, path: Path) -> None:
@@ -218,7 +263,14 @@ def plot(result: dict, path: Path) -> None:
             for mask in masks:
                 hit = [r for r in rows if r["seqlen"] == s and r["mask"] == mask and r["method"] == m]
                 ys.append(hit[0]["seconds"] if hit else float("nan"))
-            ax.bar([i + n * w for i in range(len(masks))], ys, width=w, label=m)
+            bars = ax.bar([i + n * w for i in range(len(masks))], ys, width=w, label=m)
+            preds = []
+            for mask in masks:
+                hit = [r for r in rows if r["seqlen"] == s and r["mask"] == mask and r["method"] == m]
+                preds.append(hit[0].get("predicted_seconds") or float("nan") if hit else float("nan"))
+            # the calibrated model's prediction: a black tick on each bar
+            ax.scatter([b.get_x() + b.get_width() / 2 for b in bars], preds, marker="_", s=120, color="black",
+                       zorder=3, label="predicted" if n == 0 else None)
         ax.set_xticks([i + 0.4 - w / 2 for i in range(len(masks))], masks, rotation=20)
         ax.set_yscale("log")
         ax.set_ylabel("fwd+bwd seconds per step (log; lower is better)")
@@ -245,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "runtime_cpu.json")
+    ap.add_argument("--cost-profile", type=Path, help="plan with this profile instead of calibrating first")
     ap.add_argument("--replot", type=Path, help="only redraw the PNG of an existing results JSON")
     args = ap.parse_args(argv)
     if args.replot:
@@ -254,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = {"seqlens": args.seqlens, "masks": args.masks, "methods": args.methods, "heads": args.heads,
            "head_dim": args.head_dim, "reps": args.reps, "world": args.world,
-           "threads_per_rank": args.threads, "threads_single": os.cpu_count() or 1, "dtype": "fp32"}
+           "threads_per_rank": args.threads, "threads_single": os.cpu_count() or 1, "dtype": "fp32",
+           "cost_profile": str(args.cost_profile) if args.cost_profile else None,
+           "profile_out": None if args.cost_profile else str(args.out.with_name(args.out.stem + "_profile.json"))}
     print(f"runtime_cpu: {args.world} ranks, {cfg}", flush=True)
     t0 = time.time()
     rows = run_ranks(rank_worker, args.world, args=(cfg,), timeout=6 * 3600, pg_timeout=3600,
@@ -264,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/runtime_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "config": cfg, "rows": rows, "summary": summarize(rows), "overhead_1rank": over,
+        "notes": ["flex_cp is PyTorch's FlexAttention context parallel run with EAGER (unfused) flex_attention: "
+                  "torch.compile on CPU refuses flex_attention's backward, so this is an end-to-end peer figure on "
+                  "CPU, not a kernel comparison"],
         "wall_seconds": time.time() - t0,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -271,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, args.out.with_suffix(".png"))
     for r in result["summary"]:
         vs = ", ".join(f"{m} {x:.2f}x" for m, x in r["speedup_vs"].items())
-        print(f"S={r['seqlen']} {r['mask']:15s} ultraattn {r['ultraattn_s']:.3f} s; speedup vs {vs}")
+        pm = ", ".join(f"{m} {x:.2f}" for m, x in r["predicted_over_measured"].items())
+        rc = r["rank_correlation"]
+        print(f"S={r['seqlen']} {r['mask']:15s} ultraattn {r['ultraattn_s']:.3f} s; speedup vs {vs}; "
+              f"predicted/measured {pm}; rank corr {'n/a' if rc is None else f'{rc:.2f}'}")
+    print("note: " + result["notes"][0])
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 

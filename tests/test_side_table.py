@@ -23,6 +23,7 @@ from ultraattn.cache import LRU
 from ultraattn.passes import find_sites, parse_options, side_table
 from ultraattn.passes.records import REPORT_VERSION, CompileReport
 from ultraattn.passes.rewrite import rewrite_sites
+from ultraattn.planner.cost import DEFAULT_COST
 from ultraattn.report.compile_report import load_report
 
 
@@ -116,11 +117,12 @@ def test_records_round_trip_through_a_saved_report(tmp_path):
 
 def test_options_are_frozen_and_parsing_returns_a_new_object():
     opts = parse_options({"report": "summary", "cost": {"intra_bw_GBps": 10.0}})
-    assert opts.world_size == 1 and opts.report == "summary" and dict(opts.cost) == {"intra_bw_GBps": 10.0}
+    assert opts.world_size == 1 and opts.report == "summary"
+    assert opts.cost == dataclasses.replace(DEFAULT_COST, intra_bw_GBps=10.0)   # the overrides, resolved to a model
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.report = "full"
-    with pytest.raises(TypeError):
-        opts.cost["intra_bw_GBps"] = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.cost.intra_bw_GBps = 1.0
     assert opts.cost_model().intra_bw_GBps == 10.0
     with pytest.raises(ValueError, match=r"options\['compiler'\]='tvm': expected one of inductor, aot_eager, eager"):
         parse_options({"compiler": "tvm"})

@@ -10,10 +10,12 @@ masks -> planner -> kernels/runtime -> passes -> report -> compiler/cli.
 
 __version__ = "0.1.0"
 
+from ultraattn.planner.profile import CostProfile
 from ultraattn.runtime import AttentionPlan, dispatch, dist_attention, plan_ahead, plan_attention, undispatch
+from ultraattn.runtime.calibrate import calibrate
 
-__all__ = ["AttentionPlan", "backend", "dispatch", "dist_attention", "explain", "plan_ahead", "plan_attention",
-           "undispatch", "__version__"]
+__all__ = ["AttentionPlan", "CostProfile", "backend", "calibrate", "dispatch", "dist_attention", "explain",
+           "plan_ahead", "plan_attention", "undispatch", "__version__"]
 
 
 def __getattr__(name: str):

@@ -1,7 +1,8 @@
-"""``ultraattn`` command line: ``plan`` (and ``masks`` to list mask names and parameters).
+"""``ultraattn`` command line: ``plan``, ``calibrate``, ``report`` and ``masks`` (mask names and parameters).
 
     ultraattn plan --mask strided --seqlen 512k --cp 8x8 --heads 32 --head-dim 128 \\
-                   [--kv-heads N] [--batch B] [--backward] [--json FILE] [--png FILE]
+                   [--kv-heads N] [--batch B] [--backward] [--cost-profile FILE] [--json FILE] [--png FILE]
+    ultraattn calibrate [--nproc N] [--out FILE]     # or under torchrun: every launched rank measures
 
 Bad input exits with status 2 and ONE line naming the argument and the fix.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 
@@ -22,6 +24,7 @@ from ultraattn.planner.api import choose_planner, method_summaries, overall_ilp_
 from ultraattn.planner.baselines import BASELINES, ulysses_degree
 from ultraattn.planner.cost import DEFAULT_COST, CostModel
 from ultraattn.planner.plan import AttnShape, Mesh
+from ultraattn.planner.profile import CostProfile, ProfileError
 from ultraattn.planner.tiling import PlannerOptions
 from ultraattn.report.compile_report import render_saved
 from ultraattn.report.plan_report import print_plan_result
@@ -58,7 +61,7 @@ def parse_cp(text: str):
     return Mesh(nodes=nodes, devices=devices)
 
 
-def parse_cost(items: list[str]):
+def parse_cost(items: list[str], base: CostModel = DEFAULT_COST):
 
     changes = {}
     names = CostModel.field_names()
@@ -71,7 +74,7 @@ def parse_cost(items: list[str]):
         except ValueError:
             raise CliError(f"--cost {key} must be a number, got {val!r}") from None
     try:
-        return dataclasses.replace(DEFAULT_COST, **changes)
+        return dataclasses.replace(base, **changes)
     except ValueError as exc:
         raise CliError(f"--cost: {exc}") from None
 
@@ -108,6 +111,9 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--baselines", default="all",
                     help=f"comma list of {', '.join(BASELINES)} or 'all' or 'none' (default all)")
     pl.add_argument("--cost", action="append", default=[], metavar="KEY=VALUE", help="override a cost-model field")
+    pl.add_argument("--cost-profile", metavar="FILE",
+                    help="plan with a calibrated profile (`ultraattn calibrate --out FILE`) instead of the H100 "
+                         "defaults; --cost overrides apply on top")
     pl.add_argument("--planner", choices=("auto", "ilp", "fast"), default="auto",
                     help="ilp: hierarchical ILPs (seconds); fast: the run-time planner (milliseconds, no ILP); "
                          "auto: ilp, since a mask given here is known up front, or fast where PuLP is not installed "
@@ -116,6 +122,24 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--png", metavar="FILE", help="draw the tile assignment and schedule (needs matplotlib)")
     pl.add_argument("--quiet", action="store_true", help="no report, only the JSON (if asked) and one line")
     sub.add_parser("masks", help="list mask names, parameters and defaults")
+    cb = sub.add_parser("calibrate", help="measure this machine and fit the planner's cost model to it",
+                        description="Time the runtime's tile calls, messages and merges on this machine (all ranks "
+                                    "at once) and fit the cost model; write the profile (JSON). Under torchrun "
+                                    "every launched rank takes part; otherwise --nproc local gloo ranks are spawned. "
+                                    "By default the profile goes where cost='auto' looks for it.")
+    cb.add_argument("--nproc", type=int, default=1,
+                    help="local ranks to spawn (gloo on 127.0.0.1) when not launched by torchrun (default 1: no "
+                         "messages are measured)")
+    cb.add_argument("--devices-per-node", type=int, default=None,
+                    help="ranks per node of the mesh (default: LOCAL_WORLD_SIZE, else all ranks on one node)")
+    cb.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="where tiles run (default: cuda when available)")
+    cb.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                    help="input dtype of the tiles (default: bf16 on GPU, fp32 on CPU)")
+    cb.add_argument("--threads", type=int, default=1, help="torch threads per spawned rank (default 1)")
+    cb.add_argument("--quick", action="store_true", help="a tiny grid in seconds (a smoke test, not a profile)")
+    cb.add_argument("--out", metavar="FILE", help="write the profile here (default: the cache cost='auto' reads)")
+    cb.add_argument("--timeout", type=float, default=300.0, help="seconds any rank waits for a peer (default 300)")
     rp = sub.add_parser("report", help="render a report saved by the backend (options={'report_file': FILE})",
                         description="Render the JSON report that torch.compile(..., backend='ultraattn', "
                                     "options={'report_file': FILE}) wrote: attention sites, why each was or was not "
@@ -195,7 +219,13 @@ def cmd_plan(args) -> int:
 
 
     seq, mesh, shape, block, baselines = _validate(args)
-    cost = parse_cost(args.cost)
+    base = DEFAULT_COST
+    if args.cost_profile:
+        try:
+            base = CostProfile.load(args.cost_profile).cost
+        except ProfileError as exc:
+            raise CliError(f"--cost-profile: {exc}") from None
+    cost = parse_cost(args.cost, base)
     try:
         mask_mod = parse_mask_spec(args.mask, seq)
     except ValueError as exc:
@@ -254,6 +284,91 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _calibrate_rank(rank: int, world: int, args) -> dict:
+    """One rank of ``ultraattn calibrate`` (spawned, or launched by torchrun): measure, fit, save on rank 0."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ultraattn.runtime.calibrate import cached_profile_path, calibrate
+
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    mesh = None
+    per_node = args.devices_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or max(world, 1)
+    if world > 1 and 1 < per_node < world:
+        mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("node", "device"))
+    group = dist.group.WORLD if world > 1 and mesh is None else None
+    profile = calibrate(group, device, mesh=mesh, quick=args.quick, dtype=args.dtype, progress=rank == 0,
+                        timeout=args.timeout)
+    if rank == 0:
+        ranks = max(world, 1)
+        pm = Mesh(nodes=ranks // per_node, devices=per_node) if mesh is not None else Mesh(nodes=1, devices=ranks)
+        path = args.out or cached_profile_path(device, pm)
+        profile.save(path)
+        return {"profile": profile.to_json(), "path": str(path)}
+    return {}
+
+
+def _print_profile(console: Console, data: dict, path: str) -> None:
+    from rich.table import Table
+
+    m = data["machine"]
+    t = Table(title=f"cost profile: {m['device']} ({m['device_type']}), {m['nodes']}x{m['devices_per_node']} ranks, "
+                    f"{m['calibration_seconds']:.0f} s")
+    t.add_column("field")
+    t.add_column("fitted", justify="right")
+    t.add_column("H100 default", justify="right")
+    for k, v in data["cost"].items():
+        t.add_row(k, f"{v:.4g}", f"{getattr(DEFAULT_COST, k):.4g}")
+    console.print(t)
+    for term, st in data["fit"].items():
+        for link, s in ({term: st}.items() if "samples" in st else st.items()):
+            console.print(f"fit {link}: {s['samples']} samples, median error {s['median_rel_err']:.1%}, "
+                          f"worst {s['max_rel_err']:.1%}")
+    for n in data["notes"]:
+        console.print(f"note: {n}")
+    console.print(f"wrote {path}")
+
+
+def cmd_calibrate(args) -> int:
+    if args.nproc < 1:
+        raise CliError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.threads < 1:
+        raise CliError(f"--threads must be >= 1, got {args.threads}")
+    if args.timeout <= 0:
+        raise CliError(f"--timeout must be positive seconds, got {args.timeout}")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CliError("--device cuda: no CUDA device here; use --device cpu")
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1:   # torchrun: this process is one rank
+        import torch.distributed as dist
+
+        if args.nproc != 1:
+            raise CliError("--nproc spawns local ranks; under torchrun the launched ranks measure: drop --nproc")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if args.device != "cpu" and torch.cuda.is_available() else "gloo")
+        try:
+            res = _calibrate_rank(dist.get_rank(), dist.get_world_size(), args)
+        finally:
+            dist.destroy_process_group()
+    else:
+        from ultraattn.testing import run_ranks
+
+        world = args.nproc if args.nproc > 1 else 0
+        if args.devices_per_node and (args.nproc % args.devices_per_node):
+            raise CliError(f"--devices-per-node must divide --nproc={args.nproc}, got {args.devices_per_node}")
+        res = run_ranks(_calibrate_rank, world, args=(args,), timeout=args.timeout + 600, pg_timeout=args.timeout,
+                        threads=args.threads)[0]
+    if res:
+        _print_profile(Console(), res["profile"], res["path"])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -263,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "report":
             return cmd_report(args)
+        if args.cmd == "calibrate":
+            return cmd_calibrate(args)
         return cmd_plan(args)
     except CliError as exc:
         print(f"ultraattn {args.cmd}: error: {exc}", file=sys.stderr)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from types import MappingProxyType
+from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
 import torch
@@ -20,7 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ultraattn.planner.baselines import BASELINES
 from ultraattn.planner.cost import DEFAULT_COST, CostModel
+from ultraattn.planner.plan import Mesh
 from ultraattn.planner.tiling import PlannerOptions
+from ultraattn.runtime.calibrate import cached_profile_path, resolve_cost
 
 ReportMode = Literal["off", "summary", "full"]
 Outputs = Literal["global", "sharded"]
@@ -49,8 +50,11 @@ class BackendOptions:
     ilp_time_limit: float | None = None
     balance_tol: float | None = None
     time_budget: float | None = None
-    cost: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
-    """Cost-model overrides (fields of ultraattn.planner.cost.CostModel)."""
+    cost: CostModel = DEFAULT_COST
+    """The cost model the planner uses. Users pass a dict of ``CostModel`` fields (overrides of the H100 defaults),
+    a ``CostModel``, a ``CostProfile`` or its path (``ultraattn calibrate``), or ``"auto"``: this machine's
+    calibrated profile, cached under the user's cache directory and measured at the first compile when missing
+    (every rank compiles, so the measurement is a collective). ``parse_options`` resolves it to the model."""
     method: Method = "ultraattn"
     """The planner, or a baseline plan for comparisons."""
     planner: PlannerName = "auto"
@@ -80,7 +84,7 @@ class BackendOptions:
         return PlannerOptions(**kw)
 
     def cost_model(self) -> CostModel:
-        return dataclasses.replace(DEFAULT_COST, **self.cost) if self.cost else DEFAULT_COST
+        return self.cost
 
 
 VALID = tuple(f.name for f in fields(BackendOptions))
@@ -110,14 +114,33 @@ def _check_values(opts: BackendOptions) -> None:
         raise ValueError(f"options['world_size']={w!r}: expected a positive int (or leave it unset)")
 
 
-def _check_cost(cost) -> Mapping[str, float]:
-    if not isinstance(cost, Mapping):
-        raise ValueError(f"options['cost'] must be a dict of CostModel fields, got {type(cost).__name__}")
-    names = {f.name for f in fields(CostModel)}
-    bad = sorted(set(cost) - names)
-    if bad:
-        raise ValueError(f"options['cost'] has unknown field(s) {bad}; CostModel fields: {', '.join(sorted(names))}")
-    return MappingProxyType(dict(cost))
+def _check_cost(cost, *, grouped: bool, mesh, world: int) -> CostModel:
+    """``options['cost']`` as a model (see ``BackendOptions.cost``)."""
+    if isinstance(cost, Mapping):
+        names = {f.name for f in fields(CostModel)}
+        bad = sorted(set(cost) - names)
+        if bad:
+            raise ValueError(f"options['cost'] has unknown field(s) {bad}; CostModel fields: "
+                             f"{', '.join(sorted(names))}")
+        try:
+            return dataclasses.replace(DEFAULT_COST, **cost)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"options['cost']: {exc}") from None
+    if isinstance(cost, str) and cost == "auto" and world == 1:
+        return DEFAULT_COST   # one rank plans nothing (the site is one kernel): nothing to measure
+    if isinstance(cost, str) and cost == "auto" and not grouped:
+        # no process group (ultraattn.explain): only a profile measured before can stand for the ranks
+        path = cached_profile_path(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                                   Mesh(nodes=1, devices=world))
+        if not path.exists():
+            raise ValueError(f"options['cost']='auto' needs this machine's profile for {world} ranks, and none is "
+                             f"cached ({path}); run `ultraattn calibrate --nproc {world}` first, or pass a profile "
+                             f"path or a dict of CostModel fields")
+        cost = path
+    try:
+        return resolve_cost(cost, mesh=mesh)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"options['cost']: {exc}") from None
 
 
 def parse_options(options: dict | None, *, require_group: bool = True, meshes: dict | None = None) -> BackendOptions:
@@ -133,7 +156,7 @@ def parse_options(options: dict | None, *, require_group: bool = True, meshes: d
         raise ValueError(f"unknown ultraattn backend option(s) {unknown}; valid options: {', '.join(VALID)}")
     if "report_file" in options and isinstance(options["report_file"], os.PathLike):
         options["report_file"] = os.fspath(options["report_file"])
-    opts = BackendOptions(**{**options, "cost": _check_cost(options.get("cost", {}))})
+    opts = BackendOptions(**{**options, "cost": DEFAULT_COST})
     _check_values(opts)
     world = opts.world_size
     grouped = dist.is_available() and dist.is_initialized()
@@ -149,7 +172,8 @@ def parse_options(options: dict | None, *, require_group: bool = True, meshes: d
     mesh = opts.mesh
     if mesh is None and require_group and world > 1:
         mesh = default_mesh(world, {} if meshes is None else meshes)
-    return dataclasses.replace(opts, world_size=world, mesh=mesh)
+    cost = _check_cost(options.get("cost", {}), grouped=grouped and require_group, mesh=mesh, world=world)
+    return dataclasses.replace(opts, world_size=world, mesh=mesh, cost=cost)
 
 
 def default_mesh(world: int, cache: dict):

@@ -6,14 +6,19 @@ This is a measuring instrument, not a knob: the defaults come from public H100 f
 ``--cost key=value`` does the same.
 
 Model:
-    kernel time   = launch + flops / (peak * eff),  eff = L / (L + L_half)
+    kernel time   = launches * launch + flops / (peak * eff),  eff = L / (L + L_half)
                     L = average non-empty KV tokens per query block row of the kernel:
                     short inner loops pay the pipeline prologue/epilogue (small tiles
                     run slower); PARTIAL blocks cost ``1 + partial_block_overhead``
-                    FULL blocks (the mask is evaluated, nothing is skipped inside).
+                    FULL blocks (the mask is evaluated, nothing is skipped inside);
+                    the runtime launches once per query row of a plan kernel.
     message time  = latency + bytes / bandwidth  (intra-node NVLink or inter-node NIC)
     merge time    = bytes touched / HBM bandwidth
 Backward work is 2.5x the forward FLOPs (5 matmuls against 2, FlashAttention-2 paper).
+
+The H100 defaults are for planning a machine you are not on. On the machine itself,
+``ultraattn calibrate`` (``cost="auto"``) fits these fields to measurements
+(``planner/profile.py``, ``runtime/calibrate.py``).
 """
 
 from __future__ import annotations
@@ -63,30 +68,32 @@ class CostModel:
             raise ValueError(f"partial_block_overhead must be >= 0, got {self.partial_block_overhead}")
 
     # ------------------------------------------------------------------ kernels
-    def kernel_seconds(self, *, flops: float, kv_tokens_per_row: float, phase: str) -> float:
-        """Time of one attention launch doing ``flops`` (forward-equivalent FLOPs for fwd)."""
+    def kernel_seconds(self, *, flops: float, kv_tokens_per_row: float, phase: str, launches: float = 1) -> float:
+        """Time of a kernel doing ``flops`` (forward-equivalent FLOPs for fwd) in ``launches`` launches (the runtime
+        launches once per query row of a plan kernel)."""
         if flops <= 0:
             return 0.0
-        return self._launch_seconds(flops, kv_tokens_per_row, phase)
+        return self._launch_seconds(flops, kv_tokens_per_row, phase, launches)
 
-    def kernel_seconds_array(self, *, flops, kv_tokens_per_row, phase: str):
-        """``kernel_seconds`` of many launches at once (numpy arrays; 0 where ``flops`` is 0)."""
+    def kernel_seconds_array(self, *, flops, kv_tokens_per_row, phase: str, launches=1):
+        """``kernel_seconds`` of many kernels at once (numpy arrays; 0 where ``flops`` is 0)."""
         import numpy as np
 
         flops = np.asarray(flops, dtype=np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
-            sec = self._launch_seconds(flops, np.asarray(kv_tokens_per_row, dtype=np.float64), phase)
+            sec = self._launch_seconds(flops, np.asarray(kv_tokens_per_row, dtype=np.float64), phase,
+                                       np.asarray(launches, dtype=np.float64))
         return np.where(flops > 0, sec, 0.0)
 
-    def _launch_seconds(self, flops, kv_tokens_per_row, phase: str):
-        """launch + flops / (rate * eff): the formula both ``kernel_seconds`` forms share (floats or arrays)."""
+    def _launch_seconds(self, flops, kv_tokens_per_row, phase: str, launches):
+        """launches * launch + flops / (rate * eff): the formula both ``kernel_seconds`` forms share."""
         eff = kv_tokens_per_row / (kv_tokens_per_row + self.eff_half_tokens)
         if phase == "fwd":
             rate = self.fwd_tflops
         else:
             rate = self.bwd_tflops
             flops = flops * self.bwd_flops_factor
-        return self.launch_us * 1e-6 + flops / (rate * 1e12 * eff)
+        return launches * self.launch_us * 1e-6 + flops / (rate * 1e12 * eff)
 
     # ------------------------------------------------------------------ messages
     def message_seconds(self, nbytes: int, *, inter_node: bool) -> float:
@@ -108,13 +115,3 @@ DEFAULT_COST = CostModel()
 def block_flops(q_block: int, kv_block: int, head_dim: int, heads: int, batch: int) -> float:
     """Forward FLOPs of one FULL (q_block x kv_block) block: QK^T and PV, 2 FLOPs per MAC."""
     return 4.0 * q_block * kv_block * head_dim * heads * batch
-
-
-#: CPU ranks over gloo on one 2-core machine (4 ranks share the cores), for the runtime's CPU
-#: benchmark. Measured on the development machine: the torch tile path reaches ~15 GFLOP/s per
-#: core forward (fp32, d=64), half a core per rank with 4 ranks; gloo over loopback moves ~1 GB/s
-#: (shared/PLATFORM.md) with ~0.1 ms per message; a tile call costs ~0.3 ms of Python.
-CPU_GLOO_COST = CostModel(
-    fwd_tflops=0.007, bwd_tflops=0.006, eff_half_tokens=64.0, partial_block_overhead=0.3, launch_us=300.0,
-    intra_bw_GBps=0.5, inter_bw_GBps=0.5, intra_latency_us=100.0, inter_latency_us=100.0, hbm_GBps=5.0,
-)

@@ -140,9 +140,10 @@ def kernel_seconds(grid: Grid, blocks: np.ndarray, nonempty: np.ndarray, rows: n
     """Seconds of kernels with these cost-weighted blocks, non-empty blocks and distinct query rows
     (``Workload.kernel_seconds``, vectorised)."""
     b = grid.block
+    rows = np.maximum(rows, 1)
     return cost.kernel_seconds_array(flops=blocks * block_flops(b, b, head_dim, 1, 1),
-                                     kv_tokens_per_row=nonempty * b / (np.maximum(rows, 1) * grid.rows_per_chunk),
-                                     phase=phase)
+                                     kv_tokens_per_row=nonempty * b / (rows * grid.rows_per_chunk), phase=phase,
+                                     launches=rows)
 
 
 @dataclass(slots=True)

@@ -75,7 +75,8 @@ class Workload:
             return 0.0
         flops = blocks * block_flops(self.block, self.block, self.head_dim, 1, 1)
         kv_tokens = nonempty * self.block / (len(rows) * self.rows_per_chunk)
-        return cost.kernel_seconds(flops=flops, kv_tokens_per_row=kv_tokens, phase=phase)
+        # the runtime launches once per query row of a kernel (runtime/executor.py: RankProgram.rows)
+        return cost.kernel_seconds(flops=flops, kv_tokens_per_row=kv_tokens, phase=phase, launches=len(rows))
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +42,9 @@ from ..planner.baselines import BASELINES, ulysses_degree
 from ..planner.cost import DEFAULT_COST, CostModel
 from ..planner.fast import FastPlanner, planner_key
 from ..planner.plan import AttnShape, Mesh, TilePlan, TokenLayout
+from ..planner.profile import CostProfile
 from ..planner.tiling import PlannerOptions
+from .calibrate import resolve_cost
 from .comm import Comm, GroupRef, resolve_group, store_exchange
 from .executor import Executor, run
 from .online import ONLINE
@@ -239,7 +242,7 @@ def plan_attention(
     mask_mod: Callable | None = None,
     method: str = "ultraattn",
     options: PlannerOptions | None = None,
-    cost: CostModel = DEFAULT_COST,
+    cost: CostModel | CostProfile | str | os.PathLike = DEFAULT_COST,
     timeout: float = 300.0,
     layout: TokenLayout | None = None,
     planner: Planner = "auto",
@@ -259,7 +262,11 @@ def plan_attention(
         mask_mod: element mask for a ``BlockPattern`` with PARTIAL blocks.
         method: "ultraattn" (planned) or a baseline executed by the same runtime
             ("ring", "zigzag", "allgather", "ulysses", "usp").
-        options, cost: planner settings and cost model.
+        options: planner settings.
+        cost: the cost model: a ``CostModel``, a ``CostProfile`` (``ultraattn.calibrate``), a profile's path, or
+            ``"auto"``: this machine's calibrated profile, cached under the user's cache directory and measured
+            first (a collective, about a minute) when there is none (``runtime/calibrate.py``). A path or
+            ``"auto"`` is resolved once per process and configuration.
         timeout: seconds any rank waits for a peer before failing with the peer's name.
         layout: a given ``TokenLayout`` (which rank holds which token chunks): the plan keeps it and
             chooses only where tiles run and what moves. A sequence-sharded model passes its
@@ -292,6 +299,7 @@ def plan_attention(
                       batch=batch, dtype=_DTYPES[dtype])
     pmesh, ranks, comm_group, me = resolve_group(mesh, group)
     _check_method(method, shape, pmesh)  # on every rank, before any communication
+    cost = _cost_model(cost, mesh=mesh, group=group, key=(ranks, pmesh.nodes, pmesh.devices), timeout=timeout)
     if which == "fast":
         return _plan_fast(mask, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me, dtype=dtype,
                           block_size=block_size, mask_mod=mask_mod, options=options or PlannerOptions(), cost=cost,
@@ -299,6 +307,22 @@ def plan_attention(
     return _plan_ilp(mask, which=which, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me,
                      dtype=dtype, block_size=block_size, mask_mod=mask_mod, method=method, options=options, cost=cost,
                      timeout=timeout, layout=layout)
+
+
+def _cost_model(cost, *, mesh, group, key: tuple, timeout: float) -> CostModel:
+    """``cost`` as a ``CostModel``; a path or ``"auto"`` is resolved once per process (``ONLINE.cost_model``)."""
+    if isinstance(cost, CostModel):
+        return cost
+    if isinstance(cost, CostProfile):
+        return cost.cost
+    if isinstance(cost, str) and cost == "auto":
+        return ONLINE.cost_model(("auto", *key), lambda: resolve_cost("auto", group=group, mesh=mesh,
+                                                                      timeout=timeout))
+    if isinstance(cost, str | os.PathLike):
+        path = os.path.abspath(os.fspath(cost))
+        stamp = os.stat(path).st_mtime_ns if os.path.exists(path) else None
+        return ONLINE.cost_model(("path", path, stamp), lambda: resolve_cost(path))
+    raise TypeError(f"`cost` must be a CostModel, a CostProfile, a profile path or 'auto', got {type(cost).__name__}")
 
 
 def _check_method(method: str, shape: AttnShape, pmesh: Mesh) -> None:

@@ -18,9 +18,9 @@ Two paths, neither with a device sync on the step's critical path beyond reading
   never used.
 
 All state lives in one ``OnlinePlanner`` object (``ONLINE``): the planners per configuration, the
-handed-over masks, the finished plans (each bounded) and the worker. The worker is a daemon thread,
-started on the first ``plan_ahead`` and joined at exit (``atexit``; at most ``JOIN_SECONDS``), so it
-never keeps a process from exiting.
+handed-over masks, the finished plans, the cost models resolved from profiles (each bounded) and the
+worker. The worker is a daemon thread, started on the first ``plan_ahead`` and joined at exit
+(``atexit``; at most ``JOIN_SECONDS``), so it never keeps a process from exiting.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from ..cache import LRU
 from ..masks.cells import BlockCells, cells_from_block_mask
+from ..planner.cost import CostModel
 from ..planner.fast import FastPlanner
 from ..planner.plan import TilePlan
 
@@ -98,6 +99,7 @@ class OnlinePlanner:
         self._planners: LRU[tuple, FastPlanner] = LRU(configs)
         self._handed: LRU[tuple, _Handed] = LRU(masks)
         self._plans: LRU[tuple, Future] = LRU(plans)
+        self._costs: LRU[tuple, CostModel] = LRU(configs)
         self._lock = threading.RLock()  # one planning at a time (a FastPlanner's caches are not thread-safe)
         self._start_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -114,6 +116,15 @@ class OnlinePlanner:
             hit = make()
             assert hit.key == key, "the planner's configuration must be the key it is cached under"
             self._planners.put(key, hit)
+        return hit
+
+    def cost_model(self, key: tuple, make: Callable[[], CostModel]) -> CostModel:
+        """The cost model a ``cost=`` argument names (a profile path, ``"auto"``), resolved by ``make`` once per
+        ``key``: a step's planning neither reads the profile again nor, for ``"auto"``, meets the other ranks."""
+        hit = self._costs.get(key)
+        if hit is None:
+            hit = make()
+            self._costs.put(key, hit)
         return hit
 
     def cells(self, block_mask: BlockMask) -> BlockCells:

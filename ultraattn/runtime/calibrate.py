@@ -1,0 +1,414 @@
+"""Calibrate the cost model on the machine it plans for: ``ultraattn.calibrate`` and ``ultraattn calibrate``.
+
+The planner is only as good as its cost model. This module times what the runtime really runs, on the
+devices and process group it runs on, and fits the model's terms to it (``planner/profile.py``):
+
+* tiles: the runtime's own tile calls (``runtime/tiles.row_forward`` / ``row_backward``: the torch path on CPU,
+  the Triton kernels on GPU) over work shapes the planner reasons about: KV tokens per query block row, heads,
+  head dim, FULL and PARTIAL blocks. EVERY rank runs each sample at once, so ranks that share hardware (4 CPU
+  ranks on 2 cores) are measured sharing it, as they will be in a step;
+* messages: every rank sends one message and receives one at once (as in a plan's exchange stage), inside a
+  node and, on a mesh of several nodes, across nodes, at the sizes plans send;
+* merges: the runtime's LSE merge and partial-gradient sums.
+
+A sample's figure is the median over repetitions on each rank, then the median over ranks. Every wait has a
+timeout (``timeout``), so a dead peer fails the call instead of hanging it.
+
+``resolve_cost("auto", ...)`` calibrates once per machine and configuration and caches the profile under the
+user's cache directory (``$ULTRAATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/ultraattn``, else
+``~/.cache/ultraattn``); later calls (in this process or another) load it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..masks.pattern import EMPTY, FULL, PARTIAL
+from ..planner.cost import DEFAULT_COST, CostModel, block_flops
+from ..planner.plan import Mesh
+from ..planner.profile import CostProfile, ProfileError, cost_model_of, fit_cost
+from .comm import resolve_group
+from .tiles import TileGeometry, merge_partial, row_backward, row_forward
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Grid:
+    """What one calibration measures (``grid_for``)."""
+
+    block: int
+    """Mask block size in tokens (the runtime's Q and KV block)."""
+    q_tokens: int
+    """Query tokens of one tile call (a plan chunk's row)."""
+    kv_tokens: tuple[int, ...]
+    """KV tokens per query block row (L in the cost model), each a multiple of ``block``."""
+    heads: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    dtype: str
+    message_bytes: tuple[int, ...]
+    merge_tokens: tuple[int, ...]
+    """Query tokens of the partial results merged (heads ``max(heads)``, head dim ``max(head_dims)``)."""
+    reps: int
+    """Timed repetitions per sample (after one warm-up)."""
+    target: float
+    """Seconds one repetition lasts at least (short calls are repeated within it)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"`dtype` must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        bad = [n for n in self.kv_tokens if n % self.block or n < self.block]
+        if bad or self.q_tokens % self.block:
+            raise ValueError(f"kv_tokens {bad or ''} and q_tokens {self.q_tokens} must be multiples of the block "
+                             f"{self.block}")
+        if self.reps < 1:
+            raise ValueError(f"`reps` must be >= 1, got {self.reps}")
+
+
+def grid_for(device: torch.device, *, quick: bool = False, dtype: str | None = None) -> Grid:
+    """The calibration grid of a device: sizes where its tile path spends from a millisecond to about a second.
+
+    ``quick``: a few tiny samples (tests; the fit is then a smoke test, not a profile to plan with).
+    """
+    if quick:
+        return Grid(block=64, q_tokens=128, kv_tokens=(64, 256), heads=(1, 2), head_dims=(32,),
+                    dtype=dtype or "fp32", message_bytes=(1 << 12, 1 << 16, 1 << 19), merge_tokens=(128, 512), reps=2,
+                    target=0.005)
+    if device.type == "cuda":
+        return Grid(block=128, q_tokens=2048, kv_tokens=(256, 1024, 4096, 16384), heads=(8, 32), head_dims=(64, 128),
+                    dtype=dtype or "bf16", message_bytes=(1 << 16, 1 << 20, 1 << 23, 1 << 26),
+                    merge_tokens=(4096, 16384), reps=5, target=0.05)
+    # CPU: the torch tile path computes in fp32 whatever the input dtype; 512-token rows are a plan chunk's
+    return Grid(block=128, q_tokens=1024, kv_tokens=(128, 512, 2048, 4096), heads=(2, 8), head_dims=(64,),
+                dtype=dtype or "fp32", message_bytes=(1 << 16, 1 << 19, 1 << 22, 1 << 24),
+                merge_tokens=(512, 2048), reps=3, target=0.2)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Ranks:
+    """The calibration's view of its process group: barriers and gathers with a timeout, nothing without one."""
+
+    def __init__(self, group, ranks: Sequence[int], me: int, mesh: Mesh, timeout: float):
+        self.group, self.ranks, self.me, self.mesh, self.timeout = group, tuple(ranks), me, mesh, timeout
+        self.world = len(self.ranks)
+
+    def barrier(self) -> None:
+        if self.group is not None and self.world > 1:
+            work = dist.barrier(group=self.group, async_op=True)
+            if not work.wait(timeout=datetime.timedelta(seconds=self.timeout)):
+                raise TimeoutError(f"calibrate: rank {self.me} waited {self.timeout:g} s at a barrier")
+
+    def gather(self, value: float) -> list[float]:
+        if self.group is None or self.world == 1:
+            return [value]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, value, group=self.group)
+        return [float(v) for v in out]
+
+    def median_over_ranks(self, value: float) -> float:
+        return statistics.median(self.gather(value))
+
+    def max_over_ranks(self, value: float) -> float:
+        return max(self.gather(value))
+
+
+def _timed(ranks: _Ranks, fn: Callable[[], object], reps: int, device: torch.device, target: float) -> float:
+    """Seconds of one ``fn`` call on this rank, every rank running it at once: after a warm-up, each of ``reps``
+    repetitions starts on all ranks together and runs ``fn`` enough times to last about ``target`` seconds (the same
+    count everywhere, from the slowest rank's warm-up); the median repetition per call, then the median over ranks."""
+    ranks.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    warm = ranks.max_over_ranks(time.perf_counter() - t0)
+    iters = max(1, min(1000, round(target / max(warm, 1e-6))))
+    times = []
+    for _ in range(reps):
+        ranks.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / iters)
+    return ranks.median_over_ranks(statistics.median(times))
+
+
+def _checker_mask(b, h, q_idx, kv_idx):
+    """Every block of it is PARTIAL (the mask_mod is evaluated), every row attends half its keys."""
+    return (q_idx + kv_idx) % 2 == 0
+
+
+def _tile_case(grid: Grid, *, heads: int, head_dim: int, kv_tokens: int, kind: int, device: torch.device):
+    """A tile call of ``grid.q_tokens`` queries, each query block attending ``kv_tokens`` keys of one ``kind``.
+
+    Returns (geometry, q, kvs, cols, do, sample fields): the row is chunk 0, its KV columns chunks 1..n.
+    """
+    c, b = grid.q_tokens, grid.block
+    ncols = math.ceil(kv_tokens / c)
+    seq = c * (1 + ncols)
+    nqb, nkb = c // b, kv_tokens // b
+    kinds = torch.full((seq // b, seq // b), EMPTY, dtype=torch.int8)
+    kinds[:nqb, nqb:nqb + nkb] = kind
+    geo = TileGeometry(seq_len=seq, chunk=c, q_block=b, kv_block=b, batch=1, num_heads=heads, num_kv_heads=heads,
+                       head_groups=1, head_dim=head_dim, kind_gQK=[kinds],
+                       mask_mod=_checker_mask if kind == PARTIAL else None)
+    dt = _DTYPES[grid.dtype]
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dt)
+
+    q = rand(1, heads, c, head_dim)
+    kvs = [(rand(1, heads, c, head_dim), rand(1, heads, c, head_dim)) for _ in range(ncols)]
+    do = rand(1, heads, c, head_dim)
+    blocks = nqb * nkb * heads
+    flops = blocks * block_flops(b, b, head_dim, 1, 1)
+    fields = {"heads": heads, "head_dim": head_dim, "dtype": grid.dtype, "q_tokens": c,
+              "kind": "partial" if kind == PARTIAL else "full", "kv_tokens_per_row": float(kv_tokens),
+              "flops_full": flops if kind == FULL else 0.0, "flops_partial": flops if kind == PARTIAL else 0.0,
+              "launches": 1}
+    return geo, q, kvs, list(range(1, ncols + 1)), do, fields
+
+
+def measure_tiles(ranks: _Ranks, grid: Grid, device: torch.device, advance: Callable[[], None]) -> list[dict]:
+    """Forward and backward tile samples over the grid (module docstring)."""
+    out = []
+    scale = 1.0
+    for head_dim in grid.head_dims:
+        for heads in grid.heads:
+            for kv in grid.kv_tokens:
+                for kind in (FULL, PARTIAL):
+                    geo, q, kvs, cols, do, fields = _tile_case(grid, heads=heads, head_dim=head_dim, kv_tokens=kv,
+                                                               kind=kind, device=device)
+                    o, lse = row_forward(geo, 0, 0, cols, q, kvs, scale)
+                    delta = (o * do.float()).sum(-1)
+
+                    def fwd(geo=geo, q=q, kvs=kvs, cols=cols):
+                        return row_forward(geo, 0, 0, cols, q, kvs, scale)
+
+                    def bwd(geo=geo, q=q, kvs=kvs, cols=cols, do=do, lse=lse, delta=delta):
+                        return row_backward(geo, 0, 0, cols, q, do, lse, delta, kvs, scale)
+
+                    t_f = _timed(ranks, fwd, grid.reps, device, grid.target)
+                    t_b = _timed(ranks, bwd, grid.reps, device, grid.target)
+                    out.append({**fields, "phase": "fwd", "seconds": t_f})
+                    out.append({**fields, "phase": "bwd", "seconds": t_b})
+                    advance()
+    return out
+
+
+def _peer_pairs(mesh: Mesh, me: int) -> dict[str, tuple[int, int]]:
+    """(send to, receive from) per link: the next device of this node, and the same device of the next node."""
+    n, d = divmod(me, mesh.devices)
+    pairs = {}
+    if mesh.devices > 1:
+        pairs["intra"] = (n * mesh.devices + (d + 1) % mesh.devices, n * mesh.devices + (d - 1) % mesh.devices)
+    if mesh.nodes > 1:
+        pairs["inter"] = (((n + 1) % mesh.nodes) * mesh.devices + d, ((n - 1) % mesh.nodes) * mesh.devices + d)
+    return pairs
+
+
+def measure_messages(ranks: _Ranks, grid: Grid, device: torch.device, advance: Callable[[], None]) -> list[dict]:
+    """Every rank sends one message and receives one at once, per link and size."""
+    out = []
+    if ranks.world == 1:
+        return out
+    timeout = datetime.timedelta(seconds=ranks.timeout)
+    for link, (to, frm) in _peer_pairs(ranks.mesh, ranks.me).items():
+        for nbytes in grid.message_bytes:
+            send = torch.ones(nbytes, dtype=torch.uint8, device=device)
+            recv = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+            def exchange(send=send, recv=recv, to=to, frm=frm):
+                works = [dist.isend(send, dst=ranks.ranks[to], group=ranks.group),
+                         dist.irecv(recv, src=ranks.ranks[frm], group=ranks.group)]
+                for w in works:
+                    if w.wait(timeout=timeout) is False:
+                        raise TimeoutError(f"calibrate: rank {ranks.me} waited {ranks.timeout:g} s for a message")
+
+            t = _timed(ranks, exchange, grid.reps + 2, device, grid.target)
+            out.append({"link": link, "nbytes": nbytes, "seconds": t})
+            advance()
+    return out
+
+
+def measure_merges(ranks: _Ranks, grid: Grid, device: torch.device, advance: Callable[[], None]) -> list[dict]:
+    """The runtime's LSE merge of a partial (o, lse) and a partial-gradient sum; ``nbytes`` is what the planner
+    charges (twice the partial's message bytes)."""
+    out = []
+    h, d = max(grid.heads), max(grid.head_dims)
+    for tokens in grid.merge_tokens:
+        o = [torch.randn(1, h, tokens, d, device=device) for _ in range(2)]
+        lse = [torch.randn(1, h, tokens, device=device) for _ in range(2)]
+        acc = torch.zeros(1, h, tokens, d, device=device)
+        msg_o = (o[0].numel() + lse[0].numel()) * 4
+        out.append({"what": "o", "nbytes": 2 * msg_o, "seconds": _timed(
+            ranks, lambda o=o, lse=lse: merge_partial((o[0], lse[0]), (o[1], lse[1])), grid.reps, device, grid.target)})
+        out.append({"what": "dq", "nbytes": 2 * o[0].numel() * 4, "seconds": _timed(
+            ranks, lambda acc=acc, o=o: acc.add_(o[1]), grid.reps, device, grid.target)})
+        advance()
+    return out
+
+
+def machine_info(device: torch.device, mesh: Mesh) -> dict:
+    """Where a profile is measured; ``key`` names the configuration ``cost="auto"`` caches it under."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    info = {"host": platform.node(), "device_type": device.type, "device": name, "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "nodes": mesh.nodes, "devices_per_node": mesh.devices,
+            "world": mesh.world, "torch": torch.__version__, "triton": triton_version,
+            "python": platform.python_version(), "platform": platform.platform()}
+    ident = {k: info[k] for k in ("host", "device_type", "device", "cpus", "torch_threads", "nodes",
+                                  "devices_per_node", "torch")}
+    info["key"] = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return info
+
+
+def _progress(enabled: bool, total: int):
+    """A rich progress bar (rank 0 only), or nothing."""
+    if not enabled:
+        return nullcontext(lambda: None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    class _Bar:
+        def __enter__(self):
+            self.p = Progress(TextColumn("calibrating the cost model"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), transient=False)
+            self.p.__enter__()
+            self.task = self.p.add_task("calibrate", total=total)
+            return lambda: self.p.advance(self.task)
+
+        def __exit__(self, *exc):
+            return self.p.__exit__(*exc)
+
+    return _Bar()
+
+
+def calibrate(group=None, device=None, *, mesh=None, quick: bool = False, dtype: str | None = None,
+              progress: bool = True, out: str | os.PathLike | None = None, timeout: float = 300.0,
+              base: CostModel = DEFAULT_COST) -> CostProfile:
+    """Measure this machine and fit the cost model to it (module docstring).
+
+    Args:
+        group: a process group: a collective, every rank of it calls; None: this process alone (no messages).
+        device: where tiles run (default: this rank's CUDA device when there is one, else the CPU).
+        mesh: a DeviceMesh over ``group`` (nodes x devices) when the group spans nodes.
+        quick: a tiny grid (seconds; for tests: not a profile to plan with).
+        dtype: "bf16", "fp16" or "fp32" (default: bf16 on GPU, fp32 on CPU, whose tile path computes in fp32).
+        progress: a progress bar on the first rank.
+        out: also save the profile there (the first rank writes).
+        timeout: seconds any wait for a peer may take.
+        base: the model whose fields stand where nothing could be measured.
+
+    Returns:
+        The ``CostProfile`` (``.cost`` is the fitted ``CostModel``), the same on every rank.
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if group is None and mesh is None:
+        pmesh, ranks, comm_group, me = Mesh(nodes=1, devices=1), (0,), None, 0
+    else:
+        pmesh, ranks, comm_group, me = resolve_group(mesh, group)
+    r = _Ranks(comm_group, ranks, me, pmesh, timeout)
+    grid = grid_for(device, quick=quick, dtype=dtype)
+    steps = (len(grid.head_dims) * len(grid.heads) * len(grid.kv_tokens) * 2
+             + (len(_peer_pairs(pmesh, me)) * len(grid.message_bytes) if r.world > 1 else 0)
+             + len(grid.merge_tokens))
+    t0 = time.perf_counter()
+    with _progress(progress and me == 0, steps) as advance:
+        samples = {"kernel": measure_tiles(r, grid, device, advance),
+                   "message": measure_messages(r, grid, device, advance),
+                   "merge": measure_merges(r, grid, device, advance)}
+    cost, fit, notes = fit_cost(samples, base=base)
+    info = machine_info(device, pmesh)
+    info["calibration_seconds"] = round(time.perf_counter() - t0, 3)
+    info["grid"] = {"block": grid.block, "q_tokens": grid.q_tokens, "dtype": grid.dtype, "quick": quick}
+    profile = CostProfile(cost=cost, machine=info, fit=fit, samples=samples, notes=tuple(notes),
+                          created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    if out is not None and me == 0:
+        profile.save(out)
+    return profile
+
+
+# ----------------------------------------------------------------------------- cost="auto" and paths
+def cache_dir() -> Path:
+    """Where ``cost="auto"`` keeps profiles (module docstring)."""
+    if os.environ.get("ULTRAATTN_CACHE_DIR"):
+        return Path(os.environ["ULTRAATTN_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ultraattn"
+
+
+def cached_profile_path(device: torch.device, mesh: Mesh) -> Path:
+    return cache_dir() / "profiles" / f"{machine_info(device, mesh)['key']}.json"
+
+
+def auto_profile(*, group=None, mesh=None, device=None, progress: bool = True, timeout: float = 300.0,
+                 quick: bool = False) -> CostProfile:
+    """The cached profile of this machine and configuration, calibrating it first if there is none (a collective
+    over ``group``: the first rank decides, every rank gets the same profile). ``quick``: see ``calibrate``."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    grouped = (group is not None or mesh is not None) or (dist.is_available() and dist.is_initialized())
+    if grouped:
+        pmesh, ranks, comm_group, me = resolve_group(mesh, group)
+    else:
+        pmesh, ranks, comm_group, me = Mesh(nodes=1, devices=1), (0,), None, 0
+    path = cached_profile_path(device, pmesh)
+    box = [None]
+    if me == 0 and path.exists():
+        try:
+            box[0] = CostProfile.load(path).to_json()
+        except ProfileError:
+            box[0] = None   # a broken cache entry is measured again and overwritten
+    if comm_group is not None and pmesh.world > 1:
+        dist.broadcast_object_list(box, src=ranks[0], group=comm_group)
+    if box[0] is not None:
+        return CostProfile.from_json(box[0], source=f"cost profile {str(path)!r}")
+    return calibrate(comm_group if pmesh.world > 1 else None, device, mesh=mesh, progress=progress, out=path,
+                     timeout=timeout, quick=quick)
+
+
+def resolve_cost(cost, *, group=None, mesh=None, device=None, timeout: float = 300.0) -> CostModel:
+    """A ``CostModel`` from what users pass as ``cost``: a model, a profile, a profile's path, or ``"auto"`` (the
+    cached calibration of this machine, measured now if missing; a collective when ranks are grouped)."""
+    if isinstance(cost, str) and cost == "auto":
+        return auto_profile(group=group, mesh=mesh, device=device, timeout=timeout).cost
+    return cost_model_of(cost)
