@@ -58,6 +58,11 @@ class CostModel:
     """HBM3 bandwidth for merges, GB/s (H100 SXM datasheet: 3.35 TB/s peak)."""
     bwd_flops_factor: float = 2.5
     """Backward FLOPs over forward FLOPs (FlashAttention-2: 5 matmuls vs 2)."""
+    alone_speedup: float = 1.0
+    """How much faster a rank computes while the other ranks of its node wait than while all compute: 1 where each
+    rank has its own device (GPUs); about ranks / cores where ranks share CPU cores (4 gloo ranks on 2 cores: 2).
+    Kernel rates are the all-busy rates; the simulator shares a node's compute among the ranks computing at the
+    time (``schedule.SharedCompute``). Measured by ``ultraattn calibrate``."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -66,6 +71,8 @@ class CostModel:
                 raise ValueError(f"cost model field {f.name} must be positive, got {v}")
         if self.partial_block_overhead < 0:
             raise ValueError(f"partial_block_overhead must be >= 0, got {self.partial_block_overhead}")
+        if self.alone_speedup < 1:
+            raise ValueError(f"alone_speedup must be >= 1 (a rank is never slower alone), got {self.alone_speedup}")
 
     # ------------------------------------------------------------------ kernels
     def kernel_seconds(self, *, flops: float, kv_tokens_per_row: float, phase: str, launches: float = 1) -> float:

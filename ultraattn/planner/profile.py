@@ -18,6 +18,8 @@ Each ``CostModel`` field a profile sets is a least-squares fit to samples, never
   PARTIAL overhead.
 * messages, per link (intra/inter node): ``seconds = latency + bytes / bandwidth``, the same relative fit.
 * merges: ``seconds = bytes / hbm_GBps`` (through the origin).
+* sharing: ``alone_speedup`` is the median of (all ranks busy) / (one rank alone) over the samples timed both ways,
+  at least 1 (what the hardware gives a rank when its neighbours wait).
 
 The profile keeps its samples and each fit's median and worst relative error, so a reader sees how well the
 model's form describes the machine. A link the calibration could not measure (one node: no inter-node pair)
@@ -195,6 +197,14 @@ def fit_cost(samples: Mapping[str, Sequence[Mapping]], *, base: CostModel = DEFA
         changes.update(f)
     else:
         notes.append("merges not measured: hbm_GBps is the base model's")
+    if samples.get("sharing"):
+        ratios = [s["seconds_all"] / s["seconds_alone"] for s in samples["sharing"]]
+        if not all(r > 0 and math.isfinite(r) for r in ratios):
+            raise ValueError(f"sharing samples must have positive, finite timings, got ratios {ratios}")
+        changes["alone_speedup"] = max(1.0, float(np.median(ratios)))
+        fit["sharing"] = {"samples": len(ratios), "ratios": ratios}
+    else:
+        notes.append("sharing not measured (one rank): alone_speedup is the base model's")
     return dataclasses.replace(base, **changes), fit, notes
 
 

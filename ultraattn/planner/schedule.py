@@ -6,7 +6,9 @@ dependencies and durations:
 * attention kernels run on the rank's ``compute`` stream;
 * a message occupies the sender's ``send_<link>`` and the receiver's ``recv_<link>``
   stream (``link`` = ``intra`` or ``inter``: NVLink and the NIC are separate engines);
-* merges of partial results (o, dq, dkv) run on the owner's compute stream.
+* merges of partial results (o, dq, dkv) run on the owner's compute stream;
+* ranks that share compute hardware (``CostModel.alone_speedup`` > 1: CPU ranks on fewer cores) share it:
+  a node's compute tasks run faster while fewer of its ranks compute (``SharedCompute``).
 
 Dependencies: a kernel waits for the messages that bring its remote inputs; an input
 message leaves a relay only after it arrived there; a partial leaves a rank after that
@@ -94,11 +96,30 @@ class Task:
     label: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class SharedCompute:
+    """Compute shared by the ranks of a node (``CostModel.alone_speedup`` > 1): kernel durations are for every rank
+    of the node busy; with ``k`` of its ``ranks`` computing, each runs ``min(speedup, ranks / k)`` times faster
+    (processor sharing: ``ranks / speedup`` cores' worth of hardware, at most one per rank)."""
+
+    node_of: tuple[int, ...]
+    """Node of each rank."""
+    ranks: int
+    """Ranks per node."""
+    speedup: float
+    """``CostModel.alone_speedup``."""
+
+    def speed(self, busy: int) -> float:
+        return min(self.speedup, self.ranks / busy) if busy else self.speedup
+
+
 @dataclass(slots=True)
 class Graph:
     tasks: list[Task]
     phase: str
     succ: list[list[int]] = field(default_factory=list)
+    shared: SharedCompute | None = None
+    """Ranks that share compute hardware (CPU ranks on fewer cores), or None: every rank has its own device."""
 
     def __post_init__(self) -> None:
         self.succ = [[] for _ in self.tasks]
@@ -232,7 +253,11 @@ def build_graph(plan: TilePlan, work: Workload, cost: CostModel, phase: str) -> 
         t.deps.extend(ids)
         t.deps.extend(contributors(tensor, chunk, g, dst))
         tasks.append(t)
-    return Graph(tasks=tasks, phase=phase)
+    shared = None
+    if cost.alone_speedup > 1 and plan.mesh.devices > 1:
+        shared = SharedCompute(node_of=tuple(plan.mesh.node_of(r) for r in range(plan.world)),
+                               ranks=plan.mesh.devices, speedup=cost.alone_speedup)
+    return Graph(tasks=tasks, phase=phase, shared=shared)
 
 
 def bottom_levels(graph: Graph) -> list[float]:
@@ -250,6 +275,55 @@ def bottom_levels(graph: Graph) -> list[float]:
             if indeg[p] == 0:
                 stack.append(p)
     return bl
+
+
+class _Pool:
+    """Processor sharing of compute tasks per node (``SharedCompute``) inside ``simulate``: a running task keeps its
+    remaining work (seconds at the all-busy rate); whenever a node's count of running tasks changes, their ends
+    are re-timed and pushed again (an event carries a version; stale ones are skipped)."""
+
+    def __init__(self, graph: Graph, end: list[float], events: list):
+        sh = graph.shared
+        self.sh, self.end, self.events = sh, end, events
+        self.node = [sh.node_of[t.rank] if t.streams[0][1] == "compute" else -1 for t in graph.tasks]
+        self.left = [t.duration for t in graph.tasks]
+        self.since = [0.0] * len(graph.tasks)
+        self.version = [0] * len(graph.tasks)
+        self.running: dict[int, list[int]] = defaultdict(list)
+
+    def __getitem__(self, i: int) -> int:
+        return self.node[i]
+
+    def current(self, i: int, ver: int) -> bool:
+        return self.node[i] < 0 or ver == self.version[i]
+
+    def _advance(self, n: int, now: float) -> None:
+        speed = self.sh.speed(len(self.running[n]))
+        for j in self.running[n]:
+            self.left[j] = max(self.left[j] - (now - self.since[j]) * speed, 0.0)
+            self.since[j] = now
+
+    def _retime(self, n: int, now: float) -> None:
+        speed = self.sh.speed(len(self.running[n]))
+        for j in self.running[n]:
+            self.version[j] += 1
+            self.end[j] = now + self.left[j] / speed
+            heapq.heappush(self.events, (self.end[j], self.version[j], j))
+
+    def start(self, i: int, now: float) -> None:
+        n = self.node[i]
+        self._advance(n, now)
+        self.since[i] = now
+        self.running[n].append(i)
+        self._retime(n, now)
+
+    def finish(self, i: int, now: float) -> None:
+        n = self.node[i]
+        self._advance(n, now)
+        self.running[n].remove(i)
+        self.end[i] = now
+        self.version[i] += 1   # any end pushed for it before is stale now
+        self._retime(n, now)
 
 
 def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
@@ -278,6 +352,7 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
     done = 0
     now = 0.0
     dirty: set = set()
+    pool = _Pool(graph, end, events) if graph.shared is not None else None
 
     def make_ready(i: int) -> None:
         st = tasks[i].streams
@@ -323,14 +398,23 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
             end[i] = st + t.duration
             for s in t.streams:
                 busy.add(s)
-            heapq.heappush(events, (end[i], i))
+            if pool is not None and pool[i] >= 0:
+                pool.start(i, st)
+            else:
+                heapq.heappush(events, (end[i], 0, i))
         dirty.clear()
         if not events:
             raise RuntimeError("schedule simulation stalled: the task graph has a cycle")
-        now, i = heapq.heappop(events)
-        batch = [i]
+        now, ver, i = heapq.heappop(events)
+        batch = [i] if pool is None or pool.current(i, ver) else []
         while events and events[0][0] <= now:
-            batch.append(heapq.heappop(events)[1])
+            _, ver, j = heapq.heappop(events)
+            if pool is None or pool.current(j, ver):
+                batch.append(j)
+        if pool is not None:
+            for i in batch:
+                if pool[i] >= 0:
+                    pool.finish(i, now)
         for i in batch:
             done += 1
             for s in tasks[i].streams:

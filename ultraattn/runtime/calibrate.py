@@ -9,7 +9,9 @@ devices and process group it runs on, and fits the model's terms to it (``planne
   ranks on 2 cores) are measured sharing it, as they will be in a step;
 * messages: every rank sends one message and receives one at once (as in a plan's exchange stage), inside a
   node and, on a mesh of several nodes, across nodes, at the sizes plans send;
-* merges: the runtime's LSE merge and partial-gradient sums.
+* merges: the runtime's LSE merge and partial-gradient sums;
+* sharing: a few tile calls again on the first rank while the others wait, against the same call with all ranks
+  busy: ranks that share hardware (CPU cores) run faster alone (``CostModel.alone_speedup``).
 
 A sample's figure is the median over repetitions on each rank, then the median over ranks. Every wait has a
 timeout (``timeout``), so a dead peer fails the call instead of hanging it.
@@ -85,8 +87,9 @@ def grid_for(device: torch.device, *, quick: bool = False, dtype: str | None = N
     ``quick``: a few tiny samples (tests; the fit is then a smoke test, not a profile to plan with).
     """
     if quick:
-        return Grid(block=64, q_tokens=128, kv_tokens=(64, 256), heads=(1, 2), head_dims=(32,),
-                    dtype=dtype or "fp32", message_bytes=(1 << 12, 1 << 16, 1 << 19), merge_tokens=(128, 512), reps=2,
+        # sizes far enough apart that a loaded 2-core machine cannot swap their order
+        return Grid(block=64, q_tokens=128, kv_tokens=(64, 512), heads=(1, 2), head_dims=(32,),
+                    dtype=dtype or "fp32", message_bytes=(1 << 12, 1 << 20, 1 << 24), merge_tokens=(128, 512), reps=2,
                     target=0.005)
     if device.type == "cuda":
         return Grid(block=128, q_tokens=2048, kv_tokens=(256, 1024, 4096, 16384), heads=(8, 32), head_dims=(64, 128),
@@ -153,6 +156,27 @@ def _timed(ranks: _Ranks, fn: Callable[[], object], reps: int, device: torch.dev
     return ranks.median_over_ranks(statistics.median(times))
 
 
+def _timed_alone(ranks: _Ranks, fn: Callable[[], object], reps: int, device: torch.device, target: float) -> float:
+    """Seconds of one ``fn`` call on the first rank while every other rank waits (at a barrier)."""
+    t = 0.0
+    if ranks.me == 0:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        iters = max(1, min(1000, round(target / max(time.perf_counter() - t0, 1e-6))))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            _sync(device)
+            times.append((time.perf_counter() - t0) / iters)
+        t = statistics.median(times)
+    ranks.barrier()
+    return max(ranks.gather(t))
+
+
 def _checker_mask(b, h, q_idx, kv_idx):
     """Every block of it is PARTIAL (the mask_mod is evaluated), every row attends half its keys."""
     return (q_idx + kv_idx) % 2 == 0
@@ -190,8 +214,10 @@ def _tile_case(grid: Grid, *, heads: int, head_dim: int, kv_tokens: int, kind: i
     return geo, q, kvs, list(range(1, ncols + 1)), do, fields
 
 
-def measure_tiles(ranks: _Ranks, grid: Grid, device: torch.device, advance: Callable[[], None]) -> list[dict]:
-    """Forward and backward tile samples over the grid (module docstring)."""
+def measure_tiles(ranks: _Ranks, grid: Grid, device: torch.device, advance: Callable[[], None],
+                  sharing: list[dict]) -> list[dict]:
+    """Forward and backward tile samples over the grid (module docstring); appends to ``sharing`` a few forward
+    samples timed again on one rank alone."""
     out = []
     scale = 1.0
     for head_dim in grid.head_dims:
@@ -213,6 +239,11 @@ def measure_tiles(ranks: _Ranks, grid: Grid, device: torch.device, advance: Call
                     t_b = _timed(ranks, bwd, grid.reps, device, grid.target)
                     out.append({**fields, "phase": "fwd", "seconds": t_f})
                     out.append({**fields, "phase": "bwd", "seconds": t_b})
+                    if (ranks.world > 1 and kind == FULL and heads == max(grid.heads) and head_dim == grid.head_dims[0]
+                            and kv in grid.kv_tokens[-2:]):
+                        # the same call on one rank while the others wait: how much of the hardware they share
+                        alone = _timed_alone(ranks, fwd, grid.reps, device, grid.target)
+                        sharing.append({**fields, "phase": "fwd", "seconds_all": t_f, "seconds_alone": alone})
                     advance()
     return out
 
@@ -352,9 +383,10 @@ def calibrate(group=None, device=None, *, mesh=None, quick: bool = False, dtype:
              + len(grid.merge_tokens))
     t0 = time.perf_counter()
     with _progress(progress and me == 0, steps) as advance:
-        samples = {"kernel": measure_tiles(r, grid, device, advance),
+        sharing: list[dict] = []
+        samples = {"kernel": measure_tiles(r, grid, device, advance, sharing),
                    "message": measure_messages(r, grid, device, advance),
-                   "merge": measure_merges(r, grid, device, advance)}
+                   "merge": measure_merges(r, grid, device, advance), "sharing": sharing}
     cost, fit, notes = fit_cost(samples, base=base)
     info = machine_info(device, pmesh)
     info["calibration_seconds"] = round(time.perf_counter() - t0, 3)
