@@ -245,7 +245,8 @@ def test_cli_calibrate_then_plan_with_the_profile(tmp_path, capsys):
     assert "fwd_tflops" in printed and str(out) in printed
     prof = CostProfile.load(out)
     assert prof.machine["world"] == 1 and prof.samples["message"] == []
-    assert prof.notes == ("messages not measured (one rank): message fields are the base model's",)
+    assert prof.notes == ("messages not measured (one rank): message fields are the base model's",
+                          "sharing not measured (one rank): alone_speedup is the base model's")
     js = tmp_path / "plan.json"
     args = ["plan", "--mask", "causal", "--seqlen", "8k", "--cp", "4", "--heads", "8", "--head-dim", "64",
             "--planner", "fast", "--backward", "--quiet", "--json", str(js)]
