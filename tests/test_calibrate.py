@@ -98,6 +98,14 @@ def test_ranks_sharing_compute_share_it(durations, ranks, speedup, makespan):
     sched = simulate(graph)
     sched.check()
     assert sched.makespan == pytest.approx(makespan)
+    if speedup > 1:
+        # a message inside the node copies on the same cores: alone with a compute task, both share the node
+        graph = Graph(tasks=[Task(id=0, kind="attn", rank=0, streams=((0, "compute"),), duration=1.0),
+                             Task(id=1, kind="kv", rank=0, dst=1, streams=((0, "send_intra"), (1, "recv_intra")),
+                                  duration=1.0)], phase="fwd",
+                      shared=SharedCompute(node_of=(0, 0), ranks=2, speedup=speedup))
+        sched = simulate(graph)
+        assert sched.end == pytest.approx([1.0, 1.0])   # without the message the kernel would end at 1 / speedup
     # a plan replayed with a profile whose ranks share cores: never slower than with dedicated devices
     cost = profile_of(TRUE).cost
     s, h = 2048, 4

@@ -8,7 +8,8 @@ dependencies and durations:
   stream (``link`` = ``intra`` or ``inter``: NVLink and the NIC are separate engines);
 * merges of partial results (o, dq, dkv) run on the owner's compute stream;
 * ranks that share compute hardware (``CostModel.alone_speedup`` > 1: CPU ranks on fewer cores) share it:
-  a node's compute tasks run faster while fewer of its ranks compute (``SharedCompute``).
+  a node's compute tasks run faster while fewer of its ranks compute, and messages inside the node (copies on the
+  same cores) take their share too (``SharedCompute``).
 
 Dependencies: a kernel waits for the messages that bring its remote inputs; an input
 message leaves a relay only after it arrived there; a partial leaves a rank after that
@@ -98,9 +99,10 @@ class Task:
 
 @dataclass(frozen=True, slots=True)
 class SharedCompute:
-    """Compute shared by the ranks of a node (``CostModel.alone_speedup`` > 1): kernel durations are for every rank
-    of the node busy; with ``k`` of its ``ranks`` computing, each runs ``min(speedup, ranks / k)`` times faster
-    (processor sharing: ``ranks / speedup`` cores' worth of hardware, at most one per rank)."""
+    """Compute shared by the ranks of a node (``CostModel.alone_speedup`` > 1): kernel and message durations are
+    for every rank of the node busy; with ``k`` tasks running on the node (kernels, and messages between its ranks,
+    which copy on the same cores), each runs ``min(speedup, ranks / k)`` times faster (processor sharing:
+    ``ranks / speedup`` cores' worth of hardware, at most one per task)."""
 
     node_of: tuple[int, ...]
     """Node of each rank."""
@@ -285,7 +287,9 @@ class _Pool:
     def __init__(self, graph: Graph, end: list[float], events: list):
         sh = graph.shared
         self.sh, self.end, self.events = sh, end, events
-        self.node = [sh.node_of[t.rank] if t.streams[0][1] == "compute" else -1 for t in graph.tasks]
+        # compute tasks, and messages inside a node (loopback copies on the same cores), share the node
+        self.node = [sh.node_of[t.rank] if t.streams[0][1] == "compute" or (t.dst >= 0 and t.streams[0][1] ==
+                     "send_intra") else -1 for t in graph.tasks]
         self.left = [t.duration for t in graph.tasks]
         self.since = [0.0] * len(graph.tasks)
         self.version = [0] * len(graph.tasks)
