@@ -168,6 +168,8 @@ def train(args: argparse.Namespace, device: torch.device, compiled: bool, rank: 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     options = {"report": "summary" if rank == 0 else "off", "ilp_time_limit": 1.0, "time_budget": 2.0,
                "explicit": not args.opaque, "shard": not args.attention_only}
+    if args.cost != "default":
+        options["cost"] = args.cost  # "auto": this machine's calibrated profile (measured on first use), or a path
     run = torch.compile(model, backend="ultraattn", options=options) if compiled else model
     losses, seconds, plan_ms = [], [], []
     data = batches(args)
@@ -244,6 +246,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--plan-ahead", action="store_true",
                    help="hand each step's document mask to ultraattn.plan_ahead one step early (a data loader would)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cost", default="default",
+                   help="the planner's cost model: default (H100 figures), auto (this machine, calibrated once and "
+                        "cached: `ultraattn calibrate`) or a profile's path")
     p.add_argument("--opaque", action="store_true",
                    help="keep each attention one op (options explicit=False) instead of explicit per-rank nodes")
     p.add_argument("--attention-only", action="store_true",
