@@ -20,12 +20,15 @@ attention on the same mask (SDPA with the dense boolean mask, the best plain CPU
 arbitrary mask; eager ``flex_attention`` on CPU is a dense reference implementation and slower).
 
 Every timed step is a full forward + backward with a barrier before and after; the figure is
-the median over ``--reps`` steps after one warm-up step. Ratios are against the fastest other
-method measured in the same run.
+the median over ``--reps`` steps after one warm-up step (``spread``: (max - min) / median of the
+steps, how noisy the run was). Ratios are against the fastest other method measured in the same run.
+``compute_bound_seconds`` is a plan's kernels alone with every rank busy all the time: no plan on
+this runtime and machine beats it, so ``best_other_over_bound`` is the most any plan could gain over
+the best baseline.
 
-    python benchmarks/runtime_cpu.py --seqlens 8192 --reps 2          # all methods (~25 min on 2 cores)
-    python benchmarks/runtime_cpu.py --seqlens 16384 --reps 1 --methods ultraattn ring zigzag allgather \
-        --out benchmarks/results/runtime_cpu_16k.json
+    python benchmarks/runtime_cpu.py --seqlens 8192                   # all methods (~20 min on 2 cores)
+    python benchmarks/runtime_cpu.py --seqlens 16384 --reps 3 --methods ultraattn ring zigzag allgather \
+        --no-overhead --out benchmarks/results/runtime_cpu_16k.json
     (flex_cp needs ~18 GB at S=8K on 4 ranks and runs out of memory at 16K on a 24 GB machine)
     -> benchmarks/results/runtime_cpu.json and .png
 """
@@ -148,13 +151,15 @@ def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
                     # excluding its BlockMask build/sharding and the unshard of the results
                     runs["flex_cp"]["all_seconds"] = [
                         flex_cp_step(q, k, v, mm, seq_len=s, rank=rank, world=world)["seconds"]
-                        for _ in range(reps + 1)][1:]
+                        for _ in range(cfg["peer_reps"] + 1)][1:]
                     runs["flex_cp"]["bytes_sent"] = None
                 except Exception as exc:  # noqa: BLE001
                     runs["flex_cp"]["error"] = f"{type(exc).__name__}: {exc}"[:500]
             for method, row in runs.items():
                 if row["all_seconds"]:
                     row["seconds"] = statistics.median(row["all_seconds"])
+                    # how noisy: the spread of this rank's steps around their median
+                    row["spread"] = (max(row["all_seconds"]) - min(row["all_seconds"])) / row["seconds"]
                 # the step time is the slowest rank's (barriers); bytes are summed over ranks
                 gathered = [None] * world
                 dist.all_gather_object(gathered, row)
@@ -162,6 +167,7 @@ def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
                     merged = dict(row)
                     if "seconds" in row:
                         merged["seconds"] = max(g.get("seconds", math.inf) for g in gathered)
+                        merged["spread"] = max(g.get("spread", 0.0) for g in gathered)
                         if row.get("bytes_sent") is not None:
                             merged["bytes_sent"] = sum(g.get("bytes_sent") or 0 for g in gathered)
                     rows.append(merged)
@@ -317,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--peer-reps", type=int, default=2,
+                    help="timed steps of flex_cp (its eager CPU step takes ~20 s at S=8K; default 2)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "runtime_cpu.json")
@@ -330,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     from ultraattn.testing import run_ranks
 
     cfg = {"seqlens": args.seqlens, "masks": args.masks, "methods": args.methods, "heads": args.heads,
-           "head_dim": args.head_dim, "reps": args.reps, "world": args.world,
+           "head_dim": args.head_dim, "reps": args.reps, "peer_reps": args.peer_reps, "world": args.world,
            "threads_per_rank": args.threads, "threads_single": os.cpu_count() or 1, "dtype": "fp32",
            "cost_profile": str(args.cost_profile) if args.cost_profile else None,
            "profile_out": None if args.cost_profile else str(args.out.with_name(args.out.stem + "_profile.json"))}

@@ -5,13 +5,16 @@ its budget (``cost="auto"`` caches them)."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import time
 
 import pytest
 import torch
+from rich.console import Console
 
+from ultraattn.cli import _print_profile
 from ultraattn.cli import main as cli_main
 from ultraattn.masks.convert import pattern_from_mask_mod
 from ultraattn.masks.factories import generate_causal, generate_full
@@ -33,7 +36,8 @@ from ultraattn.testing import run_ranks
 #: a machine unlike the H100 defaults in every field (the fits must find it, not the defaults)
 TRUE = dataclasses.replace(DEFAULT_COST, fwd_tflops=0.02, bwd_tflops=0.03, eff_half_tokens=DEFAULT_COST.eff_half_tokens,
                            partial_block_overhead=0.35, launch_us=150.0, intra_bw_GBps=1.7, intra_latency_us=90.0,
-                           inter_bw_GBps=0.4, inter_latency_us=400.0, hbm_GBps=20.0, alone_speedup=1.8)
+                           inter_bw_GBps=0.4, inter_latency_us=400.0, hbm_GBps=20.0, lse_merge_GBps=3.0,
+                           alone_speedup=1.8)
 
 
 def synthetic_samples(cost: CostModel) -> dict:
@@ -48,7 +52,8 @@ def synthetic_samples(cost: CostModel) -> dict:
                     kernel.append({**s, "seconds": kernel_sample_seconds(cost, s)})
     message = [{"link": link, "nbytes": n, "seconds": cost.message_seconds(n, inter_node=link == "inter")}
                for link in ("intra", "inter") for n in (1 << 14, 1 << 18, 1 << 22, 1 << 24)]
-    merge = [{"nbytes": n, "seconds": cost.merge_seconds(n)} for n in (1 << 20, 1 << 24)]
+    merge = [{"what": what, "nbytes": n, "seconds": cost.merge_seconds(n, lse=what == "o")}
+             for what in ("o", "dq") for n in (1 << 20, 1 << 24)]
     sharing = [{"seconds_all": t, "seconds_alone": t / cost.alone_speedup} for t in (0.1, 0.5)]
     return {"kernel": kernel, "message": message, "merge": merge, "sharing": sharing}
 
@@ -60,7 +65,8 @@ def test_fits_recover_the_model_that_made_the_samples():
     for name in CostModel.field_names():
         want, got = getattr(TRUE, name), getattr(fitted, name)
         assert got == pytest.approx(want, rel=0.03), name   # the eff_half grid is geometric: within its step
-    assert fit["kernel"]["max_rel_err"] < 0.01 and fit["merge"]["max_rel_err"] < 1e-9
+    assert fit["kernel"]["max_rel_err"] < 0.01 and fit["merge"]["hbm_GBps"]["max_rel_err"] < 1e-9
+    assert fit["merge"]["lse_merge_GBps"]["max_rel_err"] < 1e-9
     assert fit["message"]["intra"]["max_rel_err"] < 1e-9 and fit["message"]["inter"]["max_rel_err"] < 1e-9
     # a missing link takes the measured one's figures, and says so
     one_link = {**samples, "message": [s for s in samples["message"] if s["link"] == "intra"]}
@@ -241,6 +247,12 @@ def test_calibrate_on_two_ranks(tmp_path):
     assert {s["link"] for s in msg} == {"intra"} and msg[-1]["seconds"] > msg[0]["seconds"]
     assert any("no inter-node pair" in n for n in prof.notes)
     assert prof.machine["world"] == 2 and prof.machine["devices_per_node"] == 2 and prof.machine["torch"]
+    # what `ultraattn calibrate` prints of it: every fitted field, each fit's errors, the sharing ratios
+    buf = io.StringIO()
+    _print_profile(Console(file=buf, width=200), a["profile"], "where.json")
+    shown = buf.getvalue()
+    assert all(name in shown for name in CostModel.field_names())
+    assert "fit kernel:" in shown and "fit intra:" in shown and "sharing: all ranks busy / one alone" in shown
     # cost="auto": measured once, saved where the key says, then loaded (same creation time), on every rank
     assert a["first"] == a["again"] == b["again"]
     assert CostProfile.load(a["path"]).to_json() == a["first"]

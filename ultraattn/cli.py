@@ -325,9 +325,12 @@ def _print_profile(console: Console, data: dict, path: str) -> None:
         t.add_row(k, f"{v:.4g}", f"{getattr(DEFAULT_COST, k):.4g}")
     console.print(t)
     for term, st in data["fit"].items():
-        for link, s in ({term: st}.items() if "samples" in st else st.items()):
-            console.print(f"fit {link}: {s['samples']} samples, median error {s['median_rel_err']:.1%}, "
-                          f"worst {s['max_rel_err']:.1%}")
+        if term == "sharing":
+            console.print(f"sharing: all ranks busy / one alone = {', '.join(f'{r:.2f}' for r in st['ratios'])}")
+            continue
+        for part, f in ({term: st}.items() if "samples" in st else st.items()):
+            console.print(f"fit {part}: {f['samples']} samples, median error {f['median_rel_err']:.1%}, "
+                          f"worst {f['max_rel_err']:.1%}")
     for n in data["notes"]:
         console.print(f"note: {n}")
     console.print(f"wrote {path}")

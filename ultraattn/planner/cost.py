@@ -13,7 +13,7 @@ Model:
                     FULL blocks (the mask is evaluated, nothing is skipped inside);
                     the runtime launches once per query row of a plan kernel.
     message time  = latency + bytes / bandwidth  (intra-node NVLink or inter-node NIC)
-    merge time    = bytes touched / HBM bandwidth
+    merge time    = bytes touched / bandwidth (the LSE merge of outputs, or a gradient sum)
 Backward work is 2.5x the forward FLOPs (5 matmuls against 2, FlashAttention-2 paper).
 
 The H100 defaults are for planning a machine you are not on. On the machine itself,
@@ -55,7 +55,11 @@ class CostModel:
     inter_latency_us: float = 12.0
     """Per-message latency across nodes (NCCL over InfiniBand), microseconds."""
     hbm_GBps: float = 3000.0
-    """HBM3 bandwidth for merges, GB/s (H100 SXM datasheet: 3.35 TB/s peak)."""
+    """HBM3 bandwidth for merges, GB/s (H100 SXM datasheet: 3.35 TB/s peak): partial gradient sums (dq, dk/dv)."""
+    lse_merge_GBps: float = 3000.0
+    """Bytes per second of the forward's log-sum-exp merge of partial outputs (max, exp, rescale, add: several
+    elementwise passes where a sum makes one). Default: the HBM figure (not measured on an H100); on a CPU the
+    calibration measured it ~7x slower per byte than a sum."""
     bwd_flops_factor: float = 2.5
     """Backward FLOPs over forward FLOPs (FlashAttention-2: 5 matmuls vs 2)."""
     alone_speedup: float = 1.0
@@ -108,8 +112,9 @@ class CostModel:
             return self.inter_latency_us * 1e-6 + nbytes / (self.inter_bw_GBps * 1e9)
         return self.intra_latency_us * 1e-6 + nbytes / (self.intra_bw_GBps * 1e9)
 
-    def merge_seconds(self, nbytes: int) -> float:
-        return nbytes / (self.hbm_GBps * 1e9)
+    def merge_seconds(self, nbytes, *, lse: bool = False):
+        """Merging partials that touch ``nbytes`` (floats or arrays): the forward's LSE merge (``lse``) or a sum."""
+        return nbytes / ((self.lse_merge_GBps if lse else self.hbm_GBps) * 1e9)
 
     @classmethod
     def field_names(cls) -> list[str]:

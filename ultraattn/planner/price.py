@@ -210,6 +210,21 @@ def _codes(names) -> list[int]:
     return [_CODE[t] for t in names]
 
 
+def shared_speedup(mesh: Mesh, cost: CostModel) -> float:
+    """How much faster than its all-busy duration a task may run where a node's ranks share compute
+    (``schedule.SharedCompute``): ``cost.alone_speedup`` on a node of several ranks, else 1."""
+    return cost.alone_speedup if cost.alone_speedup > 1 and mesh.devices > 1 else 1.0
+
+
+def _node_bound(mesh: Mesh, compute_rank: np.ndarray, compute_sec: np.ndarray, m: Messages, dur: np.ndarray) -> float:
+    """Shared nodes: a node runs at most ``devices`` all-busy seconds of its kernels, merges and messages between its
+    ranks per second (processor sharing: ``k`` tasks at ``min(speedup, devices / k)`` each)."""
+    node = np.bincount(compute_rank // mesh.devices, compute_sec, minlength=mesh.nodes).astype(np.float64)
+    intra = (m.src // mesh.devices) == (m.dst // mesh.devices)
+    node += np.bincount(m.src[intra] // mesh.devices, dur[intra], minlength=mesh.nodes)
+    return float(node.max(initial=0.0)) / mesh.devices
+
+
 def _stream_bound(stream: np.ndarray, release: np.ndarray, duration: np.ndarray) -> float:
     """Largest over streams of ``max_i (release_i + sum of durations released at or after release_i)``: no
     order of the items on one stream finishes earlier (one machine with release times)."""
@@ -256,6 +271,11 @@ def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: i
     dur = message_seconds(m, mesh, cost)
     link = ((m.src // mesh.devices) != (m.dst // mesh.devices)).astype(np.int64)
     sec_K = kern.seconds[phase]
+    share = shared_speedup(mesh, cost)
+    if share > 1:   # a task of a shared node may run up to `share` times faster than its all-busy duration
+        node_work = (sec_K, dur)
+        sec_K = sec_K / share
+        dur = np.where(link == 0, dur / share, dur)
     n_k = sec_K.size
     r_N = kern.rank_K[kern.k_N]
     unit_N = {"row": kern.i_N, "col": kern.j_N}
@@ -304,13 +324,18 @@ def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: i
         gg, cc, rr = np.nonzero(inbytes)
         merge_rank.append(rr)
         merge_rel.append(ready[gg, cc, rr])
-        merge_dur.append(cost.merge_seconds(2 * inbytes[gg, cc, rr]))
+        # (divided by what a shared node allows at most)
+        merge_dur.append(cost.merge_seconds(2 * inbytes[gg, cc, rr], lse=part == "o") / share)
     # streams: 5 per rank (compute, send intra/inter, recv intra/inter)
     stream = np.concatenate([kern.rank_K * 5, *[r * 5 for r in merge_rank], m.src * 5 + 1 + link,
                              m.dst * 5 + 3 + link])
     rel = np.concatenate([start, *merge_rel, release, release])
     du = np.concatenate([sec_K, *merge_dur, dur, dur])
-    return max(_stream_bound(stream, rel, du), float(end.max(initial=0.0)))
+    bound = max(_stream_bound(stream, rel, du), float(end.max(initial=0.0)))
+    if share > 1:   # the node's kernels, merges and inner messages at their all-busy durations
+        secs = np.concatenate([node_work[0], *(d * share for d in merge_dur)])
+        bound = max(bound, _node_bound(mesh, np.concatenate([kern.rank_K, *merge_rank]), secs, m, node_work[1]))
+    return bound
 
 
 def busy_bound(kern: Kernels, msgs: Messages, mesh: Mesh, cost: CostModel) -> float:
@@ -318,16 +343,21 @@ def busy_bound(kern: Kernels, msgs: Messages, mesh: Mesh, cost: CostModel) -> fl
     receive engines per link), no dependency counted."""
     total = 0.0
     w = mesh.world
+    share = shared_speedup(mesh, cost)
     for ph, sec_K in kern.seconds.items():
         sel = msgs.phase == ph
         src, dst = msgs.src[sel], msgs.dst[sel]
         dur = message_seconds(msgs.select(sel), mesh, cost)
         link = ((src // mesh.devices) != (dst // mesh.devices)).astype(np.int64)
+        if share > 1:   # as replay_bound: tasks of a shared node up to `share` times faster, the node's total
+            node = _node_bound(mesh, kern.rank_K, sec_K, msgs.select(sel), dur)
+            sec_K = sec_K / share
+            dur = np.where(link == 0, dur / share, dur)
         # float even with no kernel: numpy's weighted bincount of an empty index array is int64 (an all-empty mask)
         busy = np.bincount(kern.rank_K * 5, sec_K, minlength=5 * w).astype(np.float64)
         busy += np.bincount(src * 5 + 1 + link, dur, minlength=5 * w) + np.bincount(dst * 5 + 3 + link, dur,
                                                                                       minlength=5 * w)
-        total += float(busy.max(initial=0.0))
+        total += max(float(busy.max(initial=0.0)), node if share > 1 else 0.0)
     return total
 
 
@@ -377,7 +407,8 @@ def compute_bound(blocks_W: np.ndarray, grid: Grid, *, head_dim: int, cost: Cost
     launch is slower: efficiency below 1, launch overhead)."""
     flops = float(blocks_W.max(initial=0.0)) * block_flops(grid.block, grid.block, head_dim, 1, 1)
     rates = {0: cost.fwd_tflops * 1e12, 1: cost.bwd_tflops * 1e12 / cost.bwd_flops_factor}
-    return sum(flops / rates[ph] for ph in phases)
+    # ranks sharing compute may run a kernel up to alone_speedup times faster than the all-busy rate
+    return sum(flops / rates[ph] for ph in phases) / cost.alone_speedup
 
 
 def assemble(*, owner: np.ndarray, assign_GPP: np.ndarray, kern: Kernels, msgs: Messages, mesh: Mesh,

@@ -17,7 +17,8 @@ Each ``CostModel`` field a profile sets is a least-squares fit to samples, never
   error wins, refined on a finer grid around it. The phases share launch cost, short-row efficiency and the
   PARTIAL overhead.
 * messages, per link (intra/inter node): ``seconds = latency + bytes / bandwidth``, the same relative fit.
-* merges: ``seconds = bytes / hbm_GBps`` (through the origin).
+* merges: ``seconds = bytes / bandwidth`` (through the origin), one bandwidth for the forward's LSE merge
+  (``lse_merge_GBps``) and one for gradient sums (``hbm_GBps``).
 * sharing: ``alone_speedup`` is the median of (all ranks busy) / (one rank alone) over the samples timed both ways,
   at least 1 (what the hardware gives a rank when its neighbours wait).
 
@@ -162,12 +163,21 @@ def fit_messages(samples: Sequence[Mapping]) -> tuple[dict[str, float], dict]:
 
 
 def fit_merges(samples: Sequence[Mapping]) -> tuple[dict[str, float], dict]:
-    """``hbm_GBps``: bytes touched per second by the runtime's merges (least squares through the origin)."""
+    """``hbm_GBps`` (sums of partial gradients: ``what`` dq/dkv) and ``lse_merge_GBps`` (the forward's LSE merge:
+    ``what`` o): bytes touched per second, each a least-squares fit through the origin on relative errors."""
     _check_samples(samples, MERGE_SAMPLE_KEYS, "merge")
-    t = np.array([s["seconds"] for s in samples], dtype=np.float64)
-    nb = np.array([s["nbytes"] for s in samples], dtype=np.float64)
-    inv = float(np.sum(nb / t) / np.sum((nb / t) ** 2))   # min sum((inv * nb / t - 1)^2)
-    return {"hbm_GBps": 1.0 / inv / 1e9}, _rel_errors(inv * nb, t)
+    out: dict[str, float] = {}
+    stats: dict = {}
+    for field_, kinds in (("lse_merge_GBps", ("o",)), ("hbm_GBps", ("dq", "dkv"))):
+        sub = [s for s in samples if s.get("what", "dq") in kinds]
+        if not sub:
+            continue
+        t = np.array([s["seconds"] for s in sub], dtype=np.float64)
+        nb = np.array([s["nbytes"] for s in sub], dtype=np.float64)
+        inv = float(np.sum(nb / t) / np.sum((nb / t) ** 2))   # min sum((inv * nb / t - 1)^2)
+        out[field_] = 1.0 / inv / 1e9
+        stats[field_] = _rel_errors(inv * nb, t)
+    return out, stats
 
 
 def fit_cost(samples: Mapping[str, Sequence[Mapping]], *, base: CostModel = DEFAULT_COST) -> tuple[CostModel, dict,
@@ -196,7 +206,7 @@ def fit_cost(samples: Mapping[str, Sequence[Mapping]], *, base: CostModel = DEFA
         f, fit["merge"] = fit_merges(samples["merge"])
         changes.update(f)
     else:
-        notes.append("merges not measured: hbm_GBps is the base model's")
+        notes.append("merges not measured: hbm_GBps and lse_merge_GBps are the base model's")
     if samples.get("sharing"):
         ratios = [s["seconds_all"] / s["seconds_alone"] for s in samples["sharing"]]
         if not all(r > 0 and math.isfinite(r) for r in ratios):

@@ -251,7 +251,8 @@ def build_graph(plan: TilePlan, work: Workload, cost: CostModel, phase: str) -> 
             continue
         nbytes = sum(tasks[i].nbytes for i in ids)
         t = Task(id=len(tasks), kind="merge", rank=dst, streams=((dst, "compute"),),
-                 duration=cost.merge_seconds(2 * nbytes), label=f"merge {tensor} c{chunk} g{g} @{dst}")
+                 duration=cost.merge_seconds(2 * nbytes, lse=tensor == "o"),
+                 label=f"merge {tensor} c{chunk} g{g} @{dst}")
         t.deps.extend(ids)
         t.deps.extend(contributors(tensor, chunk, g, dst))
         tasks.append(t)

@@ -109,22 +109,26 @@ def _sync(device: torch.device) -> None:
 class _Ranks:
     """The calibration's view of its process group: barriers and gathers with a timeout, nothing without one."""
 
-    def __init__(self, group, ranks: Sequence[int], me: int, mesh: Mesh, timeout: float):
+    def __init__(self, group, ranks: Sequence[int], me: int, mesh: Mesh, timeout: float, device: torch.device):
         self.group, self.ranks, self.me, self.mesh, self.timeout = group, tuple(ranks), me, mesh, timeout
         self.world = len(self.ranks)
+        self.device = device if group is not None and dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+    def _wait(self, work, what: str) -> None:
+        if work.wait(timeout=datetime.timedelta(seconds=self.timeout)) is False:
+            raise TimeoutError(f"calibrate: rank {self.me} waited {self.timeout:g} s at {what}")
 
     def barrier(self) -> None:
         if self.group is not None and self.world > 1:
-            work = dist.barrier(group=self.group, async_op=True)
-            if not work.wait(timeout=datetime.timedelta(seconds=self.timeout)):
-                raise TimeoutError(f"calibrate: rank {self.me} waited {self.timeout:g} s at a barrier")
+            self._wait(dist.barrier(group=self.group, async_op=True), "a barrier")
 
     def gather(self, value: float) -> list[float]:
         if self.group is None or self.world == 1:
             return [value]
-        out: list = [None] * self.world
-        dist.all_gather_object(out, value, group=self.group)
-        return [float(v) for v in out]
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        self._wait(dist.all_gather(out, t, group=self.group, async_op=True), "a gather of timings")
+        return [float(x) for x in out]
 
     def median_over_ranks(self, value: float) -> float:
         return statistics.median(self.gather(value))
@@ -241,9 +245,10 @@ def measure_tiles(ranks: _Ranks, grid: Grid, device: torch.device, advance: Call
                     out.append({**fields, "phase": "bwd", "seconds": t_b})
                     if (ranks.world > 1 and kind == FULL and heads == max(grid.heads) and head_dim == grid.head_dims[0]
                             and kv in grid.kv_tokens[-2:]):
-                        # the same call on one rank while the others wait: how much of the hardware they share
-                        alone = _timed_alone(ranks, fwd, grid.reps, device, grid.target)
-                        sharing.append({**fields, "phase": "fwd", "seconds_all": t_f, "seconds_alone": alone})
+                        # the same calls on one rank while the others wait: how much of the hardware they share
+                        for phase, fn, t_all in (("fwd", fwd, t_f), ("bwd", bwd, t_b)):
+                            alone = _timed_alone(ranks, fn, grid.reps, device, grid.target)
+                            sharing.append({**fields, "phase": phase, "seconds_all": t_all, "seconds_alone": alone})
                     advance()
     return out
 
@@ -376,7 +381,7 @@ def calibrate(group=None, device=None, *, mesh=None, quick: bool = False, dtype:
         pmesh, ranks, comm_group, me = Mesh(nodes=1, devices=1), (0,), None, 0
     else:
         pmesh, ranks, comm_group, me = resolve_group(mesh, group)
-    r = _Ranks(comm_group, ranks, me, pmesh, timeout)
+    r = _Ranks(comm_group, ranks, me, pmesh, timeout, device)
     grid = grid_for(device, quick=quick, dtype=dtype)
     steps = (len(grid.head_dims) * len(grid.heads) * len(grid.kv_tokens) * 2
              + (len(_peer_pairs(pmesh, me)) * len(grid.message_bytes) if r.world > 1 else 0)
