@@ -211,6 +211,7 @@ def _calibrate_rank(rank: int, world: int, cache: str):
 
     import torch.distributed as dist
 
+    import ultraattn
     from ultraattn.runtime.calibrate import auto_profile, cached_profile_path, calibrate
 
     os.environ["ULTRAATTN_CACHE_DIR"] = cache
@@ -219,8 +220,15 @@ def _calibrate_rank(rank: int, world: int, cache: str):
     took = time.perf_counter() - t0
     first = auto_profile(quick=True, progress=False, timeout=60)    # nothing cached yet: measured, then saved
     again = auto_profile(quick=True, progress=False, timeout=60)    # loaded: the same profile
+    path = cached_profile_path(torch.device("cpu"), Mesh(nodes=1, devices=world))
+    stamp = os.stat(path).st_mtime_ns
+    # plan_attention(cost="auto" | a path | a profile): the same model, hence the same plan; nothing measured again
+    kw = {"seqlen": 1024, "num_heads": 4, "head_dim": 32, "dtype": torch.float32, "block_size": 64,
+          "planner": "fast"}
+    hashes = [ultraattn.plan_attention("causal", cost=c, **kw).tile_plan.content_hash()
+              for c in ("auto", str(path), first)]
     return {"profile": prof.to_json(), "seconds": took, "first": first.to_json(), "again": again.to_json(),
-            "path": str(cached_profile_path(torch.device("cpu"), Mesh(nodes=1, devices=world)))}
+            "path": str(path), "hashes": hashes, "remeasured": os.stat(path).st_mtime_ns != stamp}
 
 
 def test_calibrate_on_two_ranks(tmp_path):
@@ -256,6 +264,7 @@ def test_calibrate_on_two_ranks(tmp_path):
     # cost="auto": measured once, saved where the key says, then loaded (same creation time), on every rank
     assert a["first"] == a["again"] == b["again"]
     assert CostProfile.load(a["path"]).to_json() == a["first"]
+    assert len(set(a["hashes"])) == 1 and a["hashes"] == b["hashes"] and not a["remeasured"]
 
 
 def test_cli_calibrate_then_plan_with_the_profile(tmp_path, capsys):

@@ -269,12 +269,21 @@ def test_repro_is_a_self_contained_program(tmp_path):
                                                             "empty_rows": []}),
     dict(seqlen=130, heads=2, kv_heads=1, head_dim=64, method="ring",
          mask={"kind": "documents", "lengths": [[1] * 100 + [30]], "causal": False, "empty_rows": []}),
-    # found at world 3 (ULTRAATTN_FUZZ_FP32=1): row 7 attends 3 keys, dq 2.41e-6 > 2.14e-6; the same at world 1
-    dict(seqlen=65, heads=3, kv_heads=1, head_dim=27, batch=2, planner="auto", seed=2,
-         mask={"kind": "documents", "lengths": [[5, 3, 36]], "causal": False, "empty_rows": []}),
-], ids=["diagonal", "length1-documents", "length3-document"])
+], ids=["diagonal", "length1-documents"])
 def test_fp32_rows_with_few_keys(kw):
     case = _case(1, dtype="fp32", **kw)
+    got = run_one(0, 1, case)
+    problems = check_2x(got, reference(case, torch.float64), reference(case, torch.float32), "fp32")
+    assert not problems, explain(case, problems)
+
+
+def test_fp32_three_key_rows_meet_the_rule():
+    """Found at world 3 (ULTRAATTN_FUZZ_FP32=1): row 7 attends 3 keys, dq missed the 2x rule (2.41e-6 > 2.14e-6; the
+    same at world 1) and was pinned above as a known deviation. Since the forward normalises each tile's output
+    after its matmul (one rounding of the row sum instead of exp(s - lse) per element) it meets the rule
+    (dq 1.34e-6); kept as a regression test."""
+    case = _case(1, dtype="fp32", seqlen=65, heads=3, kv_heads=1, head_dim=27, batch=2, planner="auto", seed=2,
+                 mask={"kind": "documents", "lengths": [[5, 3, 36]], "causal": False, "empty_rows": []})
     got = run_one(0, 1, case)
     problems = check_2x(got, reference(case, torch.float64), reference(case, torch.float32), "fp32")
     assert not problems, explain(case, problems)

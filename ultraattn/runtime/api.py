@@ -42,7 +42,7 @@ from ..planner.baselines import BASELINES, ulysses_degree
 from ..planner.cost import DEFAULT_COST, CostModel
 from ..planner.fast import FastPlanner, planner_key
 from ..planner.plan import AttnShape, Mesh, TilePlan, TokenLayout
-from ..planner.profile import CostProfile
+from ..planner.profile import CostProfile, cost_model_of
 from ..planner.tiling import PlannerOptions
 from .calibrate import resolve_cost
 from .comm import Comm, GroupRef, resolve_group, store_exchange
@@ -311,10 +311,6 @@ def plan_attention(
 
 def _cost_model(cost, *, mesh, group, key: tuple, timeout: float) -> CostModel:
     """``cost`` as a ``CostModel``; a path or ``"auto"`` is resolved once per process (``ONLINE.cost_model``)."""
-    if isinstance(cost, CostModel):
-        return cost
-    if isinstance(cost, CostProfile):
-        return cost.cost
     if isinstance(cost, str) and cost == "auto":
         return ONLINE.cost_model(("auto", *key), lambda: resolve_cost("auto", group=group, mesh=mesh,
                                                                       timeout=timeout))
@@ -322,7 +318,7 @@ def _cost_model(cost, *, mesh, group, key: tuple, timeout: float) -> CostModel:
         path = os.path.abspath(os.fspath(cost))
         stamp = os.stat(path).st_mtime_ns if os.path.exists(path) else None
         return ONLINE.cost_model(("path", path, stamp), lambda: resolve_cost(path))
-    raise TypeError(f"`cost` must be a CostModel, a CostProfile, a profile path or 'auto', got {type(cost).__name__}")
+    return cost_model_of(cost)   # a model or a profile; anything else is a TypeError naming `cost`
 
 
 def _check_method(method: str, shape: AttnShape, pmesh: Mesh) -> None:
