@@ -227,8 +227,14 @@ def _calibrate_rank(rank: int, world: int, cache: str):
           "planner": "fast"}
     hashes = [ultraattn.plan_attention("causal", cost=c, **kw).tile_plan.content_hash()
               for c in ("auto", str(path), first)]
+    # two nodes of one rank: the messages between them are the inter-node link's
+    from torch.distributed.device_mesh import init_device_mesh
+
+    nodes = calibrate(None, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("node", "device")), quick=True,
+                      progress=False, timeout=60)
     return {"profile": prof.to_json(), "seconds": took, "first": first.to_json(), "again": again.to_json(),
-            "path": str(path), "hashes": hashes, "remeasured": os.stat(path).st_mtime_ns != stamp}
+            "path": str(path), "hashes": hashes, "remeasured": os.stat(path).st_mtime_ns != stamp,
+            "nodes": nodes.to_json()}
 
 
 def test_calibrate_on_two_ranks(tmp_path):
@@ -265,6 +271,9 @@ def test_calibrate_on_two_ranks(tmp_path):
     assert a["first"] == a["again"] == b["again"]
     assert CostProfile.load(a["path"]).to_json() == a["first"]
     assert len(set(a["hashes"])) == 1 and a["hashes"] == b["hashes"] and not a["remeasured"]
+    two = CostProfile.from_json(a["nodes"])
+    assert {m["link"] for m in two.samples["message"]} == {"inter"} and two.machine["nodes"] == 2
+    assert two.cost.intra_bw_GBps == two.cost.inter_bw_GBps and "no intra-node pair" in " ".join(two.notes)
 
 
 def test_cli_calibrate_then_plan_with_the_profile(tmp_path, capsys):

@@ -298,7 +298,7 @@ def _calibrate_rank(rank: int, world: int, args) -> dict:
         torch.cuda.set_device(device)
     mesh = None
     per_node = args.devices_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or max(world, 1)
-    if world > 1 and 1 < per_node < world:
+    if world > 1 and per_node < world:   # several nodes (of one rank each, or more)
         mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("node", "device"))
     group = dist.group.WORLD if world > 1 and mesh is None else None
     profile = calibrate(group, device, mesh=mesh, quick=args.quick, dtype=args.dtype, progress=rank == 0,
