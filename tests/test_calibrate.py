@@ -253,10 +253,13 @@ def test_calibrate_on_two_ranks(tmp_path):
     assert samples["sharing"] and all(s["seconds_all"] > 0 and s["seconds_alone"] > 0 for s in samples["sharing"])
     assert prof.cost.alone_speedup >= 1.0
     # monotone where expected: 8x the keys per row is slower; a 16 MiB message is slower than a 4 KiB one
-    by = {(s["phase"], s["heads"], s["kind"], s["kv_tokens_per_row"]): s["seconds"] for s in samples["kernel"]}
-    for (phase, heads, kind, kv), sec in by.items():
-        if kv == 64:
-            assert by[(phase, heads, kind, 512.0)] > sec, (phase, heads, kind)
+    by = {(s["phase"], s["heads"], s["kind"], s["q_tokens"], s["kv_tokens_per_row"]): s["seconds"]
+          for s in samples["kernel"]}
+    for (phase, heads, kind, q, kv), sec in by.items():
+        if kv == 64 and q == 128:
+            assert by[(phase, heads, kind, q, 512.0)] > sec, (phase, heads, kind)
+    # and the tiny calls that pin the launch cost: one query block of one head
+    assert {(s["q_tokens"], s["heads"]) for s in samples["kernel"]} >= {(64, 1), (128, 1), (128, 2)}
     msg = sorted(samples["message"], key=lambda s: s["nbytes"])
     assert {s["link"] for s in msg} == {"intra"} and msg[-1]["seconds"] > msg[0]["seconds"]
     assert any("no inter-node pair" in n for n in prof.notes)

@@ -186,12 +186,13 @@ def _checker_mask(b, h, q_idx, kv_idx):
     return (q_idx + kv_idx) % 2 == 0
 
 
-def _tile_case(grid: Grid, *, heads: int, head_dim: int, kv_tokens: int, kind: int, device: torch.device):
-    """A tile call of ``grid.q_tokens`` queries, each query block attending ``kv_tokens`` keys of one ``kind``.
+def _tile_case(grid: Grid, *, heads: int, head_dim: int, kv_tokens: int, kind: int, q_tokens: int,
+               device: torch.device):
+    """A tile call of ``q_tokens`` queries, each query block attending ``kv_tokens`` keys of one ``kind``.
 
     Returns (geometry, q, kvs, cols, do, sample fields): the row is chunk 0, its KV columns chunks 1..n.
     """
-    c, b = grid.q_tokens, grid.block
+    c, b = q_tokens, grid.block
     ncols = math.ceil(kv_tokens / c)
     seq = c * (1 + ncols)
     nqb, nkb = c // b, kv_tokens // b
@@ -218,38 +219,44 @@ def _tile_case(grid: Grid, *, heads: int, head_dim: int, kv_tokens: int, kind: i
     return geo, q, kvs, list(range(1, ncols + 1)), do, fields
 
 
+def tile_cases(grid: Grid) -> list[dict]:
+    """The grid's tile samples: FULL and PARTIAL at every (head dim, heads, keys per row), and two tiny calls (one
+    query block of one head), whose time is mostly the cost of a launch: without them the fit cannot tell launch
+    cost from work, and a plan of many small tiles would look as cheap as one of few large ones."""
+    cases = [{"head_dim": d, "heads": h, "kv_tokens": kv, "kind": kind, "q_tokens": grid.q_tokens}
+             for d in grid.head_dims for h in grid.heads for kv in grid.kv_tokens for kind in (FULL, PARTIAL)]
+    return cases + [{"head_dim": grid.head_dims[0], "heads": 1, "kv_tokens": kv, "kind": FULL, "q_tokens": grid.block}
+                    for kv in (grid.block, 4 * grid.block)]
+
+
 def measure_tiles(ranks: _Ranks, grid: Grid, device: torch.device, advance: Callable[[], None],
                   sharing: list[dict]) -> list[dict]:
-    """Forward and backward tile samples over the grid (module docstring); appends to ``sharing`` a few forward
-    samples timed again on one rank alone."""
+    """Forward and backward tile samples over ``tile_cases`` (module docstring); appends to ``sharing`` the largest
+    FULL calls timed again on one rank alone."""
     out = []
     scale = 1.0
-    for head_dim in grid.head_dims:
-        for heads in grid.heads:
-            for kv in grid.kv_tokens:
-                for kind in (FULL, PARTIAL):
-                    geo, q, kvs, cols, do, fields = _tile_case(grid, heads=heads, head_dim=head_dim, kv_tokens=kv,
-                                                               kind=kind, device=device)
-                    o, lse = row_forward(geo, 0, 0, cols, q, kvs, scale)
-                    delta = (o * do.float()).sum(-1)
+    for case in tile_cases(grid):
+        geo, q, kvs, cols, do, fields = _tile_case(grid, **case, device=device)
+        o, lse = row_forward(geo, 0, 0, cols, q, kvs, scale)
+        delta = (o * do.float()).sum(-1)
 
-                    def fwd(geo=geo, q=q, kvs=kvs, cols=cols):
-                        return row_forward(geo, 0, 0, cols, q, kvs, scale)
+        def fwd(geo=geo, q=q, kvs=kvs, cols=cols):
+            return row_forward(geo, 0, 0, cols, q, kvs, scale)
 
-                    def bwd(geo=geo, q=q, kvs=kvs, cols=cols, do=do, lse=lse, delta=delta):
-                        return row_backward(geo, 0, 0, cols, q, do, lse, delta, kvs, scale)
+        def bwd(geo=geo, q=q, kvs=kvs, cols=cols, do=do, lse=lse, delta=delta):
+            return row_backward(geo, 0, 0, cols, q, do, lse, delta, kvs, scale)
 
-                    t_f = _timed(ranks, fwd, grid.reps, device, grid.target)
-                    t_b = _timed(ranks, bwd, grid.reps, device, grid.target)
-                    out.append({**fields, "phase": "fwd", "seconds": t_f})
-                    out.append({**fields, "phase": "bwd", "seconds": t_b})
-                    if (ranks.world > 1 and kind == FULL and heads == max(grid.heads) and head_dim == grid.head_dims[0]
-                            and kv in grid.kv_tokens[-2:]):
-                        # the same calls on one rank while the others wait: how much of the hardware they share
-                        for phase, fn, t_all in (("fwd", fwd, t_f), ("bwd", bwd, t_b)):
-                            alone = _timed_alone(ranks, fn, grid.reps, device, grid.target)
-                            sharing.append({**fields, "phase": phase, "seconds_all": t_all, "seconds_alone": alone})
-                    advance()
+        t_f = _timed(ranks, fwd, grid.reps, device, grid.target)
+        t_b = _timed(ranks, bwd, grid.reps, device, grid.target)
+        out.append({**fields, "phase": "fwd", "seconds": t_f})
+        out.append({**fields, "phase": "bwd", "seconds": t_b})
+        if (ranks.world > 1 and case["kind"] == FULL and case["heads"] == max(grid.heads)
+                and case["head_dim"] == grid.head_dims[0] and case["kv_tokens"] in grid.kv_tokens[-2:]):
+            # the same calls on one rank while the others wait: how much of the hardware they share
+            for phase, fn, t_all in (("fwd", fwd, t_f), ("bwd", bwd, t_b)):
+                alone = _timed_alone(ranks, fn, grid.reps, device, grid.target)
+                sharing.append({**fields, "phase": phase, "seconds_all": t_all, "seconds_alone": alone})
+        advance()
     return out
 
 
@@ -383,8 +390,7 @@ def calibrate(group=None, device=None, *, mesh=None, quick: bool = False, dtype:
         pmesh, ranks, comm_group, me = resolve_group(mesh, group)
     r = _Ranks(comm_group, ranks, me, pmesh, timeout, device)
     grid = grid_for(device, quick=quick, dtype=dtype)
-    steps = (len(grid.head_dims) * len(grid.heads) * len(grid.kv_tokens) * 2
-             + (len(_peer_pairs(pmesh, me)) * len(grid.message_bytes) if r.world > 1 else 0)
+    steps = (len(tile_cases(grid)) + (len(_peer_pairs(pmesh, me)) * len(grid.message_bytes) if r.world > 1 else 0)
              + len(grid.merge_tokens))
     t0 = time.perf_counter()
     with _progress(progress and me == 0, steps) as advance:
