@@ -28,7 +28,9 @@ from ultraattn.planner.profile import (
     fit_kernels,
     fit_merges,
     fit_messages,
+    fit_step_scale,
     kernel_sample_seconds,
+    scale_kernels,
 )
 from ultraattn.planner.schedule import Graph, SharedCompute, Task, simulate
 from ultraattn.testing import run_ranks
@@ -75,6 +77,15 @@ def test_fits_recover_the_model_that_made_the_samples():
     # nothing measured: the base model stands, field by field, with a note each
     fitted, fit, notes = fit_cost({}, base=TRUE)
     assert fitted == TRUE and fit == {} and len(notes) == 4
+
+
+def test_step_scale_makes_the_model_replay_the_steps():
+    k, st = fit_step_scale([2.0, 5.0], lambda k: [1.0 * k, 2.5 * k])
+    assert k == pytest.approx(2.0) and st["predicted_over_measured_after"] == pytest.approx([1.0, 1.0])
+    assert st["predicted_over_measured_before"] == pytest.approx([0.5, 0.5])
+    assert scale_kernels(TRUE, 2.0).fwd_tflops == pytest.approx(TRUE.fwd_tflops / 2)
+    with pytest.raises(ValueError, match="positive timings"):
+        fit_step_scale([0.0], lambda k: [1.0])
 
 
 def test_fits_refuse_samples_that_cannot_make_a_model():
@@ -270,6 +281,14 @@ def test_calibrate_on_two_ranks(tmp_path):
     shown = buf.getvalue()
     assert all(name in shown for name in CostModel.field_names())
     assert "fit kernel:" in shown and "fit intra:" in shown and "sharing: all ranks busy / one alone" in shown
+    assert "steps: kernels" in shown
+    # the step probes: real ring and all-gather steps, replayed by the fitted model in about their measured time
+    step = prof.fit["step"]
+    assert [s["method"] for s in samples["step"]] == ["ring", "allgather"] and step["scale"] > 0
+    def miss(ratios):
+        return sum(math.log(r) ** 2 for r in ratios)
+
+    assert miss(step["predicted_over_measured_after"]) <= miss(step["predicted_over_measured_before"]) + 1e-9
     # cost="auto": measured once, saved where the key says, then loaded (same creation time), on every rank
     assert a["first"] == a["again"] == b["again"]
     assert CostProfile.load(a["path"]).to_json() == a["first"]
@@ -287,7 +306,8 @@ def test_cli_calibrate_then_plan_with_the_profile(tmp_path, capsys):
     prof = CostProfile.load(out)
     assert prof.machine["world"] == 1 and prof.samples["message"] == []
     assert prof.notes == ("messages not measured (one rank): message fields are the base model's",
-                          "sharing not measured (one rank): alone_speedup is the base model's")
+                          "sharing not measured (one rank): alone_speedup is the base model's",
+                          "steps not measured (one rank): kernel rates are the isolated calls'")
     js = tmp_path / "plan.json"
     args = ["plan", "--mask", "causal", "--seqlen", "8k", "--cp", "4", "--heads", "8", "--head-dim", "64",
             "--planner", "fast", "--backward", "--quiet", "--json", str(js)]

@@ -328,6 +328,11 @@ def _print_profile(console: Console, data: dict, path: str) -> None:
         if term == "sharing":
             console.print(f"sharing: all ranks busy / one alone = {', '.join(f'{r:.2f}' for r in st['ratios'])}")
             continue
+        if term == "step":
+            before = ", ".join(f"{r:.2f}" for r in st["predicted_over_measured_before"])
+            console.print(f"steps: kernels {st['scale']:.2f}x slower inside a step; predicted/measured "
+                          f"{before} -> {', '.join(f'{r:.2f}' for r in st['predicted_over_measured_after'])}")
+            continue
         for part, f in ({term: st}.items() if "samples" in st else st.items()):
             console.print(f"fit {part}: {f['samples']} samples, median error {f['median_rel_err']:.1%}, "
                           f"worst {f['max_rel_err']:.1%}")

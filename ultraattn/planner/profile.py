@@ -21,6 +21,8 @@ Each ``CostModel`` field a profile sets is a least-squares fit to samples, never
   (``lse_merge_GBps``) and one for gradient sums (``hbm_GBps``).
 * sharing: ``alone_speedup`` is the median of (all ranks busy) / (one rank alone) over the samples timed both ways,
   at least 1 (what the hardware gives a rank when its neighbours wait).
+* steps: with several ranks, two real steps of the runtime (``fit_step_scale``) fix how much slower kernels run
+  inside a step than alone in a loop; both kernel rates are divided by that factor, which the profile records.
 
 The profile keeps its samples and each fit's median and worst relative error, so a reader sees how well the
 model's form describes the machine. A link the calibration could not measure (one node: no inter-node pair)
@@ -216,6 +218,29 @@ def fit_cost(samples: Mapping[str, Sequence[Mapping]], *, base: CostModel = DEFA
     else:
         notes.append("sharing not measured (one rank): alone_speedup is the base model's")
     return dataclasses.replace(base, **changes), fit, notes
+
+
+#: the scales ``fit_step_scale`` tries (kernel time inside a step over the isolated calls' time)
+STEP_SCALES = np.geomspace(0.25, 4.0, 161)
+
+
+def fit_step_scale(measured: Sequence[float], predict) -> tuple[float, dict]:
+    """The factor ``k`` by which kernels run slower inside a real step than the isolated calls the kernel fit saw
+    (other ranks' messages copying on the same cores, caches the step's other tensors take): the ``k`` on
+    ``STEP_SCALES`` whose ``predict(k)`` (the model's step times with kernel rates divided by ``k``) is closest to
+    ``measured`` in log ratio. Returns ``k`` and the probes' ratios before and after."""
+    meas = np.asarray(measured, dtype=np.float64)
+    if not meas.size or not (meas > 0).all():
+        raise ValueError(f"step samples must have positive timings, got {list(measured)}")
+    loss = [float(np.sum(np.log(np.asarray(predict(float(k))) / meas) ** 2)) for k in STEP_SCALES]
+    k = float(STEP_SCALES[int(np.argmin(loss))])
+    return k, {"scale": k, "predicted_over_measured_before": (np.asarray(predict(1.0)) / meas).tolist(),
+               "predicted_over_measured_after": (np.asarray(predict(k)) / meas).tolist()}
+
+
+def scale_kernels(cost: CostModel, k: float) -> CostModel:
+    """``cost`` with kernels ``k`` times slower (both rates divided by ``k``)."""
+    return dataclasses.replace(cost, fwd_tflops=cost.fwd_tflops / k, bwd_tflops=cost.bwd_tflops / k)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,7 +11,11 @@ devices and process group it runs on, and fits the model's terms to it (``planne
   node and, on a mesh of several nodes, across nodes, at the sizes plans send;
 * merges: the runtime's LSE merge and partial-gradient sums;
 * sharing: a few tile calls again on the first rank while the others wait, against the same call with all ranks
-  busy: ranks that share hardware (CPU cores) run faster alone (``CostModel.alone_speedup``).
+  busy: ranks that share hardware (CPU cores) run faster alone (``CostModel.alone_speedup``);
+* steps: real forward + backward steps of the runtime for two baseline plans of a causal mask: kernels inside a
+  step run slower than the same calls alone in a loop (other ranks' messages copy on the same cores, the step's
+  other tensors take the caches); the kernel rates are scaled so that the model replays these steps in their
+  measured time (``planner/profile.fit_step_scale``).
 
 A sample's figure is the median over repetitions on each rank, then the median over ranks. Every wait has a
 timeout (``timeout``), so a dead peer fails the call instead of hanging it.
@@ -40,9 +44,10 @@ import torch
 import torch.distributed as dist
 
 from ..masks.pattern import EMPTY, FULL, PARTIAL
+from ..planner.api import evaluate
 from ..planner.cost import DEFAULT_COST, CostModel, block_flops
 from ..planner.plan import Mesh
-from ..planner.profile import CostProfile, ProfileError, cost_model_of, fit_cost
+from ..planner.profile import CostProfile, ProfileError, cost_model_of, fit_cost, fit_step_scale, scale_kernels
 from .comm import resolve_group
 from .tiles import TileGeometry, merge_partial, row_backward, row_forward
 
@@ -313,6 +318,52 @@ def measure_merges(ranks: _Ranks, grid: Grid, device: torch.device, advance: Cal
     return out
 
 
+#: the plans of the step probes: an unbalanced one (ranks wait: sharing) and one that moves every K/V (messages)
+STEP_METHODS = ("ring", "allgather")
+
+
+def measure_steps(ranks: _Ranks, grid: Grid, device: torch.device, cost: CostModel, mesh,
+                  advance: Callable[[], None]) -> tuple[list[dict], list]:
+    """Real steps of the runtime (``dist_attention`` forward + backward) for the ``STEP_METHODS`` plans of a causal
+    mask over ``grid.q_tokens`` tokens per rank; each sample's ``seconds`` is the slowest rank's median step.
+    Returns the samples and their (plan, pattern) pairs for the model to replay."""
+    if ranks.world == 1:
+        return [], []
+    from .api import dispatch, dist_attention, plan_attention  # (api imports this module for cost="auto")
+
+    h, d, s = max(grid.heads), grid.head_dims[0], grid.q_tokens * ranks.world
+    dt = _DTYPES[grid.dtype]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    q, k, v, go = (torch.randn(1, h, s, d, generator=g).to(device=device, dtype=dt) for _ in range(4))
+    samples, plans = [], []
+    for method in STEP_METHODS:
+        plan = plan_attention("causal", seqlen=s, num_heads=h, head_dim=d, dtype=dt, block_size=grid.block,
+                              method=method, cost=cost, mesh=mesh, group=None if mesh is not None else ranks.group,
+                              timeout=ranks.timeout)
+        ql, kl, vl = (dispatch(x, plan).requires_grad_() for x in (q, k, v))
+        gl = dispatch(go, plan)
+
+        def step(plan=plan, ql=ql, kl=kl, vl=vl, gl=gl):
+            out, _ = dist_attention(ql, kl, vl, plan)
+            out.backward(gl)
+
+        times = []
+        for n in range(grid.reps + 1):
+            ranks.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            ranks.barrier()
+            if n:
+                times.append(time.perf_counter() - t0)
+        samples.append({"method": method, "seqlen": s, "heads": h, "head_dim": d,
+                        "seconds": max(ranks.gather(statistics.median(times)))})
+        plans.append((plan.tile_plan, plan.pattern))
+        advance()
+    return samples, plans
+
+
 def machine_info(device: torch.device, mesh: Mesh) -> dict:
     """Where a profile is measured; ``key`` names the configuration ``cost="auto"`` caches it under."""
     if device.type == "cuda":
@@ -390,15 +441,29 @@ def calibrate(group=None, device=None, *, mesh=None, quick: bool = False, dtype:
         pmesh, ranks, comm_group, me = resolve_group(mesh, group)
     r = _Ranks(comm_group, ranks, me, pmesh, timeout, device)
     grid = grid_for(device, quick=quick, dtype=dtype)
-    steps = (len(tile_cases(grid)) + (len(_peer_pairs(pmesh, me)) * len(grid.message_bytes) if r.world > 1 else 0)
-             + len(grid.merge_tokens))
+    total = (len(tile_cases(grid)) + (len(_peer_pairs(pmesh, me)) * len(grid.message_bytes) if r.world > 1 else 0)
+             + len(grid.merge_tokens) + (len(STEP_METHODS) if r.world > 1 else 0))
     t0 = time.perf_counter()
-    with _progress(progress and me == 0, steps) as advance:
+    with _progress(progress and me == 0, total) as advance:
         sharing: list[dict] = []
         samples = {"kernel": measure_tiles(r, grid, device, advance, sharing),
                    "message": measure_messages(r, grid, device, advance),
                    "merge": measure_merges(r, grid, device, advance), "sharing": sharing}
-    cost, fit, notes = fit_cost(samples, base=base)
+        cost, fit, notes = fit_cost(samples, base=base)
+        probes, plans = measure_steps(r, grid, device, cost, mesh, advance)
+    if probes:
+        samples["step"] = probes
+
+        def predict(k: float) -> list[float]:
+            model = scale_kernels(cost, k)
+            return [evaluate(tp, pattern, cost=model).total_ms() / 1e3 for tp, pattern in plans]
+
+        k, fit["step"] = fit_step_scale([st["seconds"] for st in probes], predict)
+        cost = scale_kernels(cost, k)
+        notes.append(f"kernel rates divided by {k:.3g}: inside real steps ({', '.join(STEP_METHODS)} plans of a causal "
+                     f"mask) kernels ran that much slower than alone in a loop")
+    else:
+        notes.append("steps not measured (one rank): kernel rates are the isolated calls'")
     info = machine_info(device, pmesh)
     info["calibration_seconds"] = round(time.perf_counter() - t0, 3)
     info["grid"] = {"block": grid.block, "q_tokens": grid.q_tokens, "dtype": grid.dtype, "quick": quick}
