@@ -142,26 +142,31 @@ class _Ranks:
         return max(self.gather(value))
 
 
-def _timed(ranks: _Ranks, fn: Callable[[], object], reps: int, device: torch.device, target: float) -> float:
-    """Seconds of one ``fn`` call on this rank, every rank running it at once: after a warm-up, each of ``reps``
-    repetitions starts on all ranks together and runs ``fn`` enough times to last about ``target`` seconds (the same
-    count everywhere, from the slowest rank's warm-up); the median repetition per call, then the median over ranks."""
-    ranks.barrier()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    warm = ranks.max_over_ranks(time.perf_counter() - t0)
-    iters = max(1, min(1000, round(target / max(warm, 1e-6))))
+def _repeat(fn: Callable[[], object], reps: int, iters: int, device: torch.device, before=lambda: None) -> list[float]:
+    """Seconds per ``fn`` call in each of ``reps`` repetitions of ``iters`` calls (``before`` runs ahead of each)."""
     times = []
     for _ in range(reps):
-        ranks.barrier()
+        before()
         _sync(device)
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         _sync(device)
         times.append((time.perf_counter() - t0) / iters)
+    return times
+
+
+def _iters(target: float, warm: float) -> int:
+    """Calls per repetition: enough to last ``target`` seconds at the warm-up's pace (1 to 1000)."""
+    return max(1, min(1000, round(target / max(warm, 1e-6))))
+
+
+def _timed(ranks: _Ranks, fn: Callable[[], object], reps: int, device: torch.device, target: float) -> float:
+    """Seconds of one ``fn`` call on this rank, every rank running it at once: after a warm-up, each of ``reps``
+    repetitions starts on all ranks together and runs ``fn`` enough times to last about ``target`` seconds (the same
+    count everywhere, from the slowest rank's warm-up); the median repetition per call, then the median over ranks."""
+    warm = ranks.max_over_ranks(_repeat(fn, 1, 1, device, before=ranks.barrier)[0])
+    times = _repeat(fn, reps, _iters(target, warm), device, before=ranks.barrier)
     return ranks.median_over_ranks(statistics.median(times))
 
 
@@ -169,19 +174,7 @@ def _timed_alone(ranks: _Ranks, fn: Callable[[], object], reps: int, device: tor
     """Seconds of one ``fn`` call on the first rank while every other rank waits (at a barrier)."""
     t = 0.0
     if ranks.me == 0:
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        iters = max(1, min(1000, round(target / max(time.perf_counter() - t0, 1e-6))))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            _sync(device)
-            times.append((time.perf_counter() - t0) / iters)
-        t = statistics.median(times)
+        t = statistics.median(_repeat(fn, reps, _iters(target, _repeat(fn, 1, 1, device)[0]), device))
     ranks.barrier()
     return max(ranks.gather(t))
 
