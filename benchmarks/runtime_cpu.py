@@ -293,7 +293,8 @@ def plot(result: dict, path: Path) -> None:
             for mask in masks:
                 hit = [r for r in rows if r["seqlen"] == s and r["mask"] == mask and r["method"] == m]
                 ys.append(hit[0]["seconds"] if hit else float("nan"))
-            bars = ax.bar([i + n * w for i in range(len(masks))], ys, width=w, label=m)
+            bars = ax.bar([i + n * w for i in range(len(masks))], ys, width=w,
+                          label="flex_cp (eager, unfused on CPU)" if m == "flex_cp" else m)
             preds = []
             for mask in masks:
                 hit = [r for r in rows if r["seqlen"] == s and r["mask"] == mask and r["method"] == m]
