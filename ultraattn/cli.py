@@ -290,9 +290,9 @@ def _calibrate_rank(rank: int, world: int, args) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ultraattn.runtime.calibrate import cached_profile_path, calibrate
+    from ultraattn.runtime.calibrate import calibrate, default_device, profile_path
 
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = default_device() if args.device == "auto" else torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -304,9 +304,7 @@ def _calibrate_rank(rank: int, world: int, args) -> dict:
     profile = calibrate(group, device, mesh=mesh, quick=args.quick, dtype=args.dtype, progress=rank == 0,
                         timeout=args.timeout)
     if rank == 0:
-        ranks = max(world, 1)
-        pm = Mesh(nodes=ranks // per_node, devices=per_node) if mesh is not None else Mesh(nodes=1, devices=ranks)
-        path = args.out or cached_profile_path(device, pm)
+        path = args.out or profile_path(profile.machine["key"])   # the key names this device, mesh and threads
         profile.save(path)
         return {"profile": profile.to_json(), "path": str(path)}
     return {}

@@ -21,7 +21,7 @@ from ultraattn.planner.baselines import BASELINES
 from ultraattn.planner.cost import DEFAULT_COST, CostModel
 from ultraattn.planner.plan import Mesh
 from ultraattn.planner.tiling import PlannerOptions
-from ultraattn.runtime.calibrate import cached_profile_path, resolve_cost
+from ultraattn.runtime.calibrate import cached_profile_path, default_device, resolve_cost
 
 ReportMode = Literal["off", "summary", "full"]
 Outputs = Literal["global", "sharded"]
@@ -130,8 +130,7 @@ def _check_cost(cost, *, grouped: bool, mesh, world: int) -> CostModel:
         return DEFAULT_COST   # one rank plans nothing (the site is one kernel): nothing to measure
     if isinstance(cost, str) and cost == "auto" and not grouped:
         # no process group (ultraattn.explain): only a profile measured before can stand for the ranks
-        path = cached_profile_path(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
-                                   Mesh(nodes=1, devices=world))
+        path = cached_profile_path(default_device(), Mesh(nodes=1, devices=world))
         if not path.exists():
             raise ValueError(f"options['cost']='auto' needs this machine's profile for {world} ranks, and none is "
                              f"cached ({path}); run `ultraattn calibrate --nproc {world}` first, or pass a profile "

@@ -106,6 +106,11 @@ def grid_for(device: torch.device, *, quick: bool = False, dtype: str | None = N
                 merge_tokens=(512, 2048), reps=3, target=0.2)
 
 
+def default_device() -> torch.device:
+    """This rank's CUDA device when there is one, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -425,9 +430,7 @@ def calibrate(group=None, device=None, *, mesh=None, quick: bool = False, dtype:
     Returns:
         The ``CostProfile`` (``.cost`` is the fitted ``CostModel``), the same on every rank.
     """
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    device = default_device() if device is None else torch.device(device)
     if group is None and mesh is None:
         pmesh, ranks, comm_group, me = Mesh(nodes=1, devices=1), (0,), None, 0
     else:
@@ -476,17 +479,20 @@ def cache_dir() -> Path:
     return Path(base) / "ultraattn"
 
 
+def profile_path(key: str) -> Path:
+    """Where ``cost="auto"`` keeps the profile of configuration ``key`` (``machine_info``'s, ``profile.machine``)."""
+    return cache_dir() / "profiles" / f"{key}.json"
+
+
 def cached_profile_path(device: torch.device, mesh: Mesh) -> Path:
-    return cache_dir() / "profiles" / f"{machine_info(device, mesh)['key']}.json"
+    return profile_path(machine_info(device, mesh)["key"])
 
 
 def auto_profile(*, group=None, mesh=None, device=None, progress: bool = True, timeout: float = 300.0,
                  quick: bool = False) -> CostProfile:
     """The cached profile of this machine and configuration, calibrating it first if there is none (a collective
     over ``group``: the first rank decides, every rank gets the same profile). ``quick``: see ``calibrate``."""
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    device = default_device() if device is None else torch.device(device)
     grouped = (group is not None or mesh is not None) or (dist.is_available() and dist.is_initialized())
     if grouped:
         pmesh, ranks, comm_group, me = resolve_group(mesh, group)
