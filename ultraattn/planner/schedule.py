@@ -281,9 +281,10 @@ def bottom_levels(graph: Graph) -> list[float]:
 
 
 class _Pool:
-    """Processor sharing of compute tasks per node (``SharedCompute``) inside ``simulate``: a running task keeps its
-    remaining work (seconds at the all-busy rate); whenever a node's count of running tasks changes, their ends
-    are re-timed and pushed again (an event carries a version; stale ones are skipped)."""
+    """Processor sharing of the tasks that use a node's cores (``SharedCompute``: kernels, merges, messages between
+    its ranks) inside ``simulate``: a running task keeps its remaining work (seconds at the all-busy rate);
+    whenever a node's count of running tasks changes, their ends are re-timed and pushed again (an event carries a
+    version; stale ones are skipped)."""
 
     def __init__(self, graph: Graph, end: list[float], events: list):
         sh = graph.shared
