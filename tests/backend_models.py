@@ -193,6 +193,13 @@ def explicit_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
         e = st.program
         if e is None:
             continue
+        if hasattr(e, "run_of"):  # a run-time program: the latest call's plan and messages
+            run = e.last
+            res["sites"][st.spec.name] = {
+                "moved": {ph: run.log[ph].totals().get(ph, {"sent": 0, "recv": 0}) for ph in ("fwd", "bwd")},
+                "planned": {ph: run.plan.bytes(ph, run.rank) for ph in ("fwd", "bwd")},
+                "plan": run.plan.content_hash(), "ownership": run.plan.ownership}
+            continue
         prog = e.executor.program
         ap = e.runner
         res["sites"][st.spec.name] = {

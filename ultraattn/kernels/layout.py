@@ -238,7 +238,13 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
             kinds.append(kind)
             bit_sets.append(_partial_bits(mask_mod, kind, b, h, qb, kb, q_len, kv_len))
     pattern_of, kind_u, bits_all, tile_grid = _dedupe(kinds, bit_sets, qb, kb)
+    lay = _assemble(kind_u, tile_grid, bits_all, torch.tensor(pattern_of, dtype=torch.int32), q_len=q_len,
+                    kv_len=kv_len, q_block=qb, kv_block=kb, batch=batch, num_heads=num_heads, name=pattern.name)
+    return lay.to(device) if torch.device(device).type != "cpu" else lay
 
+
+def _assemble(kind_u: Tensor, tile_grid: Tensor, bits: Tensor, pattern_of: Tensor, **sizes) -> BlockSparseLayout:
+    """The layout of unique cell grids ``kind_u`` [U, NQ, NK] whose PARTIAL cells have tile ids ``tile_grid``."""
     full_cnt, full_idx = _sorted_lists(kind_u == FULL)
     part_cnt, part_idx = _sorted_lists(kind_u == PARTIAL)
     part_tile = torch.gather(tile_grid, 2, part_idx.long())
@@ -252,14 +258,45 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
     # transposed lists come out of sort/gather with the transpose's strides otherwise).
     full_q_cnt, full_q_idx, part_q_cnt, part_q_idx, part_q_tile = (
         t.contiguous() for t in (full_q_cnt, full_q_idx, part_q_cnt, part_q_idx, part_q_tile))
-    lay = BlockSparseLayout(
-        q_len=q_len, kv_len=kv_len, q_block=qb, kv_block=kb, batch=batch, num_heads=num_heads,
-        pattern_of=torch.tensor(pattern_of, dtype=torch.int32), kind=kind_u,
+    return BlockSparseLayout(
+        **sizes, pattern_of=pattern_of, kind=kind_u,
         full_cnt=full_cnt, full_idx=full_idx, part_cnt=part_cnt, part_idx=part_idx, part_tile=part_tile,
         full_q_cnt=full_q_cnt, full_q_idx=full_q_idx, part_q_cnt=part_q_cnt, part_q_idx=part_q_idx,
-        part_q_tile=part_q_tile, bits=bits_all.contiguous(), name=pattern.name,
+        part_q_tile=part_q_tile, bits=bits.contiguous(),
     )
-    return lay.to(device) if torch.device(device).type != "cpu" else lay
+
+
+def tile_grid(layout: BlockSparseLayout) -> Tensor:
+    """int32 [U, NQ, NK]: the bit-tile id of every PARTIAL cell (-1 elsewhere), from the layout's lists."""
+    kind, idx, cnt, tile = (t.cpu() for t in (layout.kind, layout.part_idx, layout.part_cnt, layout.part_tile))
+    grid = torch.full(kind.shape, -1, dtype=torch.int32)
+    listed = torch.arange(idx.shape[2])[None, None, :] < cnt[..., None]
+    u, i, j = listed.nonzero(as_tuple=True)
+    grid[u, i, idx[u, i, j].long()] = tile[u, i, j]
+    return grid
+
+
+def sub_layout(layout: BlockSparseLayout, q_blocks: Tensor, kv_blocks: Tensor, grid: Tensor | None = None
+               ) -> BlockSparseLayout:
+    """The layout of a tile that computes ``layout``'s Q blocks ``q_blocks`` against its KV blocks ``kv_blocks``
+    (int64, in the tile's order; -1: a block of padding, EMPTY), with the same bit tiles: how a rank's share of a
+    mask becomes a kernel call on its local queries and a buffer of keys (``runtime/exchange.py``). Every block of
+    the tile is whole (``layout``'s KV tail is already PARTIAL, so padding keys are never attended).
+
+    ``grid``: ``tile_grid(layout)``, when the caller cuts several tiles from one layout."""
+    kind = layout.kind.cpu()
+    grid = tile_grid(layout) if grid is None else grid
+    u = kind.shape[0]
+    # one EMPTY row and column at the end stand for padding blocks (index -1)
+    kind = torch.nn.functional.pad(kind, (0, 1, 0, 1))
+    grid = torch.nn.functional.pad(grid, (0, 1, 0, 1), value=-1)
+    qi, ki = q_blocks.long().cpu(), kv_blocks.long().cpu()
+    sel = (slice(None), qi[:, None], ki[None, :])
+    kind_s, grid_s = kind[sel].reshape(u, len(qi), len(ki)), grid[sel].reshape(u, len(qi), len(ki))
+    lay = _assemble(kind_s.contiguous(), grid_s.contiguous(), layout.bits.cpu(), layout.pattern_of.cpu(),
+                    q_len=len(qi) * layout.q_block, kv_len=len(ki) * layout.kv_block, q_block=layout.q_block,
+                    kv_block=layout.kv_block, batch=layout.batch, num_heads=layout.num_heads, name=layout.name)
+    return lay
 
 
 def _partial_bits(mask_mod: Callable | None, kind: Tensor, b: int, h: int, qb: int, kb: int, q_len: int,

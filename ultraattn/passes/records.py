@@ -225,6 +225,9 @@ class PlanEvent:
     """The fast plan was made on the worker thread before the step asked (``ultraattn.plan_ahead``)."""
     call: int = 0
     """The site's call number (its step) that needed the plan."""
+    stages: dict | None = None
+    """A run-time program's plan facts: bytes all ranks send per stage ('fwd', 'bwd': lists), 'imbalance',
+    'ownership' (None for other plans)."""
     result: Any = field(default=None, compare=False)
     """The planner's full result (for the full live report); not saved."""
 

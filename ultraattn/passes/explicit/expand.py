@@ -40,6 +40,7 @@ from ultraattn.passes.explicit.program import (
     kernel_backward_program,
     kernel_forward_program,
 )
+from ultraattn.passes.explicit.runtime import RuntimeProgram, runtime_backward, runtime_forward, runtime_program
 from ultraattn.passes.fx_util import splice, ultraattn_op
 from ultraattn.passes.ops.program import COMM_OPS, TILE_ROW_OPS
 from ultraattn.passes.ops.site import LOCAL_OPS, SITE_BWD_OPS, SITE_OPS
@@ -54,10 +55,10 @@ def explicit_reason(state: SiteState) -> str | None:
     spec = state.spec
     if not spec.options.explicit:
         return "options['explicit'] is False"
-    if not spec.static_mask:
-        return "the mask's content is a run-time input: planned per content at run time"
     if not all(isinstance(d, int) for d in (*spec.q_shape, *spec.kv_shape)):
         return "dynamic shapes"
+    if not spec.static_mask and spec.options.world_size == 1:
+        return "world size 1 with a run-time mask: the block-sparse kernel op runs with each mask's layout"
     return None
 
 
@@ -72,6 +73,9 @@ def prepare(state: SiteState, device: torch.device) -> None:
         return
     state.device = device
     spec = state.spec
+    if not spec.static_mask:  # the plan is run-time data: only the skeleton's geometry is fixed now
+        state.program = runtime_program(state, device)
+        return
     runner = runner_for(state, spec.q_shape, spec.kv_shape, spec.dtype, device, [])
     if isinstance(runner, AttentionPlan):
         check_consistent(runner)
@@ -100,6 +104,8 @@ def _program_of(state: SiteState, backward: bool, local: bool):
     if prog is None:
         what = "backward of site" if backward else "site"
         raise RuntimeError(f"ultraattn: {what} {state.spec.name} reached the compiler without its compile-time plan")
+    if isinstance(prog, RuntimeProgram):
+        return runtime_backward(prog, local) if backward else runtime_forward(prog, local)
     if state.spec.options.world_size == 1:
         return kernel_backward_program(prog) if backward else kernel_forward_program(prog)
     return backward_program(prog, local) if backward else forward_program(prog, local)
@@ -116,6 +122,8 @@ def expand_sites(gm: fx.GraphModule, table: SideTable) -> list[str]:
             continue
         backward = node.target in SITE_BWD_OPS
         args = list(node.args[:8] if backward else node.args[:3])
+        if not backward and not state.spec.static_mask:
+            args += list(node.args[3])  # the mask's tensors: the run-time plan's input
         sub = _trace(_program_of(state, backward, node.target in LOCAL_OPS), [a.meta["val"] for a in args])
         outs = splice(gm, node, sub, args, attr_name=lambda: f"_ultraattn_const_{table.next_id()}")
         _replace_outputs(node, list(outs))

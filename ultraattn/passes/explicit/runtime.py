@@ -1,0 +1,320 @@
+"""Explicit programs of sites whose mask arrives at run time: a fixed skeleton, the plan as data.
+
+A packed-sequence model brings a new document mask every batch. The graph Inductor compiles for such a
+site is fixed by shapes, mesh and options alone; the mask becomes a plan (``planner.exchange``) inside
+the graph, in its first node, and every later node reads that plan by its id::
+
+    token, plan = cp_rt_plan(token, [mask tensors], site)       # milliseconds; cached per mask content
+    q_l = index_select(pad(q), 2, cp_rt_index(plan, site))      # dispatch (global view only)
+    h = cp_rt_kv_start(token, plan, k_l, v_l, site)             # stage: the K/V chunks each rank needs
+    o0, l0 = cp_rt_tile_fwd(q_l, k_l, v_l, plan, site, 0)       # own keys, while messages fly
+    token, k_in, v_in = cp_rt_kv_wait(h, plan, site)
+    o1, l1 = cp_rt_tile_fwd(q_l, k_in, v_in, plan, site, 1)     # received keys
+    out, lse = LSE merge (aten), cp_rt_gather(...)               # global view: gather
+
+and the backward: remote tile, ``cp_rt_dkv_start`` (partials home), own tile while they fly,
+``cp_rt_dkv_wait``, sums. A new mask: no recompile, no new guard, the same graph.
+
+[Note] Owners: fixed per graph or chosen per batch? A sequence-sharded graph's tokens are laid out once for
+the whole graph (every activation is sharded in that layout), so its sites keep that layout. For the global
+view (the site dispatches and gathers itself) the owners can follow each mask at no extra cost: the
+dispatch is an index_select whose index is plan data. ``OWNERS_PER_BATCH`` picks per-batch owners there;
+``benchmarks/runtime_explicit.py`` measured both on document masks (see its results).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ultraattn.cache import LRU
+from ultraattn.kernels import make_layout
+from ultraattn.passes.ops.program import new_token
+from ultraattn.passes.records import PlanEvent
+from ultraattn.passes.site import MAX_PENDING, SiteState, check_same_inputs, mask_from_content
+from ultraattn.planner.exchange import plan_exchange
+from ultraattn.planner.plan import Mesh, TokenLayout, padded_chunk
+from ultraattn.runtime.comm import Comm, GroupRef, resolve_group
+from ultraattn.runtime.exchange import (
+    ExchangeRun,
+    chunk_weights,
+    make_run,
+    post_dkv,
+    post_kv,
+    wait_dkv,
+    wait_kv,
+)
+from ultraattn.runtime.plan_cache import content_digest
+from ultraattn.runtime.sequence import SequenceShards
+
+ops = torch.ops.ultraattn
+
+CHUNKS_PER_RANK = 4
+"""Chunks each rank owns in a global-view site (per-batch owners balance over them)."""
+OWNERS_PER_BATCH = True
+"""Global-view sites choose owners per mask (see the [Note] in the module docstring)."""
+
+
+@dataclass(eq=False)
+class RuntimeProgram:
+    """A run-time-mask site's static geometry and its plans (``SiteState.program``)."""
+
+    state: SiteState
+    device: torch.device
+    mesh: Mesh
+    rank: int
+    comm: Comm
+    global_ranks: tuple[int, ...]
+    group_ref: GroupRef
+    chunk: int
+    num_chunks: int
+    owner: tuple[int, ...] | None
+    """Fixed owners (a sequence-sharded graph's layout), or None: chosen per mask."""
+    runs: LRU = field(default_factory=lambda: LRU(32))
+    """mask digest -> ExchangeRun (a mask seen again is not planned again)."""
+    live: LRU = field(default_factory=lambda: LRU(2 * MAX_PENDING + 4))
+    """plan id -> ExchangeRun, for the ops of calls in flight."""
+    handles: dict = field(default_factory=dict)
+    last: ExchangeRun | None = None
+    """The run of the latest call (tests and reports read its plan and message log)."""
+
+    # ------------------------------------------------------------------ static geometry (fake kernels)
+    @property
+    def key(self) -> str:
+        return self.state.spec.key
+
+    @property
+    def world(self) -> int:
+        return self.mesh.world
+
+    @property
+    def seq_len(self) -> int:
+        return self.state.spec.q_shape[2]
+
+    @property
+    def local_len(self) -> int:
+        return self.num_chunks // self.world * self.chunk
+
+    @property
+    def padded_len(self) -> int:
+        return self.num_chunks * self.chunk
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.state.spec.dtype
+
+    @property
+    def local_kv_shape(self) -> tuple[int, ...]:
+        B, Hk, _, D = self.state.spec.kv_shape
+        return (B, Hk, self.local_len, D)
+
+    @property
+    def buffer_shape(self) -> tuple[int, ...]:
+        """The receive buffer: every other rank's chunks (the honest bound: all-gather CP's footprint)."""
+        B, Hk, _, D = self.state.spec.kv_shape
+        return (B, Hk, (self.world - 1) * self.local_len, D)
+
+    # ------------------------------------------------------------------ plans
+    def plan(self, mask_tensors: list[Tensor]) -> int:
+        """Plan (or reuse the plan of) this call's mask; returns the plan id the graph's nodes carry."""
+        import time
+
+        state, spec = self.state, self.state.spec
+        state.calls += 1
+        if spec.options.debug:
+            check_same_inputs(state, list(mask_tensors))
+        key = content_digest(mask_tensors, (spec.mask, self.chunk, self.num_chunks, self.owner))
+        run = self.runs.get(key)
+        if run is None:
+            t0 = time.perf_counter()
+            run = self._make(mask_tensors)
+            seconds = time.perf_counter() - t0
+            object.__setattr__(run.plan, "seconds", seconds)
+            self.runs.put(key, run)
+            state.plans.plans += 1
+            state.plans.seconds += seconds
+            state.observer.plan_made(self._event(run, seconds))
+        else:
+            state.plans.hits += 1
+        self.last = run
+        return self.keep(run)
+
+    def keep(self, run: ExchangeRun) -> int:
+        pid = self.state.next_id()
+        self.live.put(pid, run)
+        return pid
+
+    def run_of(self, plan: Tensor | int) -> ExchangeRun:
+        run = self.live.get(int(plan))
+        if run is None:
+            raise RuntimeError(f"ultraattn site {self.state.spec.name}: plan {int(plan)} is no longer held (more than "
+                               f"{self.live.capacity} calls in flight)")
+        return run
+
+    def _make(self, mask_tensors: list[Tensor]) -> ExchangeRun:
+        spec = self.state.spec
+        B, H, S, D = spec.q_shape
+        Hk = spec.kv_shape[1]
+        mask, mask_mod = mask_from_content(spec, mask_tensors, B, H)
+        layout = make_layout(mask, q_len=S, kv_len=spec.kv_shape[2], batch=B, num_heads=H, mask_mod=mask_mod,
+                             block_size=spec.options.block_size)
+        if self.chunk % layout.q_block or self.chunk % layout.kv_block:
+            raise RuntimeError(f"ultraattn site {spec.name}: chunks of {self.chunk} tokens are not whole mask blocks "
+                               f"({layout.q_block} x {layout.kv_block})")
+        cost = spec.options.cost_model()
+        weights = chunk_weights(layout, self.chunk, self.num_chunks, cost.partial_block_overhead)
+        elt = torch.empty((), dtype=spec.dtype).element_size()
+        plan = plan_exchange(weights, mesh=self.mesh, chunk=self.chunk, owner=self.owner,
+                             kv_chunk_bytes=2 * B * Hk * self.chunk * D * elt,
+                             dkv_chunk_bytes=2 * B * Hk * self.chunk * D * 4)
+        seq = SequenceShards(TokenLayout(chunk_size=self.chunk, owner=plan.owner), rank=self.rank,
+                             global_ranks=self.global_ranks, group_ref=self.group_ref, timeout=spec.options.timeout)
+        return make_run(layout, plan, rank=self.rank, device=self.device, comm=self.comm, seq=seq)
+
+    def _event(self, run: ExchangeRun, seconds: float) -> PlanEvent:
+        spec, plan = self.state.spec, run.plan
+        return PlanEvent(site=spec.name, graph=spec.graph, rank=self.rank, world=self.world, seconds=seconds,
+                         hash=plan.content_hash()[:16], structure=plan.summary(), method="exchange",
+                         planner="exchange", call=self.state.calls,
+                         stages={"fwd": [plan.stage_bytes("fwd")], "bwd": [plan.stage_bytes("bwd")],
+                                 "imbalance": plan.imbalance(), "ownership": plan.ownership})
+
+    # ------------------------------------------------------------------ what the ops do
+    def post_kv(self, plan: Tensor, k: Tensor, v: Tensor) -> int:
+        run = self.run_of(plan)
+        hid = self.state.next_id()
+        self.handles[hid] = post_kv(run, k, v)
+        return hid
+
+    def _heads(self) -> tuple[int, int, int]:
+        B, Hk, _, D = self.state.spec.kv_shape
+        return B, Hk, D
+
+    def wait_kv(self, handle: Tensor, plan: Tensor) -> tuple[Tensor, Tensor]:
+        return wait_kv(self.run_of(plan), self.handles.pop(int(handle)), self._heads(), self.dtype, self.device)
+
+    def post_dkv(self, plan: Tensor, dk: Tensor, dv: Tensor) -> int:
+        hid = self.state.next_id()
+        self.handles[hid] = post_dkv(self.run_of(plan), dk, dv)
+        return hid
+
+    def wait_dkv(self, handle: Tensor, plan: Tensor) -> tuple[Tensor, Tensor]:
+        return wait_dkv(self.run_of(plan), self.handles.pop(int(handle)), self._heads(), self.device)
+
+    def tile_fwd(self, q, k, v, plan, part: int) -> tuple[Tensor, Tensor]:
+        run = self.run_of(plan)
+        lay = run.local if part == 0 else run.remote
+        if k.shape[2] == 0:
+            return q.new_zeros(q.shape, dtype=torch.float32), q.new_full(q.shape[:-1], float("-inf"),
+                                                                        dtype=torch.float32)
+        o, lse = ops.bsa_fwd(q, k, v, *lay.bwd_tensors(), lay.q_block, lay.kv_block, self.state.spec.scale, True)
+        return o.contiguous(), lse.contiguous()
+
+    def tile_bwd(self, q, k, v, do, lse, delta, dlse, plan, part: int):
+        run = self.run_of(plan)
+        lay = run.local if part == 0 else run.remote
+        if k.shape[2] == 0:
+            return (q.new_zeros(q.shape, dtype=torch.float32), k.new_zeros(k.shape, dtype=torch.float32),
+                    v.new_zeros(v.shape, dtype=torch.float32))
+        grads = ops.bsa_bwd(q, k, v, do, lse, delta, dlse, *lay.bwd_tensors(), lay.q_block, lay.kv_block,
+                            self.state.spec.scale, True)
+        return tuple(g.contiguous() for g in grads)
+
+    def gather(self, x: Tensor, plan: Tensor) -> Tensor:
+        return self.run_of(plan).seq.gather(x, 2, self.seq_len)
+
+
+def runtime_program(state: SiteState, device: torch.device) -> RuntimeProgram:
+    """The site's program: its chunking (the graph's layout, or ``CHUNKS_PER_RANK`` per rank) and its ranks."""
+    spec, opts = state.spec, state.spec.options
+    mesh, ranks, group, me = resolve_group(opts.mesh, None)
+    if state.layout is not None:
+        chunk, num, owner = state.layout.chunk_size, state.layout.num_chunks, state.layout.owner
+    else:
+        block = max(spec.flex.q_block, spec.flex.kv_block) if spec.flex is not None else opts.block_size
+        # CHUNKS_PER_RANK chunks each, fewer where chunks would be smaller than a block (less padding)
+        per = max(1, min(CHUNKS_PER_RANK, -(-spec.q_shape[2] // (mesh.world * block))))
+        num = per * mesh.world
+        chunk = padded_chunk(spec.q_shape[2], num, block)
+        owner = None if OWNERS_PER_BATCH else head_tail(mesh.world, per)
+    ref = GroupRef(group)
+    comm = Comm(rank=me, global_ranks=ranks, group_ref=ref, timeout=opts.timeout)
+    return RuntimeProgram(state=state, device=device, mesh=mesh, rank=me, comm=comm, global_ranks=tuple(ranks),
+                          group_ref=ref, chunk=chunk, num_chunks=num, owner=owner)
+
+
+def head_tail(world: int, per: int) -> tuple[int, ...]:
+    """Fixed owners balanced for causal-like masks: ranks 0..W-1 then W-1..0, repeated (``per`` chunks each)."""
+    order = (*range(world), *reversed(range(world)))
+    return tuple(order[i % len(order)] for i in range(per * world))
+
+
+# ----------------------------------------------------------------------------- the traced programs
+def _dispatch(x: Tensor, index: Tensor, padded: int) -> Tensor:
+    pad = padded - x.shape[2]
+    if pad:
+        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 3) + [0, pad])
+    return x.index_select(2, index)
+
+
+def _merge(o0: Tensor, l0: Tensor, o1: Tensor, l1: Tensor) -> tuple[Tensor, Tensor]:
+    """LSE merge of two partial attentions (rows without keys in both: o = 0, lse = -inf)."""
+    lse = torch.logaddexp(l0, l1)
+    base = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return o0 * torch.exp(l0 - base).unsqueeze(-1) + o1 * torch.exp(l1 - base).unsqueeze(-1), lse
+
+
+def runtime_forward(prog: RuntimeProgram, local: bool):
+    """fn(q, k, v, *mask tensors) -> (out, lse fp32, ticket) (``local``: q, k, v, out, lse on this rank's tokens)."""
+
+    def fn(q, k, v, *mask):
+        key = prog.key
+        token, plan = ops.cp_rt_plan(new_token(), list(mask), key)
+        if local:
+            ql, kl, vl = q, k, v
+        else:
+            index = ops.cp_rt_index(plan, key)
+            ql, kl, vl = (_dispatch(x, index, prog.padded_len) for x in (q, k, v))
+        handle = ops.cp_rt_kv_start(token, plan, kl, vl, key)
+        o0, l0 = ops.cp_rt_tile_fwd(ql, kl, vl, plan, key, 0)
+        token, k_in, v_in = ops.cp_rt_kv_wait(handle, plan, key)
+        o1, l1 = ops.cp_rt_tile_fwd(ql, k_in, v_in, plan, key, 1)
+        out, lse = _merge(o0, l0, o1, l1)
+        out = out.to(q.dtype)
+        if not local:
+            token, out = ops.cp_rt_gather(token, out, plan, key)
+            token, lse = ops.cp_rt_gather(token, lse, plan, key)
+        ticket = ops.cp_rt_stash(token, plan, [k_in, v_in], key)
+        return out, lse, ticket
+
+    return fn
+
+
+def runtime_backward(prog: RuntimeProgram, local: bool):
+    """fn(q, k, v, out, lse, dout, dlse, ticket) -> (dq, dk, dv)."""
+
+    def fn(q, k, v, out, lse, dout, dlse, ticket):
+        key = prog.key
+        plan, k_in, v_in = ops.cp_rt_unstash(ticket, key)
+        xs = (q, k, v, out, lse, dout.to(out.dtype), dlse.float())
+        if not local:
+            index = ops.cp_rt_index(plan, key)
+            xs = tuple(_dispatch(x, index, prog.padded_len) for x in xs)
+        ql, kl, vl, ol, ll, dol, dll = xs
+        delta = (dol.float() * ol.float()).sum(-1)
+        dq1, dk_in, dv_in = ops.cp_rt_tile_bwd(ql, k_in, v_in, dol, ll, delta, dll, plan, key, 1)
+        handle = ops.cp_rt_dkv_start(new_token(), plan, dk_in, dv_in, key)
+        dq0, dk0, dv0 = ops.cp_rt_tile_bwd(ql, kl, vl, dol, ll, delta, dll, plan, key, 0)
+        token, dk_home, dv_home = ops.cp_rt_dkv_wait(handle, plan, key)
+        grads = (dq0 + dq1, dk0 + dk_home, dv0 + dv_home)
+        if not local:
+            gathered = []
+            for g in grads:
+                token, g = ops.cp_rt_gather(token, g, plan, key)
+                gathered.append(g)
+            grads = tuple(gathered)
+        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+    return fn

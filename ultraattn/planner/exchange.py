@@ -1,0 +1,153 @@
+"""Exchange plans: the run-time plan of an explicit site whose mask is known only at run time.
+
+A compiled graph cannot change shape per batch, so a site whose mask is new every batch (packed
+documents) runs a fixed program skeleton (``passes/explicit/runtime.py``) whose data comes from this
+plan, made per mask in milliseconds:
+
+* every rank owns ``chunks_per_rank`` chunks of ``chunk`` tokens (static local shapes). The owners are
+  either fixed per graph (the layout of a sequence-sharded graph) or chosen per mask by the online
+  planner's balancer (``balance.ownership``: work-balanced, document-affine across nodes);
+* every non-empty cell is computed where its query rows live (owner computes): only K/V move, the cheap
+  side with GQA, and the partial dK/dV come back to their owners in the backward;
+* so the forward has ONE exchange stage (each rank sends each other rank the K/V chunks it needs, all in
+  one message per pair) and the backward one (the dK/dV partials of the same chunks, fp32).
+
+``need[dst][src]``: the chunks of ``src`` that ``dst`` needs, ascending. The runtime receives them into
+a buffer laid out by source rank (``slots``), whose capacity is every other rank's chunks: a bound that
+always holds (it is all-gather CP's footprint), while the bytes that move are only the needed chunks'.
+
+Pure numpy over a chunk-level work matrix; deterministic (stable sorts, ties to the lower index), so
+every rank computes the identical plan from the identical mask.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .balance import ownership
+from .plan import Mesh
+
+OWNERSHIP = ("per-batch", "fixed")
+"""How an exchange plan's owners are chosen: by the mask (per batch), or given (fixed per graph)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ExchangePlan:
+    """Owners, the chunks each rank needs from each other rank, bytes and balance (module docstring)."""
+
+    world: int
+    chunk: int
+    """Tokens per chunk."""
+    chunks_per_rank: int
+    owner: tuple[int, ...]
+    """owner[c]: the rank holding (and computing the query rows of) chunk c."""
+    need: tuple[tuple[tuple[int, ...], ...], ...]
+    """need[dst][src]: chunks of ``src`` whose K/V ``dst`` needs (ascending; empty for src == dst)."""
+    work: tuple[float, ...]
+    """Cost-weighted blocks each rank computes."""
+    kv_chunk_bytes: int
+    """Bytes of one chunk's K and V in the model dtype (forward messages)."""
+    dkv_chunk_bytes: int
+    """Bytes of one chunk's dK and dV partials in fp32 (backward messages)."""
+    ownership: str
+    """'per-batch' or 'fixed'."""
+    seconds: float = 0.0
+    """Time it took to plan (set by the caller; reports show it)."""
+    _hash: list = field(default_factory=list, repr=False)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.owner)
+
+    @property
+    def padded_len(self) -> int:
+        return self.num_chunks * self.chunk
+
+    @property
+    def local_len(self) -> int:
+        return self.chunks_per_rank * self.chunk
+
+    def local_chunks(self, rank: int) -> list[int]:
+        """Chunks of ``rank`` in local order (ascending)."""
+        return [c for c, r in enumerate(self.owner) if r == rank]
+
+    def slots(self, rank: int) -> list[int]:
+        """The chunk in each slot of ``rank``'s receive buffer: every other rank's chunks, by source rank then
+        local order ((world - 1) * chunks_per_rank slots)."""
+        return [c for s in range(self.world) if s != rank for c in self.local_chunks(s)]
+
+    def imbalance(self) -> float:
+        """Busiest rank's work over the mean (1.0: perfect)."""
+        mean = sum(self.work) / self.world
+        return max(self.work) / mean if mean > 0 else 1.0
+
+    def bytes(self, phase: str, rank: int) -> dict[str, int]:
+        """{'sent', 'recv'}: bytes ``rank`` moves in the ``phase`` ('fwd' | 'bwd') exchange. In the forward a rank
+        sends what others need from it; in the backward the partial gradients of the same chunks come back."""
+        per = self.kv_chunk_bytes if phase == "fwd" else self.dkv_chunk_bytes
+        gets = sum(len(self.need[rank][s]) for s in range(self.world))
+        gives = sum(len(self.need[d][rank]) for d in range(self.world))
+        if phase == "fwd":
+            return {"sent": gives * per, "recv": gets * per}
+        return {"sent": gets * per, "recv": gives * per}
+
+    def stage_bytes(self, phase: str) -> int:
+        """Bytes all ranks send in the ``phase`` exchange (its one stage)."""
+        return sum(self.bytes(phase, r)["sent"] for r in range(self.world))
+
+    def content_hash(self) -> str:
+        if not self._hash:
+            h = hashlib.sha256(repr((self.world, self.chunk, self.owner, self.need)).encode())
+            self._hash.append(h.hexdigest())
+        return self._hash[0]
+
+    def summary(self) -> str:
+        return (f"exchange ({self.ownership} owners, {self.num_chunks} chunks of {self.chunk}): "
+                f"fwd {self.stage_bytes('fwd') / 2**20:.2f} MiB, bwd {self.stage_bytes('bwd') / 2**20:.2f} MiB, "
+                f"imbalance {self.imbalance():.2f}")
+
+
+def plan_exchange(weight_PP: np.ndarray, *, mesh: Mesh, chunk: int, owner: tuple[int, ...] | None = None,
+                  kv_chunk_bytes: int, dkv_chunk_bytes: int, balance_tol: float = 0.05) -> ExchangePlan:
+    """The exchange plan of one mask.
+
+    Args:
+        weight_PP: float [P, P], cost-weighted blocks of every (q chunk, kv chunk) cell summed over batch entries
+            and heads (0: the cell is empty).
+        mesh: the ranks.
+        chunk: tokens per chunk.
+        owner: the owner of every chunk (fixed per graph), or None to balance the owners for this mask.
+        kv_chunk_bytes, dkv_chunk_bytes: message bytes per chunk (``ExchangePlan``).
+        balance_tol: the balancer's tolerance (``balance.ownership``).
+    """
+    weight_PP = np.asarray(weight_PP, dtype=np.float64)
+    p = weight_PP.shape[0]
+    w = mesh.world
+    if weight_PP.ndim != 2 or weight_PP.shape[1] != p:
+        raise ValueError(f"`weight_PP` must be a square [P, P] matrix, got shape {weight_PP.shape}")
+    if p % w:
+        raise ValueError(f"{p} chunks cannot be split evenly over {w} ranks; pad the sequence to a multiple of "
+                         f"{w} chunks")
+    if owner is None:
+        own = ownership(weight_PP, mesh, p // w, balance_tol)
+        how = "per-batch"
+    else:
+        own = np.asarray(owner, dtype=np.int64)
+        if own.shape != (p,) or np.bincount(own, minlength=w).tolist() != [p // w] * w:
+            raise ValueError(f"`owner` must give each of the {w} ranks {p // w} of the {p} chunks, got {owner}")
+        how = "fixed"
+    ii, jj = np.nonzero(weight_PP > 0)
+    work = np.bincount(own[ii], weight_PP[ii, jj], minlength=w)
+    dst, src = own[ii], own[jj]
+    cross = dst != src
+    # (dst, chunk) pairs, unique and sorted: dst major, then chunk ascending
+    pairs = np.unique(dst[cross] * p + jj[cross])
+    need = [[[] for _ in range(w)] for _ in range(w)]
+    for d, c in zip((pairs // p).tolist(), (pairs % p).tolist()):
+        need[d][int(own[c])].append(c)
+    return ExchangePlan(world=w, chunk=chunk, chunks_per_rank=p // w, owner=tuple(own.tolist()),
+                        need=tuple(tuple(tuple(x) for x in row) for row in need), work=tuple(work.tolist()),
+                        kv_chunk_bytes=kv_chunk_bytes, dkv_chunk_bytes=dkv_chunk_bytes, ownership=how)
