@@ -85,9 +85,24 @@ def sliding_mask_mod(window: int):
     return sliding
 
 
-def make_masks(kind: str, S: int, lengths=None, window: int = 48, block: int = 64):
+def random_mask_mod(S: int, seed: int, cell: int = 32, density: float = 0.3):
+    """Random cells of ``cell`` tokens (so 64-token blocks are FULL, PARTIAL or EMPTY), a sparse element pattern
+    inside, and the diagonal (every row attends somewhere)."""
+    g = torch.Generator().manual_seed(seed)
+    cells = torch.rand(S // cell + 1, S // cell + 1, generator=g) < density
+    dense = torch.rand(S // cell + 1, S // cell + 1, generator=g) < 0.5
+
+    def random_cells(b, h, q_idx, kv_idx):
+        c = cells[q_idx // cell, kv_idx // cell]
+        return (c & (dense[q_idx // cell, kv_idx // cell] | ((q_idx + 2 * kv_idx) % 3 != 0))) | (q_idx == kv_idx)
+
+    return random_cells
+
+
+def make_masks(kind: str, S: int, lengths=None, window: int = 48, block: int = 64, seed: int = 0):
     """(BlockMask for flex models, dense bool [S, S] for the SDPA oracle) of a library-style mask."""
-    mm = doc_mask_mod(doc_ids(lengths)) if kind == "document" else sliding_mask_mod(window)
+    mm = {"document": lambda: doc_mask_mod(doc_ids(lengths)), "sliding": lambda: sliding_mask_mod(window),
+          "random": lambda: random_mask_mod(S, seed)}[kind]()
     bm = create_block_mask(mm, None, None, S, S, device="cpu", BLOCK_SIZE=block)
     qi = torch.arange(S)
     dense = mm(torch.tensor(0), torch.tensor(0), qi[:, None], qi[None, :])
@@ -116,7 +131,8 @@ def inputs(spec: dict):
     tokens = torch.randint(0, 64, (spec.get("batch", 1), S), generator=g)
     if spec["attn"] == "causal":
         return tokens, None, None
-    bm, dense = make_masks(spec["mask"], S, spec.get("lengths"), spec.get("window", 48), spec.get("block", 64))
+    bm, dense = make_masks(spec["mask"], S, spec.get("lengths"), spec.get("window", 48), spec.get("block", 64),
+                           spec.get("mask_seed", 0))
     return tokens, bm, dense
 
 
@@ -209,3 +225,59 @@ def explicit_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
             "planned": {ph: ap.predicted_bytes(ph) for ph in ("fwd", "bwd")},
         }
     return res
+
+
+def runtime_mask_worker(rank: int, world: int, specs: list[dict], options: dict, mode: str = "plain") -> dict:
+    """One compiled model, one step per spec (the same model and tokens, a new mask each): per step the loss,
+    gradients, each run-time site's bytes moved and planned and its plan; the graphs Inductor received and the
+    compile counts. ``mode``: "plain" (the model), "break" (a graph break between its blocks), "sharded"
+    (options outputs="sharded": logits stay local, ``ultraattn.undispatch`` gathers them)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import ultraattn
+    from ultraattn.passes import side_table
+
+    spec0 = specs[0]
+    model = build(spec0)
+    dense_sites = spec0["attn"] == "dense_mask"
+
+    def forward(tokens, mask):
+        x = model.emb(tokens)
+        x = model.blocks[0](x, mask)
+        if mode == "break":
+            torch._dynamo.graph_break()
+        x = model.blocks[1](x, mask)
+        return model.head(x)
+
+    opts = dict(options, outputs="sharded") if mode == "sharded" else dict(options)
+    fn = torch.compile(model if mode == "plain" else forward, backend="ultraattn", options=opts)
+    steps, frames = [], []
+    for spec in specs:
+        tokens, bm, dense = inputs(spec)
+        mask = dense if dense_sites else bm
+        model.zero_grad(set_to_none=True)
+        if mode == "plain":
+            loss = fn(tokens, mask)
+        else:
+            logits = fn(tokens, mask)
+            if mode == "sharded":
+                logits = ultraattn.undispatch(logits)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        sites = {}
+        for st in side_table().sites.values():
+            e = st.program
+            if e is not None and hasattr(e, "run_of"):
+                run = e.last
+                sites[st.spec.name] = {
+                    "moved": {ph: run.log[ph].totals().get(ph, {"sent": 0, "recv": 0}) for ph in ("fwd", "bwd")},
+                    "planned": {ph: run.plan.bytes(ph, run.rank) for ph in ("fwd", "bwd")},
+                    "plan": run.plan.content_hash(), "ownership": run.plan.ownership, "calls": st.calls}
+        steps.append({"loss": loss.detach().double(), "sites": sites,
+                      "grads": {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}})
+        frames.append((counters["ultraattn"]["graphs"], counters["stats"]["unique_graphs"]))
+    table = side_table()
+    return {"steps": steps, "frames": frames,
+            "aot": [{"kind": g.kind, "expanded": list(g.expanded), "code": g.code} for g in table.aot_graphs],
+            "events": [ev.to_json() for ev in table.plan_events]}

@@ -92,8 +92,11 @@ class SequenceShards:
                 f"DistributedSampler across the CP group)")
 
     # ------------------------------------------------------------------ data movement
-    def shard(self, x: Tensor, dim: int, length: int, inner: int = 1) -> Tensor:
-        """This rank's tokens of the global ``x`` (its dim ``dim`` carries ``length`` positions)."""
+    def shard(self, x: Tensor, dim: int, length: int, inner: int = 1, zero_pad: bool = False) -> Tensor:
+        """This rank's tokens of the global ``x`` (its dim ``dim`` carries ``length`` positions).
+
+        ``zero_pad``: the padding is zeros (a gradient: padding positions contribute nothing), not copies of the
+        last position (values, see the [Note])."""
         lay = self.layout
         if length > lay.padded_len:
             raise ValueError(f"{length} positions do not fit the layout's {lay.padded_len}")
@@ -104,6 +107,8 @@ class SequenceShards:
             # what it sees in real data, so nothing non-finite appears there (x / positions would divide
             # by zero), which attention's 0-weighted products would carry into real tokens
             edge = v.narrow(d, length - 1, 1)
+            if zero_pad:
+                edge = torch.zeros_like(edge)
             v = torch.cat([v, edge.expand(*v.shape[:d], lay.padded_len - length, *v.shape[d + 1:])], dim=d)
         c = lay.chunk_size
         local = torch.cat([v.narrow(d, i * c, c) for i in lay.local_chunks(self.rank)], dim=d)

@@ -13,7 +13,8 @@ Gradient invariant (what makes every rank's gradients the single-device ones):
 So each op's backward is its dual:
 
     sp_dispatch   global -> local (slices)        backward: sp_gather (all-gather the local grads)
-    sp_gather     local -> global (all-gather)    backward: sp_dispatch (this rank's slice)
+    sp_gather     local -> global (all-gather)    backward: sp_dispatch_grad (this rank's slice, zeros at
+                                                            the padding)
     sp_all_reduce partial sums -> total           backward: identity (each partial's grad is the total's)
     sp_enter      a replicated weight enters      backward: sp_all_reduce (each rank's tokens contribute
                   sharded ops (identity)                    a part of the weight's gradient)
@@ -60,6 +61,21 @@ def _(x, key, dim, length, inner, check):
     return x.new_empty(shape)
 
 
+@custom_op("ultraattn::sp_dispatch_grad", mutates_args=())
+def sp_dispatch_grad(g: Tensor, key: str, dim: int, length: int, inner: int) -> Tensor:
+    """``sp_gather``'s backward: this rank's part of the global gradient ``g``, zeros at the padding (a position
+    past ``length`` is no output: its gradient is 0, not a copy of the last position's as ``sp_dispatch`` pads
+    values)."""
+    return _shards(key).shard(g, dim, length, inner, zero_pad=True).contiguous()
+
+
+@sp_dispatch_grad.register_fake
+def _(g, key, dim, length, inner):
+    shape = list(g.shape)
+    shape[dim] = _local_size(shape[dim], key, length, inner)
+    return g.new_empty(shape)
+
+
 @custom_op("ultraattn::sp_gather", mutates_args=())
 def sp_gather(x: Tensor, key: str, dim: int, length: int, inner: int, after: Tensor | None = None) -> Tensor:
     """The global tensor from every rank's local ``x`` (an all-gather), positions past ``length`` dropped.
@@ -83,7 +99,7 @@ def _dispatch_bwd(ctx, g):
 
 
 def _gather_bwd(ctx, g):
-    return torch.ops.ultraattn.sp_dispatch(g, ctx.key, ctx.dim, ctx.length, ctx.inner, ""), None, None, None, None
+    return torch.ops.ultraattn.sp_dispatch_grad(g, ctx.key, ctx.dim, ctx.length, ctx.inner), None, None, None, None
 
 
 def _keep_args(ctx, inputs, output):
@@ -92,6 +108,7 @@ def _keep_args(ctx, inputs, output):
 
 sp_dispatch.register_autograd(_dispatch_bwd, setup_context=_keep_args)
 sp_gather.register_autograd(_gather_bwd, setup_context=_keep_args)
+sp_dispatch_grad.register_autograd(_dispatch_bwd, setup_context=_keep_args)
 
 
 @custom_op("ultraattn::sp_all_reduce", mutates_args=())

@@ -1,0 +1,111 @@
+"""Explicit per-rank programs for masks that arrive at run time (BlockMask and boolean-mask SDPA sites).
+
+Every run compiles a two-layer model once and steps it over several batches, each with a new mask: every
+step must match the fp64 oracle by the 2x rule (forward: loss; backward: every gradient), the graphs
+Inductor received must hold the run-time program's stage and tile nodes and no opaque site op, each stage
+must move exactly the bytes its plan says, and Dynamo must not compile again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backend_models import build, make_masks, oracle, runtime_mask_worker
+from numerics import check_step
+
+from ultraattn.testing import run_ranks
+
+FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 60.0}
+DOCS = ([50, 70, 40], [160], [10, 90, 30, 30], [80, 80], [33, 33, 33, 61])
+
+
+def _count(code: str, op: str) -> int:
+    return code.count(f"torch.ops.ultraattn.{op}.default(")
+
+
+def _check_run(res: list[dict], specs: list[dict], *, graphs: int = 1, local: bool = False,
+               distinct: int | None = None, calls: int = 1) -> None:
+    """``distinct``: how many different masks ``specs`` hold (default: all); ``calls``: forward runs per step of
+    each site (2 with activation checkpointing: the backward recomputes it)."""
+    refs = [oracle(s) for s in specs]
+    for r, got in enumerate(res):
+        for i, (step, ref) in enumerate(zip(got["steps"], refs)):
+            bad = check_step(step, *ref)
+            assert not bad, f"rank {r}, batch {i}: {bad}"
+            assert step["sites"], f"rank {r}, batch {i}: no run-time program ran"
+            for name, s in step["sites"].items():
+                assert s["calls"] == calls * (i + 1), (r, i, name, s)  # no call beyond the model's
+                for ph in ("fwd", "bwd"):
+                    moved = {k: s["moved"][ph][k] for k in ("sent", "recv")}
+                    assert moved == s["planned"][ph], (r, i, name, ph, s)
+        # compiled once: the first step's graph count holds through every later batch
+        assert all(f == got["frames"][0] for f in got["frames"]), got["frames"]
+        assert got["frames"][0][0] == graphs, got["frames"]
+        kinds = [g["kind"] for g in got["aot"]]
+        assert kinds.count("forward") == kinds.count("backward") == graphs, kinds
+        for g in got["aot"]:
+            code = g["code"]
+            assert "site_attention" not in code, g["kind"]
+            assert g["expanded"], g["kind"]
+            n = len(set(g["expanded"]))
+            if g["kind"] == "backward":  # (with checkpointing it also recomputes each site's forward)
+                assert _count(code, "cp_rt_plan") == _count(code, "cp_rt_kv_wait") == (calls - 1) * n
+            if g["kind"] == "forward":
+                assert _count(code, "cp_rt_plan") == n and _count(code, "cp_rt_kv_start") == n
+                assert _count(code, "cp_rt_kv_wait") == n and _count(code, "cp_rt_tile_fwd") == 2 * n
+                assert _count(code, "cp_rt_gather") == (0 if local else 2 * n)
+            else:
+                assert _count(code, "cp_rt_dkv_start") == _count(code, "cp_rt_dkv_wait") == n
+                assert _count(code, "cp_rt_tile_bwd") == 2 * n
+                assert _count(code, "cp_rt_gather") == (0 if local else (3 + 2 * (calls - 1)) * n)
+        # one plan per mask content and site (a mask seen before is not planned again)
+        per_site = {}
+        for ev in (e for e in got["events"] if e["planner"] == "exchange"):  # (not the layout's seed plan)
+            per_site[ev["graph"], ev["site"]] = per_site.get((ev["graph"], ev["site"]), 0) + 1
+        assert set(per_site.values()) == {distinct or len(specs)}, per_site
+    # the same plans on every rank
+    for i in range(len(specs)):
+        assert len({tuple(sorted((n, s["plan"]) for n, s in got["steps"][i]["sites"].items())) for got in res}) == 1
+
+
+@pytest.mark.parametrize("world,shard", [(2, True), (4, False)])
+def test_document_masks_over_five_batches_compile_once(world, shard):
+    """Sequence-sharded graphs (2 ranks, GQA, batch 2: fixed owners, the graph's layout) and the global view
+    (4 ranks: owners chosen per batch), five document masks each."""
+    base = {"attn": "flex", "mask": "document", "seqlen": 160}
+    if world == 2:
+        base.update(kv_heads=2, batch=2)
+    specs = [dict(base, lengths=list(d)) for d in DOCS]
+    res = run_ranks(runtime_mask_worker, world, args=(specs, dict(FAST, shard=shard)), timeout=900)
+    _check_run(res, specs, local=shard)
+    owners = {s["ownership"] for got in res for step in got["steps"] for s in step["sites"].values()}
+    assert owners == {"fixed" if shard else "per-batch"}
+    assert all(ev["stages"]["fwd"] for ev in res[0]["events"] if ev["planner"] == "exchange")
+
+
+def test_sliding_window_with_sharded_outputs_and_random_block_masks_across_a_graph_break():
+    """A sliding window (MQA: one KV head; the same mask every batch) with outputs="sharded" at 2 ranks;
+    random BlockMasks (FULL, PARTIAL
+    and EMPTY blocks, a new one per batch) across a graph break at 4 ranks."""
+    sliding = [{"attn": "flex", "mask": "sliding", "window": w, "seqlen": 192, "kv_heads": 1} for w in (40, 40, 40)]
+    res = run_ranks(runtime_mask_worker, 2, args=(sliding, FAST, "sharded"), timeout=900)
+    _check_run(res, sliding, local=True, distinct=1)  # built once: planned once
+    rand = [{"attn": "flex", "mask": "random", "mask_seed": s, "seqlen": 192} for s in (1, 2, 3)]
+    res = run_ranks(runtime_mask_worker, 4, args=(rand, FAST, "break"), timeout=900)
+    _check_run(res, rand, graphs=2, local=True)
+
+
+def test_boolean_mask_sdpa_sites_with_activation_checkpointing():
+    specs = [{"attn": "dense_mask", "mask": "document", "seqlen": 160, "lengths": list(d), "checkpoint": True}
+             for d in DOCS[:3]]
+    res = run_ranks(runtime_mask_worker, 2, args=(specs, dict(FAST, shard=False)), timeout=900)
+    _check_run(res, specs, calls=2)
+
+
+def test_a_mask_whose_shape_disagrees_with_the_inputs_is_named():
+    spec = {"attn": "flex", "mask": "document", "seqlen": 160, "lengths": [100, 60]}
+    model = build(spec)
+    bm, _ = make_masks("document", 128, [64, 64])
+    with pytest.raises(Exception, match="block_mask") as info:
+        torch.compile(model, backend="ultraattn")(torch.randint(0, 64, (1, 160)), bm)
+    assert "128" in str(info.value) and "160" in str(info.value), str(info.value)
