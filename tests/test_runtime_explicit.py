@@ -8,6 +8,10 @@ must move exactly the bytes its plan says, and Dynamo must not compile again.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from backend_models import build, make_masks, oracle, runtime_mask_worker
@@ -69,18 +73,34 @@ def _check_run(res: list[dict], specs: list[dict], *, graphs: int = 1, local: bo
 
 
 @pytest.mark.parametrize("world,shard", [(2, True), (4, False)])
-def test_document_masks_over_five_batches_compile_once(world, shard):
+def test_document_masks_over_five_batches_compile_once(world, shard, tmp_path):
     """Sequence-sharded graphs (2 ranks, GQA, batch 2: fixed owners, the graph's layout) and the global view
-    (4 ranks: owners chosen per batch), five document masks each."""
+    (4 ranks: owners chosen per batch), five document masks each. The saved report shows each graph's skeleton
+    once and the plan of every step (bytes per stage, imbalance, planning time)."""
     base = {"attn": "flex", "mask": "document", "seqlen": 160}
     if world == 2:
         base.update(kv_heads=2, batch=2)
     specs = [dict(base, lengths=list(d)) for d in DOCS]
-    res = run_ranks(runtime_mask_worker, world, args=(specs, dict(FAST, shard=shard)), timeout=900)
+    path = tmp_path / "report.json"
+    res = run_ranks(runtime_mask_worker, world, args=(specs, dict(FAST, shard=shard, report_file=str(path))),
+                    timeout=900)
     _check_run(res, specs, local=shard)
     owners = {s["ownership"] for got in res for step in got["steps"] for s in step["sites"].values()}
     assert owners == {"fixed" if shard else "per-batch"}
     assert all(ev["stages"]["fwd"] for ev in res[0]["events"] if ev["planner"] == "exchange")
+    out = subprocess.run([sys.executable, "-m", "ultraattn.cli", "report", str(path)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, COLUMNS="250"))
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for kind in ("forward", "backward"):
+        assert text.count(f"{kind} graph for Inductor: ") == 1, text
+    assert "forward graph for Inductor: 2 communication stages, 4 tile nodes" in text, text
+    assert "cp_rt_kv_start" in text and "cp_rt_dkv_wait" in text and "fwd bytes / stage" in text
+    rows = [ln for ln in text.splitlines() if " exchange " in ln and "flex#" in ln]
+    assert len(rows) == 2 * len(DOCS), rows  # two sites, a plan per batch
+    fwd_bytes = {sum(s["moved"]["fwd"]["sent"] for got in res for s in [got["steps"][i]["sites"]["flex#0"]])
+                 for i in range(len(DOCS))}
+    assert len(fwd_bytes) > 1 and all(any(f" {b} " in ln for ln in rows) for b in fwd_bytes), (fwd_bytes, rows)
 
 
 def test_sliding_window_with_sharded_outputs_and_random_block_masks_across_a_graph_break():

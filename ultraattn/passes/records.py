@@ -167,7 +167,7 @@ class ScheduleRow:
         return cls(**d)
 
 
-TILE_OPS = ("cp_tile_fwd", "cp_tile_bwd", "bsa_fwd", "bsa_bwd")
+TILE_OPS = ("cp_tile_fwd", "cp_tile_bwd", "bsa_fwd", "bsa_bwd", "cp_rt_tile_fwd", "cp_rt_tile_bwd")
 """Ops of a schedule that compute attention tiles."""
 
 
@@ -186,7 +186,7 @@ class AotGraphRecord:
 
     @property
     def stages(self) -> int:
-        return sum(r.op == "cp_start" for r in self.schedule)
+        return sum(r.op in ("cp_start", "cp_rt_kv_start", "cp_rt_dkv_start") for r in self.schedule)
 
     @property
     def tiles(self) -> int:

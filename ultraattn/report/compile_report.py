@@ -162,10 +162,18 @@ def planning_table(history: tuple[PlanEvent, ...] | list[PlanEvent], *, last: in
     rows = list(history)[-last:] if last else list(history)
     t = Table(title="planning per step" + (f" (last {len(rows)})" if last and len(history) > last else ""),
               title_justify="left")
-    for col in ("site", "call", "planner", "ahead", "on the step", "structure", "plan"):
-        t.add_column(col, justify="right" if col in ("call", "on the step") else "left")
+    staged = any(ev.stages for ev in rows)
+    cols = ("site", "call", "planner", "ahead", "on the step") + \
+        (("fwd bytes / stage", "bwd bytes / stage", "imbalance") if staged else ()) + ("structure", "plan")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("site", "planner", "ahead", "structure", "plan") else "right")
     for ev in rows:
-        t.add_row(ev.site, str(ev.call), ev.planner or "?", "yes" if ev.ahead else "", duration(ev.seconds),
+        facts = ()
+        if staged:
+            st = ev.stages or {}
+            facts = (" ".join(str(b) for b in st.get("fwd", ())), " ".join(str(b) for b in st.get("bwd", ())),
+                     f"{st['imbalance']:.2f}" if "imbalance" in st else "")
+        t.add_row(ev.site, str(ev.call), ev.planner or "?", "yes" if ev.ahead else "", duration(ev.seconds), *facts,
                   ev.structure, ev.hash)
     return t
 

@@ -43,6 +43,7 @@ from ultraattn.passes.explicit.program import (
 from ultraattn.passes.explicit.runtime import RuntimeProgram, runtime_backward, runtime_forward, runtime_program
 from ultraattn.passes.fx_util import splice, ultraattn_op
 from ultraattn.passes.ops.program import COMM_OPS, TILE_ROW_OPS
+from ultraattn.passes.ops.runtime import RT_COMM_OPS
 from ultraattn.passes.ops.site import LOCAL_OPS, SITE_BWD_OPS, SITE_OPS
 from ultraattn.passes.records import ScheduleRow
 from ultraattn.passes.site import SiteState, runner_for
@@ -135,6 +136,19 @@ def expand_sites(gm: fx.GraphModule, table: SideTable) -> list[str]:
     return done
 
 
+_RUNTIME_WORDS = {
+    "cp_rt_plan": "plan this call's mask (run-time data: bytes per step in the planning table)",
+    "cp_rt_index": "this rank's token positions under the plan",
+    "cp_rt_kv_start": "stage: post the K/V chunks each rank needs, one message per rank pair",
+    "cp_rt_kv_wait": "stage received: other ranks' K/V chunks by slot",
+    "cp_rt_dkv_start": "stage: post the dK/dV partials of received chunks to their owners",
+    "cp_rt_dkv_wait": "stage received: partials for this rank's chunks, summed",
+    "cp_rt_gather": "all-gather to the global view (the plan's owners)",
+    "cp_rt_stash": "keep the plan and the received K/V for the backward",
+    "cp_rt_unstash": "the forward's plan and received K/V",
+}
+
+
 def _describe(n: fx.Node, op: str, prog: ExplicitProgram | None) -> tuple[str, int]:
     """(what the node does, bytes it sends) for reports."""
     if prog is not None and op == "cp_start":
@@ -144,6 +158,8 @@ def _describe(n: fx.Node, op: str, prog: ExplicitProgram | None) -> tuple[str, i
         return what, sum(t.nbytes for _, t, _ in st.sends)
     if prog is not None and op == "cp_wait":
         return f"stage {n.args[2]}", 0
+    if isinstance(prog, RuntimeProgram):
+        return _RUNTIME_WORDS.get(op, ""), 0
     if prog is not None and op in TILE_ROW_OPS:
         row = prog.tiles[n.args[-1]]
         return f"q chunk {row.q_chunk}, group {row.group} × kv chunks {list(row.kv_chunks)}", 0
@@ -162,6 +178,6 @@ def schedule_rows(gm: fx.GraphModule, table: SideTable) -> tuple[ScheduleRow, ..
         prog = state.program if state is not None else None
         what, nbytes = _describe(n, op, prog)
         rows.append(ScheduleRow(node=n.name, op=op, site=state.spec.name if state is not None else "",
-                                comm=op in COMM_OPS, what=what, bytes=nbytes))
+                                comm=op in COMM_OPS or op in RT_COMM_OPS, what=what, bytes=nbytes))
     return tuple(rows)
 
