@@ -38,6 +38,10 @@ from ultraattn.masks.convert import eval_mask, to_block_pattern
 from ultraattn.masks.factories import generate_causal, generate_full
 from ultraattn.masks.pattern import FULL, PARTIAL, BlockPattern
 
+MASK_DEPENDS = "ultraattn_depends"
+"""Attribute a mask_mod may carry: (depends on b, depends on h), read off its graph by whoever builds it; absent:
+both (every (b, h) pair is evaluated)."""
+
 # Elements of mask evaluation per chunk (bounds the index tensors' memory to a few hundred MB).
 _EVAL_CHUNK = 1 << 24
 
@@ -231,12 +235,18 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
             "the mask has PARTIAL blocks but no mask_mod to evaluate them: pass the BlockMask, or "
             "mask_mod=... together with the BlockPattern"
         )
-    kinds, bit_sets = [], []
+    # a mask_mod that declares it ignores b or h (``MASK_DEPENDS``) is evaluated once for all of them
+    dep_b, dep_h = getattr(mask_mod, MASK_DEPENDS, (True, True))
+    kinds, bit_sets, seen = [], [], {}
     for b in range(batch):
         for h in range(num_heads):
-            kind = kind_all[b % bp, 0 if groups is None else groups[h]]
+            g = 0 if groups is None else groups[h]
+            kind = kind_all[b % bp, g]
+            key = (b if dep_b else -1, h if dep_h else -1, b % bp, g)
+            if key not in seen:
+                seen[key] = _partial_bits(mask_mod, kind, b, h, qb, kb, q_len, kv_len)
             kinds.append(kind)
-            bit_sets.append(_partial_bits(mask_mod, kind, b, h, qb, kb, q_len, kv_len))
+            bit_sets.append(seen[key])
     pattern_of, kind_u, bits_all, tile_grid = _dedupe(kinds, bit_sets, qb, kb)
     lay = _assemble(kind_u, tile_grid, bits_all, torch.tensor(pattern_of, dtype=torch.int32), q_len=q_len,
                     kv_len=kv_len, q_block=qb, kv_block=kb, batch=batch, num_heads=num_heads, name=pattern.name)

@@ -26,6 +26,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from ultraattn.cache import LRU
 from ultraattn.kernels import BlockSparseLayout, make_layout
+from ultraattn.kernels.layout import MASK_DEPENDS
 from ultraattn.masks.convert import pattern_from_mask_mod, to_block_pattern
 from ultraattn.passes.records import NullObserver, Observer, PlanEvent, SiteStats
 from ultraattn.planner.api import PlanResult, choose_planner, method_summaries, plan
@@ -140,6 +141,8 @@ def _bool_mask(spec: SiteSpec, tensors: Sequence[Tensor], batch: int, heads: int
     def dense_mask(b, h, q_idx, kv_idx):
         return m[b if bm > 1 else b * 0, h if hm > 1 else h * 0, q_idx, kv_idx]
 
+    setattr(dense_mask, MASK_DEPENDS, (bm > 1, hm > 1))
+
     pat = pattern_from_mask_mod(dense_mask, spec.q_shape[2], spec.kv_shape[2], block_size=spec.options.block_size,
                                 batch=batch if bm > 1 else 1, num_heads=heads if hm > 1 else 1)
     return pat, dense_mask
@@ -153,6 +156,10 @@ def _block_mask(info: FlexMaskInfo, tensors: Sequence[Tensor]):
 
     def mask_mod(b, h, q_idx, kv_idx):
         return gm(b, h, q_idx, kv_idx, *buffers)
+
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(phs) >= 4:  # its graph reads b / h, or not
+        setattr(mask_mod, MASK_DEPENDS, (bool(phs[0].users), bool(phs[1].users)))
 
     # [Note] A BlockMask without its transposed (q-side) tensors: BlockMask's constructors compute them with
     # vmap, which is unavailable below the autograd dispatch key where custom ops run; only the kv side is

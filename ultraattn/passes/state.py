@@ -33,6 +33,7 @@ from collections.abc import Iterator
 
 from torch._dynamo.utils import counters as dynamo_counters
 
+from ultraattn.cache import LRU
 from ultraattn.passes.records import AotGraphRecord, CompileReport, GraphRecord, Observer, PlanEvent
 from ultraattn.passes.site import SiteSpec, SiteState
 
@@ -52,6 +53,9 @@ class SideTable:
         self.aot_graphs: list[AotGraphRecord] = []
         self.plan_events: deque[PlanEvent] = deque(maxlen=MAX_PLAN_EVENTS)
         self.meshes: dict = {}
+        self.exchange_runs: LRU = LRU(64)
+        """Run-time programs' plans by configuration and mask content: sites that see the same mask (every layer of
+        a model) plan it once (``explicit/runtime.py``)."""
         self._ids = itertools.count(1)
         self._graph_count = 0
 
@@ -158,6 +162,7 @@ class SideTable:
             self.aot_graphs.clear()
             self.plan_events.clear()
             self.meshes.clear()
+            self.exchange_runs.clear()
             self.counters.clear()
             self._graph_count = 0
 

@@ -34,6 +34,7 @@ from ultraattn.kernels import make_layout
 from ultraattn.passes.ops.program import new_token
 from ultraattn.passes.records import PlanEvent
 from ultraattn.passes.site import MAX_PENDING, SiteState, check_same_inputs, mask_from_content
+from ultraattn.passes.state import side_table
 from ultraattn.planner.exchange import plan_exchange
 from ultraattn.planner.plan import Mesh, TokenLayout, padded_chunk
 from ultraattn.runtime.comm import Comm, GroupRef, resolve_group
@@ -72,8 +73,9 @@ class RuntimeProgram:
     num_chunks: int
     owner: tuple[int, ...] | None
     """Fixed owners (a sequence-sharded graph's layout), or None: chosen per mask."""
-    runs: LRU = field(default_factory=lambda: LRU(32))
-    """mask digest -> ExchangeRun (a mask seen again is not planned again)."""
+    runs: LRU = field(default_factory=lambda: side_table().exchange_runs)
+    """(configuration, mask digest) -> ExchangeRun, shared by the sites of the process: a mask seen again, or by
+    another site of the same configuration (the next layer), is not planned again."""
     live: LRU = field(default_factory=lambda: LRU(2 * MAX_PENDING + 4))
     """plan id -> ExchangeRun, for the ops of calls in flight."""
     handles: dict = field(default_factory=dict)
@@ -125,7 +127,10 @@ class RuntimeProgram:
         state.calls += 1
         if spec.options.debug:
             check_same_inputs(state, list(mask_tensors))
-        key = content_digest(mask_tensors, (spec.mask, self.chunk, self.num_chunks, self.owner))
+        mask_code = spec.flex.mask_mod.code if spec.flex is not None else ""
+        key = content_digest(mask_tensors, (spec.mask, mask_code, spec.q_shape, spec.kv_shape, str(spec.dtype),
+                                            spec.options.block_size, self.chunk, self.num_chunks, self.owner,
+                                            self.rank, str(self.device), self.mesh))
         run = self.runs.get(key)
         if run is None:
             t0 = time.perf_counter()
