@@ -37,6 +37,7 @@ from ultraattn.passes.shard import analyse, inline_checkpoints, lower
 from ultraattn.passes.site import SiteState, seed_plan
 from ultraattn.passes.state import SideTable
 from ultraattn.planner.api import padded_chunk
+from ultraattn.planner.baselines import zigzag_owner
 from ultraattn.planner.plan import TokenLayout
 from ultraattn.runtime.comm import GroupRef, resolve_group
 from ultraattn.runtime.sequence import SequenceShards
@@ -176,8 +177,7 @@ def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendO
     block = spec.flex.q_block if spec.flex is not None else opts.block_size
     world = opts.world_size
     chunk = padded_chunk(an.seq_len, 2 * world, block)
-    half = list(range(world))
-    return TokenLayout(chunk_size=chunk, owner=tuple(half + half[::-1])), \
+    return TokenLayout(chunk_size=chunk, owner=tuple(zigzag_owner(world))), \
         "head-tail (the first mask is built in the graph)"
 
 

@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .balance import ownership
-from .plan import Mesh
+from .plan import Mesh, TokenLayout
 
+Route = tuple[int, tuple[int, ...]]
+"""(peer rank, chunks): one message of an exchange."""
 OWNERSHIP = ("per-batch", "fixed")
 """How an exchange plan's owners are chosen: by the mask (per batch), or given (fixed per graph)."""
 
@@ -38,12 +40,8 @@ OWNERSHIP = ("per-batch", "fixed")
 class ExchangePlan:
     """Owners, the chunks each rank needs from each other rank, bytes and balance (module docstring)."""
 
-    world: int
-    chunk: int
-    """Tokens per chunk."""
-    chunks_per_rank: int
-    owner: tuple[int, ...]
-    """owner[c]: the rank holding (and computing the query rows of) chunk c."""
+    layout: TokenLayout
+    """Who owns (and computes the query rows of) which chunk."""
     need: tuple[tuple[tuple[int, ...], ...], ...]
     """need[dst][src]: chunks of ``src`` whose K/V ``dst`` needs (ascending; empty for src == dst)."""
     work: tuple[float, ...]
@@ -59,40 +57,35 @@ class ExchangePlan:
     _hash: list = field(default_factory=list, repr=False)
 
     @property
-    def num_chunks(self) -> int:
-        return len(self.owner)
-
-    @property
-    def padded_len(self) -> int:
-        return self.num_chunks * self.chunk
-
-    @property
-    def local_len(self) -> int:
-        return self.chunks_per_rank * self.chunk
-
-    def local_chunks(self, rank: int) -> list[int]:
-        """Chunks of ``rank`` in local order (ascending)."""
-        return [c for c, r in enumerate(self.owner) if r == rank]
+    def world(self) -> int:
+        return len(self.need)
 
     def slots(self, rank: int) -> list[int]:
         """The chunk in each slot of ``rank``'s receive buffer: every other rank's chunks, by source rank then
         local order ((world - 1) * chunks_per_rank slots)."""
-        return [c for s in range(self.world) if s != rank for c in self.local_chunks(s)]
+        return [c for s in range(self.world) if s != rank for c in self.layout.local_chunks(s)]
 
     def imbalance(self) -> float:
         """Busiest rank's work over the mean (1.0: perfect)."""
         mean = sum(self.work) / self.world
         return max(self.work) / mean if mean > 0 else 1.0
 
+    def routes(self, phase: str, rank: int) -> tuple[list[Route], list[Route]]:
+        """(messages ``rank`` sends, messages it receives) in the ``phase`` ('fwd' | 'bwd') exchange, each as (peer,
+        chunks), peers ascending. In the forward a rank sends what others need from it; in the backward the partial
+        gradients of the same chunks come back."""
+        gives = [(d, self.need[d][rank]) for d in range(self.world) if self.need[d][rank]]
+        gets = [(s, self.need[rank][s]) for s in range(self.world) if self.need[rank][s]]
+        return (gives, gets) if phase == "fwd" else (gets, gives)
+
+    def chunk_bytes(self, phase: str) -> int:
+        return self.kv_chunk_bytes if phase == "fwd" else self.dkv_chunk_bytes
+
     def bytes(self, phase: str, rank: int) -> dict[str, int]:
-        """{'sent', 'recv'}: bytes ``rank`` moves in the ``phase`` ('fwd' | 'bwd') exchange. In the forward a rank
-        sends what others need from it; in the backward the partial gradients of the same chunks come back."""
-        per = self.kv_chunk_bytes if phase == "fwd" else self.dkv_chunk_bytes
-        gets = sum(len(self.need[rank][s]) for s in range(self.world))
-        gives = sum(len(self.need[d][rank]) for d in range(self.world))
-        if phase == "fwd":
-            return {"sent": gives * per, "recv": gets * per}
-        return {"sent": gets * per, "recv": gives * per}
+        """{'sent', 'recv'}: bytes ``rank`` moves in the ``phase`` exchange (``routes``)."""
+        out, inc = self.routes(phase, rank)
+        per = self.chunk_bytes(phase)
+        return {"sent": per * sum(len(c) for _, c in out), "recv": per * sum(len(c) for _, c in inc)}
 
     def stage_bytes(self, phase: str) -> int:
         """Bytes all ranks send in the ``phase`` exchange (its one stage)."""
@@ -100,12 +93,12 @@ class ExchangePlan:
 
     def content_hash(self) -> str:
         if not self._hash:
-            h = hashlib.sha256(repr((self.world, self.chunk, self.owner, self.need)).encode())
+            h = hashlib.sha256(repr((self.layout.chunk_size, self.layout.owner, self.need)).encode())
             self._hash.append(h.hexdigest())
         return self._hash[0]
 
     def summary(self) -> str:
-        return (f"exchange ({self.ownership} owners, {self.num_chunks} chunks of {self.chunk}): "
+        return (f"exchange ({self.ownership} owners, {self.layout.num_chunks} chunks of {self.layout.chunk_size}): "
                 f"fwd {self.stage_bytes('fwd') / 2**20:.2f} MiB, bwd {self.stage_bytes('bwd') / 2**20:.2f} MiB, "
                 f"imbalance {self.imbalance():.2f}")
 
@@ -148,6 +141,6 @@ def plan_exchange(weight_PP: np.ndarray, *, mesh: Mesh, chunk: int, owner: tuple
     need = [[[] for _ in range(w)] for _ in range(w)]
     for d, c in zip((pairs // p).tolist(), (pairs % p).tolist()):
         need[d][int(own[c])].append(c)
-    return ExchangePlan(world=w, chunk=chunk, chunks_per_rank=p // w, owner=tuple(own.tolist()),
+    return ExchangePlan(layout=TokenLayout(chunk_size=chunk, owner=tuple(own.tolist())),
                         need=tuple(tuple(tuple(x) for x in row) for row in need), work=tuple(work.tolist()),
                         kv_chunk_bytes=kv_chunk_bytes, dkv_chunk_bytes=dkv_chunk_bytes, ownership=how)

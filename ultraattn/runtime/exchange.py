@@ -74,22 +74,29 @@ class ExchangeRun:
     """phase -> CommLog of the last exchange."""
 
     @property
-    def computes_remote(self) -> bool:
-        return bool(int(self.remote.full_cnt.sum()) + int(self.remote.part_cnt.sum()))
+    def local_position(self) -> dict[int, int]:
+        """chunk -> its position among this rank's own chunks."""
+        return {c: i for i, c in enumerate(self.plan.layout.local_chunks(self.rank))}
+
+    @property
+    def slot_position(self) -> dict[int, int]:
+        """chunk -> its slot in this rank's receive buffer (``ExchangePlan.slots``)."""
+        return {c: i for i, c in enumerate(self.plan.slots(self.rank))}
 
 
 def make_run(layout: BlockSparseLayout, plan: ExchangePlan, *, rank: int, device: torch.device, comm: Comm | None,
              seq: SequenceShards) -> ExchangeRun:
     """Cut ``layout`` (the whole mask) into this rank's local and remote tiles and place them on ``device``."""
     grid = tile_grid(layout)
-    per_q, per_k = plan.chunk // layout.q_block, plan.chunk // layout.kv_block
+    chunk = plan.layout.chunk_size
+    per_q, per_k = chunk // layout.q_block, chunk // layout.kv_block
     nq, nk = layout.grid
-    mine = plan.local_chunks(rank)
+    mine = plan.layout.local_chunks(rank)
     rows = _blocks(mine, per_q, nq)
     local = sub_layout(layout, rows, _blocks(mine, per_k, nk), grid)
     remote = sub_layout(layout, rows, _blocks(plan.slots(rank), per_k, nk), grid)
-    pos = torch.arange(plan.chunk)
-    index = torch.cat([c * plan.chunk + pos for c in mine])
+    pos = torch.arange(chunk)
+    index = torch.cat([c * chunk + pos for c in mine])
     return ExchangeRun(plan=plan, rank=rank, local=local.to(device), remote=remote.to(device),
                        index=index.to(device), comm=comm, seq=seq)
 
@@ -99,107 +106,82 @@ def _chunk_slices(x: Tensor, positions: list[int], chunk: int) -> list[Tensor]:
     return [x[:, :, p * chunk:(p + 1) * chunk] for p in positions]
 
 
-def _post(run: ExchangeRun, phase: str, sends: list[tuple[int, list[Tensor]]], recvs: list[tuple[int, int]],
-          device: torch.device) -> list:
-    comm = run.comm
+def _post(run: ExchangeRun, phase: str, a: Tensor, b: Tensor, position: dict[int, int]) -> list:
+    """Post this rank's messages of the ``phase`` exchange (``ExchangePlan.routes``): per peer, the chunks of ``a``
+    then of ``b`` (chunk -> its position in them: ``position``), in one buffer; and its receives."""
+    comm, plan = run.comm, run.plan
     comm.log = CommLog()
     tag = KV_TAG + (phase == "bwd")
+    chunk = plan.layout.chunk_size
+    out, inc = plan.routes(phase, run.rank)
     works = []
-    for dst, pieces in sends:
-        buf = pack(pieces)
+    for dst, chunks in out:
+        pos = [position[c] for c in chunks]
+        buf = pack(_chunk_slices(a, pos, chunk) + _chunk_slices(b, pos, chunk))
         works.append(("send", dst, buf, comm.isend(buf, dst=dst, tag=tag, record=(phase, "exchange", -1, 0,
                                                                                   run.rank, dst))))
-    for src, nbytes in recvs:
-        buf, work = comm.irecv(nbytes, src=src, tag=tag, device=device, record=(phase, "exchange", -1, 0, src,
-                                                                                run.rank))
+    for src, chunks in inc:
+        buf, work = comm.irecv(len(chunks) * plan.chunk_bytes(phase), src=src, tag=tag, device=a.device,
+                               record=(phase, "exchange", -1, 0, src, run.rank))
         works.append(("recv", src, buf, work))
     return works
 
 
-def _wait(run: ExchangeRun, phase: str, works: list) -> dict[int, Tensor]:
-    """Wait for the receives, then the sends (every rank posted all of its messages before waiting)."""
+def _receive(run: ExchangeRun, phase: str, works: list, a: Tensor, b: Tensor, position: dict[int, int],
+             add: bool) -> None:
+    """Wait for the ``phase`` exchange (the receives, then the sends: every rank posted all of its messages before
+    waiting) and write (``add``: add) each received chunk into ``a`` / ``b`` at ``position[chunk]``, peers in
+    ascending order (sums come out the same on every run)."""
+    comm, plan = run.comm, run.plan
     got = {}
     for kind, peer, buf, work in sorted(works, key=lambda w: w[0] == "send"):
-        run.comm.wait(work, peer=peer, what=f"{phase} exchange message" if kind == "recv" else
-                      f"receipt of the {phase} exchange message")
+        comm.wait(work, peer=peer, what=f"{phase} exchange message" if kind == "recv" else
+                  f"receipt of the {phase} exchange message")
         if kind == "recv":
             got[peer] = buf
-    run.log[phase] = run.comm.log
-    return got
+    run.log[phase] = comm.log
+    c = plan.layout.chunk_size
+    B, Hk, _, D = a.shape
+    for src, chunks in plan.routes(phase, run.rank)[1]:
+        n = len(chunks)
+        pieces = unpack(got[src], [((B, Hk, c, D), a.dtype)] * (2 * n))
+        for i, ch in enumerate(chunks):
+            p = position[ch]
+            for dst, piece in ((a, pieces[i]), (b, pieces[n + i])):
+                if add:
+                    dst[:, :, p * c:(p + 1) * c] += piece
+                else:
+                    dst[:, :, p * c:(p + 1) * c] = piece
 
 
 def post_kv(run: ExchangeRun, k: Tensor, v: Tensor) -> list:
     """Post the forward exchange: to every rank the K/V chunks of this rank it needs; its receives."""
-    plan, me = run.plan, run.rank
-    mine = plan.local_chunks(me)
-    at = {c: i for i, c in enumerate(mine)}
-    sends = []
-    for dst in range(plan.world):
-        chunks = plan.need[dst][me]
-        if chunks:
-            pos = [at[c] for c in chunks]
-            sends.append((dst, _chunk_slices(k, pos, plan.chunk) + _chunk_slices(v, pos, plan.chunk)))
-    recvs = [(src, len(plan.need[me][src]) * plan.kv_chunk_bytes) for src in range(plan.world)
-             if plan.need[me][src]]
-    return _post(run, "fwd", sends, recvs, k.device)
+    return _post(run, "fwd", k, v, run.local_position)
 
 
 def wait_kv(run: ExchangeRun, works: list, heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device
             ) -> tuple[Tensor, Tensor]:
     """(K, V) receive buffers [B, Hk, slots * chunk, D] (``heads`` = (B, Hk, D)): received chunks in their slots,
     zeros in the others (never read: the remote tile has no cells there)."""
-    plan, me = run.plan, run.rank
-    got = _wait(run, "fwd", works)
     B, Hk, D = heads
-    c = plan.chunk
-    slot = {ch: i for i, ch in enumerate(plan.slots(me))}
-    kbuf = torch.zeros(B, Hk, len(slot) * c, D, dtype=dtype, device=device)
+    slot = run.slot_position
+    kbuf = torch.zeros(B, Hk, len(slot) * run.plan.layout.chunk_size, D, dtype=dtype, device=device)
     vbuf = torch.zeros_like(kbuf)
-    for src, buf in got.items():
-        chunks = plan.need[me][src]
-        n = len(chunks)
-        spec = [((B, Hk, c, D), dtype)] * (2 * n)
-        pieces = unpack(buf, spec)
-        for i, ch in enumerate(chunks):
-            s = slot[ch]
-            kbuf[:, :, s * c:(s + 1) * c] = pieces[i]
-            vbuf[:, :, s * c:(s + 1) * c] = pieces[n + i]
+    _receive(run, "fwd", works, kbuf, vbuf, slot, add=False)
     return kbuf, vbuf
 
 
 def post_dkv(run: ExchangeRun, dk: Tensor, dv: Tensor) -> list:
     """Post the backward exchange: the fp32 dK/dV partials of the received chunks back to their owners."""
-    plan, me = run.plan, run.rank
-    slot = {ch: i for i, ch in enumerate(plan.slots(me))}
-    dk, dv = dk.float(), dv.float()
-    sends = []
-    for src in range(plan.world):
-        chunks = plan.need[me][src]
-        if chunks:
-            pos = [slot[c] for c in chunks]
-            sends.append((src, _chunk_slices(dk, pos, plan.chunk) + _chunk_slices(dv, pos, plan.chunk)))
-    recvs = [(dst, len(plan.need[dst][me]) * plan.dkv_chunk_bytes) for dst in range(plan.world)
-             if plan.need[dst][me]]
-    return _post(run, "bwd", sends, recvs, dk.device)
+    return _post(run, "bwd", dk.float(), dv.float(), run.slot_position)
 
 
 def wait_dkv(run: ExchangeRun, works: list, heads: tuple[int, int, int], device: torch.device
              ) -> tuple[Tensor, Tensor]:
     """(dK, dV) fp32 [B, Hk, local_len, D] (``heads`` = (B, Hk, D)): the partials other ranks sent for this rank's
     chunks, summed."""
-    plan, me = run.plan, run.rank
-    got = _wait(run, "bwd", works)
     B, Hk, D = heads
-    c = plan.chunk
-    at = {ch: i for i, ch in enumerate(plan.local_chunks(me))}
-    dk = torch.zeros(B, Hk, plan.local_len, D, dtype=torch.float32, device=device)
+    dk = torch.zeros(B, Hk, run.plan.layout.local_len, D, dtype=torch.float32, device=device)
     dv = torch.zeros_like(dk)
-    for dst, buf in sorted(got.items()):  # a fixed order: the sums are the same on every run
-        chunks = plan.need[dst][me]
-        n = len(chunks)
-        pieces = unpack(buf, [((B, Hk, c, D), torch.float32)] * (2 * n))
-        for i, ch in enumerate(chunks):
-            p = at[ch]
-            dk[:, :, p * c:(p + 1) * c] += pieces[i]
-            dv[:, :, p * c:(p + 1) * c] += pieces[n + i]
+    _receive(run, "bwd", works, dk, dv, run.local_position, add=True)
     return dk, dv

@@ -18,12 +18,14 @@ and the backward: remote tile, ``cp_rt_dkv_start`` (partials home), own tile whi
 [Note] Owners: fixed per graph or chosen per batch? A sequence-sharded graph's tokens are laid out once for
 the whole graph (every activation is sharded in that layout), so its sites keep that layout. For the global
 view (the site dispatches and gathers itself) the owners can follow each mask at no extra cost: the
-dispatch is an index_select whose index is plan data. ``OWNERS_PER_BATCH`` picks per-batch owners there;
-``benchmarks/runtime_explicit.py`` measured both on document masks (see its results).
+dispatch is an index_select whose index is plan data. ``OWNERS_PER_BATCH`` picks per-batch owners there
+(``benchmarks/runtime_explicit.py --attention-only`` compares both; not measured yet, so this default has no
+data behind it).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,8 +37,9 @@ from ultraattn.passes.ops.program import new_token
 from ultraattn.passes.records import PlanEvent
 from ultraattn.passes.site import MAX_PENDING, SiteState, check_same_inputs, mask_from_content
 from ultraattn.passes.state import side_table
+from ultraattn.planner.baselines import zigzag_owner
 from ultraattn.planner.exchange import plan_exchange
-from ultraattn.planner.plan import Mesh, TokenLayout, padded_chunk
+from ultraattn.planner.plan import Mesh, padded_chunk
 from ultraattn.runtime.comm import Comm, GroupRef, resolve_group
 from ultraattn.runtime.exchange import (
     ExchangeRun,
@@ -65,10 +68,8 @@ class RuntimeProgram:
     state: SiteState
     device: torch.device
     mesh: Mesh
-    rank: int
     comm: Comm
-    global_ranks: tuple[int, ...]
-    group_ref: GroupRef
+    """This rank's messages (its rank, the group's ranks, the group)."""
     chunk: int
     num_chunks: int
     owner: tuple[int, ...] | None
@@ -90,6 +91,10 @@ class RuntimeProgram:
     @property
     def world(self) -> int:
         return self.mesh.world
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
 
     @property
     def seq_len(self) -> int:
@@ -121,8 +126,6 @@ class RuntimeProgram:
     # ------------------------------------------------------------------ plans
     def plan(self, mask_tensors: list[Tensor]) -> int:
         """Plan (or reuse the plan of) this call's mask; returns the plan id the graph's nodes carry."""
-        import time
-
         state, spec = self.state, self.state.spec
         state.calls += 1
         if spec.options.debug:
@@ -174,8 +177,8 @@ class RuntimeProgram:
         plan = plan_exchange(weights, mesh=self.mesh, chunk=self.chunk, owner=self.owner,
                              kv_chunk_bytes=2 * B * Hk * self.chunk * D * elt,
                              dkv_chunk_bytes=2 * B * Hk * self.chunk * D * 4)
-        seq = SequenceShards(TokenLayout(chunk_size=self.chunk, owner=plan.owner), rank=self.rank,
-                             global_ranks=self.global_ranks, group_ref=self.group_ref, timeout=spec.options.timeout)
+        seq = SequenceShards(plan.layout, rank=self.rank, global_ranks=tuple(self.comm.global_ranks),
+                             group_ref=self.comm.group_ref, timeout=spec.options.timeout)
         return make_run(layout, plan, rank=self.rank, device=self.device, comm=self.comm, seq=seq)
 
     def _event(self, run: ExchangeRun, seconds: float) -> PlanEvent:
@@ -211,18 +214,12 @@ class RuntimeProgram:
     def tile_fwd(self, q, k, v, plan, part: int) -> tuple[Tensor, Tensor]:
         run = self.run_of(plan)
         lay = run.local if part == 0 else run.remote
-        if k.shape[2] == 0:
-            return q.new_zeros(q.shape, dtype=torch.float32), q.new_full(q.shape[:-1], float("-inf"),
-                                                                        dtype=torch.float32)
         o, lse = ops.bsa_fwd(q, k, v, *lay.bwd_tensors(), lay.q_block, lay.kv_block, self.state.spec.scale, True)
         return o.contiguous(), lse.contiguous()
 
     def tile_bwd(self, q, k, v, do, lse, delta, dlse, plan, part: int):
         run = self.run_of(plan)
         lay = run.local if part == 0 else run.remote
-        if k.shape[2] == 0:
-            return (q.new_zeros(q.shape, dtype=torch.float32), k.new_zeros(k.shape, dtype=torch.float32),
-                    v.new_zeros(v.shape, dtype=torch.float32))
         grads = ops.bsa_bwd(q, k, v, do, lse, delta, dlse, *lay.bwd_tensors(), lay.q_block, lay.kv_block,
                             self.state.spec.scale, True)
         return tuple(g.contiguous() for g in grads)
@@ -241,19 +238,15 @@ def runtime_program(state: SiteState, device: torch.device) -> RuntimeProgram:
         block = max(spec.flex.q_block, spec.flex.kv_block) if spec.flex is not None else opts.block_size
         # CHUNKS_PER_RANK chunks each, fewer where chunks would be smaller than a block (less padding)
         per = max(1, min(CHUNKS_PER_RANK, -(-spec.q_shape[2] // (mesh.world * block))))
+        owner = None
+        if not OWNERS_PER_BATCH:  # head-tail, balanced for causal-like masks (an even number of chunks each)
+            per += per % 2
+            owner = tuple(zigzag_owner(mesh.world, per // 2))
         num = per * mesh.world
         chunk = padded_chunk(spec.q_shape[2], num, block)
-        owner = None if OWNERS_PER_BATCH else head_tail(mesh.world, per)
-    ref = GroupRef(group)
-    comm = Comm(rank=me, global_ranks=ranks, group_ref=ref, timeout=opts.timeout)
-    return RuntimeProgram(state=state, device=device, mesh=mesh, rank=me, comm=comm, global_ranks=tuple(ranks),
-                          group_ref=ref, chunk=chunk, num_chunks=num, owner=owner)
-
-
-def head_tail(world: int, per: int) -> tuple[int, ...]:
-    """Fixed owners balanced for causal-like masks: ranks 0..W-1 then W-1..0, repeated (``per`` chunks each)."""
-    order = (*range(world), *reversed(range(world)))
-    return tuple(order[i % len(order)] for i in range(per * world))
+    comm = Comm(rank=me, global_ranks=ranks, group_ref=GroupRef(group), timeout=opts.timeout)
+    return RuntimeProgram(state=state, device=device, mesh=mesh, comm=comm, chunk=chunk, num_chunks=num,
+                          owner=owner)
 
 
 # ----------------------------------------------------------------------------- the traced programs
