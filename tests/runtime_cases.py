@@ -99,6 +99,13 @@ def mask_mod_of(case: Case):
             return dense[q_idx, kv_idx]
 
         return random_mask
+    if case.mask == "head_mix":  # heads of one GQA group with different masks; batch entry 1 differs from 0
+
+        def head_mix(b, h, q_idx, kv_idx):
+            causal = q_idx >= kv_idx
+            return torch.where((h == 3) | ((b == 1) & (h == 0)), causal & (q_idx - kv_idx < 48), causal)
+
+        return head_mix
     return getattr(ultraattn.masks, f"generate_{case.mask}")(**kw)
 
 

@@ -123,6 +123,15 @@ def test_reference_op_low_precision(dtype):
         assert not check_numerics(case, _run(case))
 
 
+def test_reference_op_groups_the_heads_of_a_gqa_group():
+    """The CPU op runs the query heads of a KV head as one matmul when they share a pattern and each head alone
+    when they do not: a mask that differs between the heads of one group and between batch entries covers both."""
+    case = Case(mask="head_mix", seqlen=200, heads=4, kv_heads=2, batch=2, block=32)
+    lay = K.make_layout(mask_mod_of(case), q_len=200, kv_len=200, batch=2, num_heads=4, block_size=32)
+    assert lay.pattern_of.view(2, 2, 2).tolist() == [[[0, 0], [0, 1]], [[1, 0], [0, 1]]]
+    assert not check_numerics(case, _run(case))
+
+
 # ----------------------------------------------------------------------------- Triton kernels
 @pytest.mark.parametrize("case", _lib(seqlen=200, heads=4, kv_heads=2, batch=2, block=64), ids=lambda c: c.name)
 def test_triton_matches_dense(case, triton_kernels):
