@@ -101,8 +101,12 @@ def main() -> None:
     base = rows["opaque"]["median_s"]
     for name, row in rows.items():
         row["over_opaque"] = row["median_s"] / base
+        # paired: the same step's mask, timed back to back (drift and the mask's own cost cancel)
+        paired = [a / b for a, b in zip(row["steps_s"], rows["opaque"]["steps_s"])]
+        row["paired_over_opaque"] = {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
         print(f"{name:>15}: median {row['median_s']:.3f} s/step (spread {row['spread']:.0%}), "
-              f"{row['over_opaque']:.3f}x opaque")
+              f"{row['over_opaque']:.3f}x opaque; paired per step: median {statistics.median(paired):.3f}x "
+              f"({min(paired):.2f}-{max(paired):.2f})")
     same = all(abs(x - y) <= 1e-4 for r in res for name in configs
                for x, y in zip(r["losses"][name], r["losses"]["opaque"]))
     print(f"losses of every configuration equal opaque's within 1e-4: {same}  ({time.time() - t0:.0f} s)")

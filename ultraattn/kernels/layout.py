@@ -27,6 +27,8 @@ handled by the kernels' row predicates (their tile bits are 0).
 
 from __future__ import annotations
 
+import sys
+
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -135,13 +137,21 @@ def pack_bits(mask: Tensor) -> Tensor:
     """bool [..., K] -> int32 [..., ceil(K / 32)]: bit c % 32 of word c // 32 (K % 8 == 0).
 
     The same bits as little-endian bytes with bit c % 8 of byte c // 8; words let a kernel fetch
-    32 mask elements with one load (``triton_kernels._load_bits``)."""
+    32 mask elements with one load (``triton_kernels._load_bits``). Built as bytes (eight shift-ors
+    over uint8) and read as words: a few passes over one byte per element, where a weighted int64 sum
+    took most of a layout's build time."""
     *lead, k = mask.shape
     w = (k + 31) // 32
-    m = torch.nn.functional.pad(mask.to(torch.int64), (0, 32 * w - k)).reshape(*lead, w, 32)
-    weights = torch.ones(32, dtype=torch.int64, device=mask.device) << torch.arange(32, device=mask.device)
-    words = (m * weights).sum(-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # two's complement
+    m = mask.to(torch.uint8)
+    if 32 * w != k:
+        m = torch.nn.functional.pad(m, (0, 32 * w - k))
+    m = m.reshape(*lead, 4 * w, 8)
+    byte = m[..., 0].clone()
+    for i in range(1, 8):
+        byte |= m[..., i] << i
+    if sys.byteorder == "little":
+        return byte.view(torch.int32)
+    return byte.reshape(*lead, w, 4).flip(-1).contiguous().view(torch.int32).reshape(*lead, w)
 
 
 def unpack_bits(bits: Tensor, k: int) -> Tensor:
