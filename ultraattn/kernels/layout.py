@@ -28,7 +28,6 @@ handled by the kernels' row predicates (their tile bits are 0).
 from __future__ import annotations
 
 import sys
-
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
