@@ -77,8 +77,8 @@ def test_document_masks_over_five_batches_compile_once(world, shard, tmp_path):
     (4 ranks: owners chosen per batch), five document masks each. The saved report shows each graph's skeleton
     once and the plan of every step (bytes per stage, imbalance, planning time)."""
     base = {"attn": "flex", "mask": "document", "seqlen": 160}
-    if world == 2:
-        base.update(kv_heads=2, batch=2)
+    if world == 2:  # (32-token blocks: the graph's head-tail stripes give each rank 4 chunks to balance over)
+        base.update(kv_heads=2, batch=2, block=32)
     specs = [dict(base, lengths=list(d)) for d in DOCS]
     path = tmp_path / "report.json"
     res = run_ranks(runtime_mask_worker, world, args=(specs, dict(FAST, shard=shard, report_file=str(path))),
@@ -95,6 +95,8 @@ def test_document_masks_over_five_batches_compile_once(world, shard, tmp_path):
         assert text.count(f"{kind} graph for Inductor: ") == 1, text
     assert "forward graph for Inductor: 2 communication stages, 4 tile nodes" in text, text
     assert "cp_rt_kv_start" in text and "cp_rt_dkv_wait" in text and "fwd bytes / stage" in text
+    if shard:  # the graph's layout: head-tail stripes, not the first mask's plan
+        assert "head-tail stripes x2 (a new mask every batch)" in text, text
     rows = [ln for ln in text.splitlines() if ln.startswith("│") and " exchange " in ln and "flex#" in ln]
     assert len(rows) == len(DOCS), rows  # a plan per batch (both layers' sites use it)
     fwd_bytes = {sum(s["moved"]["fwd"]["sent"] for got in res for s in [got["steps"][i]["sites"]["flex#0"]])

@@ -29,6 +29,7 @@ from torch._dynamo.backends.common import aot_autograd
 from ultraattn.passes.capture import Site, estimate_density, find_sites
 from ultraattn.passes.explicit.expand import expand_sites, explicit_reason, prepare, schedule_rows
 from ultraattn.passes.explicit.order import order_comm
+from ultraattn.passes.explicit.runtime import RUNTIME_MASK_STRIPES
 from ultraattn.passes.fx_util import placeholders, refresh_fake_values, tensor_value, ultraattn_op
 from ultraattn.passes.options import BackendOptions
 from ultraattn.passes.records import AotGraphRecord, GraphRecord, Observer, PlanEvent, ShardSummary
@@ -37,7 +38,7 @@ from ultraattn.passes.shard import analyse, inline_checkpoints, lower
 from ultraattn.passes.site import SiteState, seed_plan
 from ultraattn.passes.state import SideTable
 from ultraattn.planner.api import padded_chunk
-from ultraattn.planner.baselines import zigzag_owner
+from ultraattn.planner.baselines import striped_owner, zigzag_owner
 from ultraattn.planner.plan import TokenLayout
 from ultraattn.runtime.comm import GroupRef, resolve_group
 from ultraattn.runtime.sequence import SequenceShards
@@ -159,14 +160,27 @@ def shard_sequence(gm: fx.GraphModule, states: list[SiteState], opts: BackendOpt
 
 
 def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendOptions) -> tuple[TokenLayout, str]:
-    """The graph's token layout: the first attention's own plan (planned now, without a given layout, where its
-    mask is known at compile time: a static mask or mask tensors among the example inputs), else head-tail
-    chunks (two per rank: balanced for causal-like masks). Every site of the graph is then planned in it.
+    """The graph's token layout: fine head-tail stripes where the first attention is an explicit site whose mask
+    arrives every batch; else its own plan (planned now, without a given layout, where its mask is known at
+    compile time: a static mask or mask tensors among the example inputs), else head-tail chunks (two per rank:
+    balanced for causal-like masks). Every site of the graph is then planned in it.
 
     Returns (layout, how it was chosen)."""
     first = an.sites[0]
     state = states[first.args[4]]
     spec = state.spec
+    block = spec.flex.q_block if spec.flex is not None else opts.block_size
+    world = opts.world_size
+    if not spec.static_mask and explicit_reason(state) is None:
+        # a new mask every batch, computed where its query rows live: no single mask's plan fits the next one;
+        # fine head-tail stripes balance document masks within ~1.1 (passes/explicit/runtime.py's [Note])
+        # the most stripes (up to RUNTIME_MASK_STRIPES) that pad the sequence no more than the fewest would
+        padded = {s: 2 * world * s * padded_chunk(an.seq_len, 2 * world * s, block)
+                  for s in range(1, RUNTIME_MASK_STRIPES + 1)}
+        stripes = max(s for s in padded if padded[s] == min(padded.values()))
+        chunk = padded_chunk(an.seq_len, 2 * world * stripes, block)
+        return TokenLayout(chunk_size=chunk, owner=tuple(striped_owner(world, stripes))), \
+            f"head-tail stripes x{stripes} (a new mask every batch)"
     tensors = [values.get(m) for m in first.args[3]]
     real = tensors and all(isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor)
                            for t in tensors)
@@ -174,8 +188,6 @@ def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendO
         q = tensor_value(first.args[0])
         plan = seed_plan(state, q.dtype, q.device, [] if spec.static_mask else tensors)
         return plan.layout, f"the plan of {spec.name}"
-    block = spec.flex.q_block if spec.flex is not None else opts.block_size
-    world = opts.world_size
     chunk = padded_chunk(an.seq_len, 2 * world, block)
     return TokenLayout(chunk_size=chunk, owner=tuple(zigzag_owner(world))), \
         "head-tail (the first mask is built in the graph)"

@@ -48,6 +48,13 @@ def zigzag_owner(world: int, copies: int = 1) -> list[int]:
     return owner
 
 
+def striped_owner(world: int, stripes: int) -> list[int]:
+    """Head-tail ownership repeated ``stripes`` times along the sequence (2*world*stripes chunks): each stripe of
+    2*world chunks is dealt like ``zigzag_owner``. Fine stripes spread any mask's dense regions over all ranks:
+    the fixed owners of a graph whose mask changes every batch (``benchmarks/exchange_owners.py``)."""
+    return zigzag_owner(world) * stripes
+
+
 def _assign_at_row_owner(nonempty_PP: torch.Tensor, owner: list[int]) -> torch.Tensor:
     own = torch.tensor(owner, dtype=torch.int32)
     a = own[:, None].expand_as(nonempty_PP).clone()

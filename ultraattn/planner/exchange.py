@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..masks.pattern import EMPTY, FULL, BlockPattern
 from .balance import ownership
 from .plan import Mesh, TokenLayout
 
@@ -101,6 +102,37 @@ class ExchangePlan:
         return (f"exchange ({self.ownership} owners, {self.layout.num_chunks} chunks of {self.layout.chunk_size}): "
                 f"fwd {self.stage_bytes('fwd') / 2**20:.2f} MiB, bwd {self.stage_bytes('bwd') / 2**20:.2f} MiB, "
                 f"imbalance {self.imbalance():.2f}")
+
+
+def cell_weights(kind_UQK: np.ndarray, uses_U: np.ndarray, *, per_q: int, per_k: int, num_chunks: int,
+                 partial_overhead: float = 0.1) -> np.ndarray:
+    """float64 [P, P]: cost-weighted blocks of every (q chunk, kv chunk) cell, summed over the (batch, head) pairs.
+
+    ``kind_UQK``: the unique block grids (EMPTY / PARTIAL / FULL), ``uses_U``: how many (batch, head) pairs have
+    each; a PARTIAL block costs ``1 + partial_overhead``; ``per_q`` x ``per_k`` blocks per chunk cell, on a grid of
+    ``num_chunks`` chunks (blocks past the mask are empty: padding)."""
+    kind = np.asarray(kind_UQK)
+    _, nq, nk = kind.shape
+    w = np.where(kind == FULL, 1.0, 1.0 + partial_overhead) * (kind != EMPTY)
+    w = np.tensordot(np.asarray(uses_U, dtype=np.float64), w, axes=1)  # [NQ, NK]
+    grid = np.zeros((num_chunks * per_q, num_chunks * per_k))
+    grid[:nq, :nk] = w
+    return grid.reshape(num_chunks, per_q, num_chunks, per_k).sum((1, 3))
+
+
+def pattern_weights(pattern: BlockPattern, *, batch: int, num_heads: int, chunk: int, num_chunks: int,
+                    partial_overhead: float = 0.1) -> np.ndarray:
+    """``cell_weights`` of a ``BlockPattern`` at ``batch`` x ``num_heads`` (no element masks needed: planning
+    studies of long sequences, ``benchmarks/exchange_owners.py``)."""
+    bp, g = pattern.kind_BGQK.shape[:2]
+    groups = pattern.head_group_of if pattern.head_group_of is not None else [0] * num_heads
+    uses = np.zeros(bp * g)
+    for b in range(batch):
+        for h in range(num_heads):
+            uses[(b % bp) * g + groups[h]] += 1
+    kind = pattern.kind_BGQK.numpy().reshape(bp * g, *pattern.grid)
+    return cell_weights(kind, uses, per_q=chunk // pattern.q_block, per_k=chunk // pattern.kv_block,
+                        num_chunks=num_chunks, partial_overhead=partial_overhead)
 
 
 def plan_exchange(weight_PP: np.ndarray, *, mesh: Mesh, chunk: int, owner: tuple[int, ...] | None = None,

@@ -24,8 +24,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.layout import BlockSparseLayout, sub_layout, tile_grid
-from ..masks.pattern import EMPTY, FULL
-from ..planner.exchange import ExchangePlan
+from ..planner.exchange import ExchangePlan, cell_weights
 from .comm import Comm, CommLog, pack, unpack
 from .sequence import SequenceShards
 
@@ -35,18 +34,11 @@ KV_TAG = 1 << 20
 
 def chunk_weights(layout: BlockSparseLayout, chunk: int, num_chunks: int, partial_overhead: float = 0.1
                   ) -> np.ndarray:
-    """float64 [P, P]: cost-weighted blocks of every (q chunk, kv chunk) cell of ``layout`` summed over its (batch,
-    head) pairs (a PARTIAL block costs ``1 + partial_overhead``), on a grid of ``num_chunks`` chunks of ``chunk``
-    tokens (blocks past the layout are empty)."""
-    kind = layout.kind.cpu()
-    u, nq, nk = kind.shape
-    uses = torch.bincount(layout.pattern_of.cpu().long(), minlength=u).double()
-    w = torch.where(kind == FULL, 1.0, 1.0 + partial_overhead).double() * (kind != EMPTY)
-    w = (w * uses[:, None, None]).sum(0)  # [NQ, NK]
-    per_q, per_k = chunk // layout.q_block, chunk // layout.kv_block
-    grid = torch.zeros(num_chunks * per_q, num_chunks * per_k, dtype=torch.float64)
-    grid[:nq, :nk] = w
-    return grid.view(num_chunks, per_q, num_chunks, per_k).sum((1, 3)).numpy()
+    """float64 [P, P]: ``planner.exchange.cell_weights`` of ``layout``'s block grids on ``num_chunks`` chunks of
+    ``chunk`` tokens."""
+    uses = np.bincount(layout.pattern_of.cpu().long().numpy(), minlength=layout.num_patterns)
+    return cell_weights(layout.kind.cpu().numpy(), uses, per_q=chunk // layout.q_block,
+                        per_k=chunk // layout.kv_block, num_chunks=num_chunks, partial_overhead=partial_overhead)
 
 
 def _blocks(chunks: list[int], per: int, limit: int) -> Tensor:

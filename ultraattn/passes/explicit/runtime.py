@@ -15,12 +15,23 @@ the graph, in its first node, and every later node reads that plan by its id::
 and the backward: remote tile, ``cp_rt_dkv_start`` (partials home), own tile while they fly,
 ``cp_rt_dkv_wait``, sums. A new mask: no recompile, no new guard, the same graph.
 
-[Note] Owners: fixed per graph or chosen per batch? A sequence-sharded graph's tokens are laid out once for
-the whole graph (every activation is sharded in that layout), so its sites keep that layout. For the global
-view (the site dispatches and gathers itself) the owners can follow each mask at no extra cost: the
-dispatch is an index_select whose index is plan data. ``OWNERS_PER_BATCH`` picks per-batch owners there
-(``benchmarks/runtime_explicit.py --attention-only`` compares both; not measured yet, so this default has no
-data behind it).
+[Note] Owners: fixed per graph or chosen per batch? Owner computes (only K/V move), so the owners ARE the
+balance. ``benchmarks/exchange_owners.py`` plans document masks (the example's packing and a pretraining-like
+long-tail packing; 32K and 128K tokens; 4 and 8 ranks) both ways and models each rank's time with the H100
+cost model (not a GPU measurement), as the slowest rank's step over a perfectly balanced one (median of 24
+masks per setting): per-batch owners (the balancer, 4 chunks per rank) 1.02-1.17x; fixed head-tail, two
+contiguous ranges per rank, 1.31-1.89x; fixed head-tail STRIPES (the zigzag dealt again every 2 x ranks chunks)
+1.14-1.56x with 4 chunks per rank and 1.04-1.21x with 16 (1.34x for short documents at 32K on 8 ranks, where
+the finer chunks' messages no longer hide behind the little compute). So:
+
+* global view (the site dispatches and gathers itself): per-batch owners (``OWNERS_PER_BATCH``), free here:
+  the dispatch is an index_select whose index is plan data;
+* a sequence-sharded graph lays its tokens out once for every activation, so its owners are fixed: there the
+  layout is fine stripes (``RUNTIME_MASK_STRIPES`` per rank and direction, ``passes/backend.choose_layout``)
+  rather than one mask's plan, which says nothing about the next mask's.
+
+On the CPU test machine the end-to-end benchmark (``runtime_explicit.py --attention-only``) could not separate
+them (four ranks share two cores: idle time goes to the others, only total work counts).
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ from ultraattn.passes.ops.program import new_token
 from ultraattn.passes.records import PlanEvent
 from ultraattn.passes.site import MAX_PENDING, SiteState, check_same_inputs, mask_from_content
 from ultraattn.passes.state import side_table
-from ultraattn.planner.baselines import zigzag_owner
+from ultraattn.planner.baselines import striped_owner
 from ultraattn.planner.exchange import plan_exchange
 from ultraattn.planner.plan import Mesh, padded_chunk
 from ultraattn.runtime.comm import Comm, GroupRef, resolve_group
@@ -57,6 +68,9 @@ ops = torch.ops.ultraattn
 
 CHUNKS_PER_RANK = 4
 """Chunks each rank owns in a global-view site (per-batch owners balance over them)."""
+RUNTIME_MASK_STRIPES = 8
+"""Head-tail stripes of a sequence-sharded graph whose first site's mask arrives at run time: 16 chunks per rank
+(fewer where chunks would be smaller than a block); see the [Note] above."""
 OWNERS_PER_BATCH = True
 """Global-view sites choose owners per mask (see the [Note] in the module docstring)."""
 
@@ -239,9 +253,9 @@ def runtime_program(state: SiteState, device: torch.device) -> RuntimeProgram:
         # CHUNKS_PER_RANK chunks each, fewer where chunks would be smaller than a block (less padding)
         per = max(1, min(CHUNKS_PER_RANK, -(-spec.q_shape[2] // (mesh.world * block))))
         owner = None
-        if not OWNERS_PER_BATCH:  # head-tail, balanced for causal-like masks (an even number of chunks each)
+        if not OWNERS_PER_BATCH:  # head-tail stripes (an even number of chunks each)
             per += per % 2
-            owner = tuple(zigzag_owner(mesh.world, per // 2))
+            owner = tuple(striped_owner(mesh.world, per // 2))
         num = per * mesh.world
         chunk = padded_chunk(spec.q_shape[2], num, block)
     comm = Comm(rank=me, global_ranks=ranks, group_ref=GroupRef(group), timeout=opts.timeout)
