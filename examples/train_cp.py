@@ -18,10 +18,11 @@ of the attention calls alone) for comparison.
 Attention is ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)``. With
 ``--mask document`` every step packs new random-length documents (seeded: the same on every rank)
 into the sequence and calls ``flex_attention`` with a document-causal BlockMask; each new mask is
-planned without recompiling, by every rank for itself with the fast planner (milliseconds; the
-"plan ms" column is rank 0's planning time inside the step). ``--plan-ahead`` hands the next
-step's mask to ``ultraattn.plan_ahead`` before running the current step, as a data loader would,
-so the plan is made on a worker thread while the step runs. The single-process reference uses
+planned without recompiling, by every rank for itself (milliseconds; the "plan ms" column is rank
+0's planning time inside the step): the explicit program's exchange plan, or with ``--opaque`` the
+fast planner's. ``--plan-ahead`` hands the next step's mask to ``ultraattn.plan_ahead`` before
+running the current step, as a data loader would, so the fast plan is made on a worker thread while
+the step runs (opaque sites; explicit sites plan in the step). The single-process reference uses
 SDPA with the equivalent dense boolean mask (eager flex_attention has no backward on CPU). On CPU
 the ranks share the cores, so the step times show the overhead of the run, not a speed-up.
 """
@@ -179,7 +180,8 @@ def train(args: argparse.Namespace, device: torch.device, compiled: bool, rank: 
         mask = block_mask if compiled else dense
         if compiled and args.plan_ahead and step + 1 < len(data) and masks[step + 1][0] is not None:
             ultraattn.plan_ahead(masks[step + 1][0])  # the data loader's side: planned while this step runs
-        planned = ONLINE.stats.seconds_inline
+        # planning inside the step: the fast planner's (opaque sites) and the exchange plans (explicit sites)
+        planned = ONLINE.stats.seconds_inline + counters["ultraattn"]["exchange_plan_us"] * 1e-6
         start = time.perf_counter()
         loss = run(tokens.to(device), mask)
         loss.backward()
@@ -187,7 +189,8 @@ def train(args: argparse.Namespace, device: torch.device, compiled: bool, rank: 
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())  # .item() waits for the device
         seconds.append(time.perf_counter() - start)
-        plan_ms.append((ONLINE.stats.seconds_inline - planned) * 1e3)
+        plan_ms.append((ONLINE.stats.seconds_inline + counters["ultraattn"]["exchange_plan_us"] * 1e-6 - planned)
+                       * 1e3)
     c = counters["ultraattn"]  # what the backend did, counted by torch._dynamo.utils.counters
     return {"losses": losses, "seconds": seconds, "plan_ms": plan_ms, "sites": c["sites"],
             "rewritten": c["rewritten"], "sharded_ops": c["sharded_ops"], "fallbacks": c["fallbacks"],

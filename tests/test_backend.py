@@ -293,6 +293,10 @@ def test_main_example_runs_and_matches_a_single_process():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "(tolerance 0.0001): OK" in out.stdout and "per rank: 1/1, 1/1" in out.stdout, out.stdout[-2000:]
+    # its flex site is an explicit program whose new masks are planned inside each step (the "plan ms" column)
+    assert "│ explicit │" in out.stdout, out.stdout[-3000:]
+    steps = [ln.split() for ln in out.stdout.splitlines() if ln.split()[:1] in (["1"], ["2"])]
+    assert len(steps) == 2 and all(float(row[6]) > 0 for row in steps), steps
 
 
 def test_flex_cpu_backward_shim_is_narrow():

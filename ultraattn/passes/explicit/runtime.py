@@ -157,6 +157,7 @@ class RuntimeProgram:
             self.runs.put(key, run)
             state.plans.plans += 1
             state.plans.seconds += seconds
+            side_table().bump("exchange_plan_us", round(seconds * 1e6))  # planning inside the step (examples)
             state.observer.plan_made(self._event(run, seconds))
         else:
             state.plans.hits += 1
