@@ -130,3 +130,10 @@ def test_a_mask_whose_shape_disagrees_with_the_inputs_is_named():
     with pytest.raises(Exception, match="block_mask") as info:
         torch.compile(model, backend="ultraattn")(torch.randint(0, 64, (1, 160)), bm)
     assert "128" in str(info.value) and "160" in str(info.value), str(info.value)
+    # a boolean SDPA mask of the wrong size: Dynamo's tracing fails first, naming attn_mask and both shapes
+    torch._dynamo.reset()  # (the failed frame above would otherwise run eagerly, with eager SDPA's message)
+    dense = build({"attn": "dense_mask", "mask": "document", "seqlen": 160, "lengths": [100, 60]})
+    _, bad = make_masks("document", 128, [64, 64])
+    with pytest.raises(Exception, match="attn_mask") as info:
+        torch.compile(dense, backend="ultraattn")(torch.randint(0, 64, (1, 160)), bad)
+    assert "(128, 128)" in str(info.value) and "160" in str(info.value), str(info.value)
