@@ -105,12 +105,26 @@ def test_document_masks_over_five_batches_compile_once(world, shard, tmp_path):
 
 
 def test_sliding_window_with_sharded_outputs_and_random_block_masks_across_a_graph_break():
-    """A sliding window (MQA: one KV head; the same mask every batch) with outputs="sharded" at 2 ranks;
-    random BlockMasks (FULL, PARTIAL
-    and EMPTY blocks, a new one per batch) across a graph break at 4 ranks."""
-    sliding = [{"attn": "flex", "mask": "sliding", "window": w, "seqlen": 192, "kv_heads": 1} for w in (40, 40, 40)]
+    """A sliding window (MQA: one KV head; the same mask every batch) with outputs="sharded" at 2 ranks, then
+    windows that change (the mask_mod closes over a Python int); random BlockMasks (FULL, PARTIAL and EMPTY
+    blocks, a new one per batch) across a graph break at 4 ranks."""
+    sliding = [{"attn": "flex", "mask": "sliding", "window": w, "seqlen": 192, "kv_heads": 1}
+               for w in (40, 40, 40, 56, 72)]
     res = run_ranks(runtime_mask_worker, 2, args=(sliding, FAST, "sharded"), timeout=900)
-    _check_run(res, sliding, local=True, distinct=1)  # built once: planned once
+    first = [dict(got, steps=got["steps"][:3], frames=got["frames"][:3], aot=got["aot"][:2],
+                  events=[e for e in got["events"] if e["graph"] == 0]) for got in res]
+    _check_run(first, sliding[:3], local=True, distinct=1)  # built once: planned once
+    # a window that changes: Dynamo compiles once more with the int as a SymInt (its automatic dynamic shapes),
+    # which reaches the program as a 0-d mask tensor; no compile for the next window
+    refs = [oracle(sp) for sp in sliding[3:]]
+    for r, got in enumerate(res):
+        assert [f[0] for f in got["frames"]] == [1, 1, 1, 2, 2], got["frames"]
+        assert all("site_attention" not in g["code"] for g in got["aot"]) and len(got["aot"]) == 4
+        for i, (st, ref) in enumerate(zip(got["steps"][3:], refs)):
+            assert not check_step(st, *ref), (r, i, check_step(st, *ref))
+            for name, site in st["sites"].items():
+                for ph in ("fwd", "bwd"):
+                    assert {k: site["moved"][ph][k] for k in ("sent", "recv")} == site["planned"][ph], (r, name)
     rand = [{"attn": "flex", "mask": "random", "mask_seed": s, "seqlen": 192} for s in (1, 2, 3)]
     res = run_ranks(runtime_mask_worker, 4, args=(rand, FAST, "break"), timeout=900)
     _check_run(res, rand, graphs=2, local=True)

@@ -12,6 +12,9 @@ into::
 
 registering the site's ``SiteSpec`` in the side table under the key the call carries. Every
 inserted node carries its fake value, and each rewrite bumps ``counters["ultraattn"]["rewritten"]``.
+A mask_mod's scalar inputs (a Python number it closes over, which Dynamo makes a SymInt once it
+changes between calls: a window size per batch) enter the op as 0-d tensors (``_as_tensors``): the
+op takes tensors only, and the mask_mod computes with a 0-d tensor as with the number.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from ultraattn.passes.capture import Site
-from ultraattn.passes.fx_util import insert_call
+from ultraattn.passes.fx_util import insert_call, meta_value, set_value, tensor_value, value_fake_mode
 from ultraattn.passes.options import BackendOptions
 from ultraattn.passes.records import NullObserver, Observer
 from ultraattn.passes.site import SiteSpec, SiteState
@@ -35,6 +38,23 @@ def site_spec(s: Site, options: BackendOptions, graph_index: int) -> SiteSpec:
     return SiteSpec(key=f"{s.name}-{uuid.uuid4().hex[:12]}", name=s.name, graph=graph_index, op=s.op, mask=s.mask,
                     q_shape=s.q_shape, kv_shape=s.kv_shape, dtype=s.dtype, scale=scale, options=options,
                     flex=s.flex_info())
+
+
+def _as_tensors(graph: fx.Graph, inputs: list, like: fx.Node) -> list[fx.Node]:
+    """``inputs`` with every scalar (a SymInt/SymFloat node or a number) made a 0-d tensor node, its fake value
+    made in the fake mode of ``like``'s (the op's other inputs')."""
+    out = []
+    for x in inputs:
+        if isinstance(x, fx.Node) and tensor_value(x) is not None:
+            out.append(x)
+            continue
+        value = meta_value(x) if isinstance(x, fx.Node) else x
+        dtype = torch.float64 if isinstance(value, (float, torch.SymFloat)) else torch.int64
+        node = graph.call_function(torch.ops.aten.scalar_tensor.default, (x,), {"dtype": dtype})
+        with value_fake_mode([tensor_value(like)]):
+            set_value(node, torch.ops.aten.scalar_tensor.default(value, dtype=dtype))
+        out.append(node)
+    return out
 
 
 def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions, *, graph_index: int,
@@ -50,7 +70,7 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions
         state = table.add_site(site_spec(s, options, graph_index), observer or NullObserver())
         with graph.inserting_before(s.node):
             res = insert_call(graph, torch.ops.ultraattn.site_attention.default,
-                              (s.q, s.k, s.v, s.mask_inputs(), state.spec.key))
+                              (s.q, s.k, s.v, _as_tensors(graph, s.mask_inputs(), s.q), state.spec.key))
         s.replace_with(res)
         table.bump("rewritten")
         states.append(state)

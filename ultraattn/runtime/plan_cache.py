@@ -24,7 +24,7 @@ def content_digest(tensors: Sequence[Tensor], extra: object = ()) -> str:
     for t in tensors:
         t = t.detach()
         h.update(repr((tuple(t.shape), str(t.dtype))).encode())
-        h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 
