@@ -220,8 +220,12 @@ def make_layout(
 
 
 def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, batch: int, num_heads: int,
-                        device: torch.device | str = "cpu") -> BlockSparseLayout:
-    """Layout from a pattern plus the mask_mod that resolves its PARTIAL cells (see ``make_layout``)."""
+                        device: torch.device | str = "cpu", q_blocks: Tensor | None = None) -> BlockSparseLayout:
+    """Layout from a pattern plus the mask_mod that resolves its PARTIAL cells (see ``make_layout``).
+
+    ``q_blocks`` (int64; -1: a block of padding, EMPTY): the layout of these Q blocks only, in this order, against
+    every KV block (what ``sub_layout(full, q_blocks, all KV blocks)`` returns), evaluating the mask_mod on their
+    PARTIAL cells only: a rank's share of a mask costs its share of the evaluation."""
     qb, kb = pattern.q_block, pattern.kv_block
     _check_block("q_block", qb)
     _check_block("kv_block", kb)
@@ -238,6 +242,12 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
     if kv_len % kb:
         tail = kind_all[..., nk - 1]
         tail[tail == FULL] = PARTIAL
+    q_map = None
+    if q_blocks is not None:  # rows of these blocks (an EMPTY row for -1)
+        q_map = q_blocks.long().cpu()
+        if bool((q_map >= nq).any()) or bool((q_map < -1).any()):
+            raise ValueError(f"q_blocks must be in [-1, {nq}), got {q_map.tolist()}")
+        kind_all = torch.nn.functional.pad(kind_all, (0, 0, 0, 1))[..., q_map, :]
     has_partial = bool((kind_all == PARTIAL).any())
     if has_partial and mask_mod is None:
         raise ValueError(
@@ -253,10 +263,12 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
             kind = kind_all[b % bp, g]
             key = (b if dep_b else -1, h if dep_h else -1, b % bp, g)
             if key not in seen:
-                seen[key] = _partial_bits(mask_mod, kind, b, h, qb, kb, q_len, kv_len)
+                seen[key] = _partial_bits(mask_mod, kind, b, h, qb, kb, q_len, kv_len, q_map)
             kinds.append(kind)
             bit_sets.append(seen[key])
     pattern_of, kind_u, bits_all, tile_grid = _dedupe(kinds, bit_sets, qb, kb)
+    if q_map is not None:
+        q_len = len(q_map) * qb
     lay = _assemble(kind_u, tile_grid, bits_all, torch.tensor(pattern_of, dtype=torch.int32), q_len=q_len,
                     kv_len=kv_len, q_block=qb, kv_block=kb, batch=batch, num_heads=num_heads, name=pattern.name)
     return lay.to(device) if torch.device(device).type != "cpu" else lay
@@ -319,12 +331,15 @@ def sub_layout(layout: BlockSparseLayout, q_blocks: Tensor, kv_blocks: Tensor, g
 
 
 def _partial_bits(mask_mod: Callable | None, kind: Tensor, b: int, h: int, qb: int, kb: int, q_len: int,
-                  kv_len: int) -> Tensor:
+                  kv_len: int, q_map: Tensor | None = None) -> Tensor:
     """int32 [cells, qb, ceil(kb / 32)]: the packed element mask of each PARTIAL cell of one (batch, head) grid, in
-    row-major cell order, evaluated ``_EVAL_CHUNK`` elements at a time."""
+    row-major cell order, evaluated ``_EVAL_CHUNK`` elements at a time (``q_map``: the Q block of each row of
+    ``kind``, when it holds some rows of the mask only)."""
     cells = (kind == PARTIAL).nonzero()
     if not len(cells):
         return torch.zeros(0, qb, (kb + 31) // 32, dtype=torch.int32)
+    if q_map is not None:
+        cells = torch.stack([q_map[cells[:, 0]], cells[:, 1]], 1)
     rows, cols = torch.arange(qb), torch.arange(kb)
     chunk = max(1, _EVAL_CHUNK // (qb * kb))
     parts = []

@@ -311,7 +311,7 @@ def _ordered_to_dense_BHQK(num_BHQ: Tensor, idx_BHQX: Tensor, nq: int, nk: int) 
     return dense[..., :nq, :]
 
 
-def pattern_from_block_mask(block_mask: BlockMask) -> BlockPattern:
+def pattern_from_block_mask(block_mask: BlockMask, *, count: bool = True) -> BlockPattern:
     """Block pattern of a FlexAttention ``BlockMask``.
 
     Cells listed in ``kv_indices[:kv_num_blocks]`` are PARTIAL, in
@@ -325,7 +325,8 @@ def pattern_from_block_mask(block_mask: BlockMask) -> BlockPattern:
     ``MAX_PARTIAL_EVAL_PAIRS`` (2**28). Exactly counted cells are then re-classified by their
     counts (a PARTIAL cell whose pairs all attend, e.g. a tail cell, becomes FULL; one with none
     EMPTY). Caution: past that limit a PARTIAL cell's count is its area, an upper estimate, and
-    it stays PARTIAL.
+    it stays PARTIAL. ``count=False`` takes that path at any size: the BlockMask's own kinds, read
+    from its index lists without evaluating the mask_mod (what a plan that needs only kinds reads).
 
     Returns:
         The ``BlockPattern``: identical batch entries collapse to B = 1, heads with identical
@@ -348,7 +349,7 @@ def pattern_from_block_mask(block_mask: BlockMask) -> BlockPattern:
     cells = torch.nonzero(partial)  # [N, 4]: b, h, i, j
     counter = getattr(mask_mod, "count_pairs", None)
     sliced = getattr(mask_mod, "__name__", "") == "_sliced_mask_mod_error"
-    exact = bool(cells.numel()) and not sliced and (
+    exact = count and bool(cells.numel()) and not sliced and (
         counter is not None or int(area_QK[cells[:, 2], cells[:, 3]].sum()) <= MAX_PARTIAL_EVAL_PAIRS
     )
     kind_BHQK = None  # exact counts: kinds follow them

@@ -3,7 +3,8 @@
 The explicit program of a site whose mask arrives at run time (``passes/explicit/runtime.py``) is a
 fixed skeleton; what its nodes do comes from an ``ExchangeRun`` made per mask:
 
-    run = make_run(mask_layout, plan, rank=r, device=dev, comm=comm, seq=...)
+    rows = layout_from_pattern(pattern, mask_mod, ..., q_blocks=rank_rows(plan, r, ...))  # r's rows only
+    run = make_run(rows, plan, rank=r, device=dev, comm=comm, seq=...)
     h = post_kv(run, k_l, v_l)                 # one message per rank pair: the K/V chunks it needs
     ... local tile (q_l x k_l, run.local) ...   # overlaps the messages
     kbuf, vbuf = wait_kv(run, h)               # other ranks' chunks by slot (zeros where not needed)
@@ -19,26 +20,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from ..kernels.layout import BlockSparseLayout, sub_layout, tile_grid
-from ..planner.exchange import ExchangePlan, cell_weights
+from ..planner.exchange import ExchangePlan
 from .comm import Comm, CommLog, pack, unpack
 from .sequence import SequenceShards
 
 KV_TAG = 1 << 20
 """Message tag of the forward K/V exchange (the backward's is ``KV_TAG + 1``); one message per rank pair."""
-
-
-def chunk_weights(layout: BlockSparseLayout, chunk: int, num_chunks: int, partial_overhead: float = 0.1
-                  ) -> np.ndarray:
-    """float64 [P, P]: ``planner.exchange.cell_weights`` of ``layout``'s block grids on ``num_chunks`` chunks of
-    ``chunk`` tokens."""
-    uses = np.bincount(layout.pattern_of.cpu().long().numpy(), minlength=layout.num_patterns)
-    return cell_weights(layout.kind.cpu().numpy(), uses, per_q=chunk // layout.q_block,
-                        per_k=chunk // layout.kv_block, num_chunks=num_chunks, partial_overhead=partial_overhead)
 
 
 def _blocks(chunks: list[int], per: int, limit: int) -> Tensor:
@@ -76,21 +67,27 @@ class ExchangeRun:
         return {c: i for i, c in enumerate(self.plan.slots(self.rank))}
 
 
-def make_run(layout: BlockSparseLayout, plan: ExchangePlan, *, rank: int, device: torch.device, comm: Comm | None,
+def make_run(rows: BlockSparseLayout, plan: ExchangePlan, *, rank: int, device: torch.device, comm: Comm | None,
              seq: SequenceShards) -> ExchangeRun:
-    """Cut ``layout`` (the whole mask) into this rank's local and remote tiles and place them on ``device``."""
-    grid = tile_grid(layout)
+    """Cut ``rows`` (the layout of this rank's query rows against every key: ``rank_rows`` / ``row_layout``)
+    into its local and remote tiles and place them on ``device``."""
+    grid = tile_grid(rows)
     chunk = plan.layout.chunk_size
-    per_q, per_k = chunk // layout.q_block, chunk // layout.kv_block
-    nq, nk = layout.grid
+    per_k = chunk // rows.kv_block
+    nk = rows.grid[1]
     mine = plan.layout.local_chunks(rank)
-    rows = _blocks(mine, per_q, nq)
-    local = sub_layout(layout, rows, _blocks(mine, per_k, nk), grid)
-    remote = sub_layout(layout, rows, _blocks(plan.slots(rank), per_k, nk), grid)
+    local_rows = torch.arange(rows.grid[0])
+    local = sub_layout(rows, local_rows, _blocks(mine, per_k, nk), grid)
+    remote = sub_layout(rows, local_rows, _blocks(plan.slots(rank), per_k, nk), grid)
     pos = torch.arange(chunk)
     index = torch.cat([c * chunk + pos for c in mine])
     return ExchangeRun(plan=plan, rank=rank, local=local.to(device), remote=remote.to(device),
                        index=index.to(device), comm=comm, seq=seq)
+
+
+def rank_rows(plan: ExchangePlan, rank: int, q_block: int, num_q_blocks: int) -> Tensor:
+    """The Q blocks of ``rank``'s chunks under ``plan``, in local order (-1: padding): the rows of its layout."""
+    return _blocks(plan.layout.local_chunks(rank), plan.layout.chunk_size // q_block, num_q_blocks)
 
 
 def _chunk_slices(x: Tensor, positions: list[int], chunk: int) -> list[Tensor]:

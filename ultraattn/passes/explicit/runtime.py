@@ -41,23 +41,25 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from ultraattn.cache import LRU
-from ultraattn.kernels import make_layout
+from ultraattn.kernels.layout import layout_from_pattern
+from ultraattn.masks.convert import pattern_from_block_mask, to_block_pattern
 from ultraattn.passes.ops.program import new_token
 from ultraattn.passes.records import PlanEvent
 from ultraattn.passes.site import MAX_PENDING, SiteState, check_same_inputs, mask_from_content
 from ultraattn.passes.state import side_table
 from ultraattn.planner.baselines import striped_owner
-from ultraattn.planner.exchange import plan_exchange
+from ultraattn.planner.exchange import pattern_weights, plan_exchange
 from ultraattn.planner.plan import Mesh, padded_chunk
 from ultraattn.runtime.comm import Comm, GroupRef, resolve_group
 from ultraattn.runtime.exchange import (
     ExchangeRun,
-    chunk_weights,
     make_run,
     post_dkv,
     post_kv,
+    rank_rows,
     wait_dkv,
     wait_kv,
 )
@@ -177,24 +179,32 @@ class RuntimeProgram:
         return run
 
     def _make(self, mask_tensors: list[Tensor]) -> ExchangeRun:
+        """Kinds of the whole mask (no mask_mod evaluation for a BlockMask) -> chunk weights -> the plan (the same
+        on every rank) -> the element masks of this rank's rows only: each rank evaluates 1/world of the mask."""
         spec = self.state.spec
         B, H, S, D = spec.q_shape
         Hk = spec.kv_shape[1]
         mask, mask_mod = mask_from_content(spec, mask_tensors, B, H)
-        layout = make_layout(mask, q_len=S, kv_len=spec.kv_shape[2], batch=B, num_heads=H, mask_mod=mask_mod,
-                             block_size=spec.options.block_size)
-        if self.chunk % layout.q_block or self.chunk % layout.kv_block:
+        if isinstance(mask, BlockMask):
+            pattern = pattern_from_block_mask(mask, count=False)
+        else:
+            pattern = to_block_pattern(mask, q_len=S, kv_len=spec.kv_shape[2], block_size=spec.options.block_size,
+                                       batch=B, num_heads=H)
+        if self.chunk % pattern.q_block or self.chunk % pattern.kv_block:
             raise RuntimeError(f"ultraattn site {spec.name}: chunks of {self.chunk} tokens are not whole mask blocks "
-                               f"({layout.q_block} x {layout.kv_block})")
+                               f"({pattern.q_block} x {pattern.kv_block})")
         cost = spec.options.cost_model()
-        weights = chunk_weights(layout, self.chunk, self.num_chunks, cost.partial_block_overhead)
+        weights = pattern_weights(pattern, batch=B, num_heads=H, chunk=self.chunk, num_chunks=self.num_chunks,
+                                  partial_overhead=cost.partial_block_overhead)
         elt = torch.empty((), dtype=spec.dtype).element_size()
         plan = plan_exchange(weights, mesh=self.mesh, chunk=self.chunk, owner=self.owner,
                              kv_chunk_bytes=2 * B * Hk * self.chunk * D * elt,
                              dkv_chunk_bytes=2 * B * Hk * self.chunk * D * 4)
+        rows = layout_from_pattern(pattern, mask_mod, batch=B, num_heads=H,
+                                   q_blocks=rank_rows(plan, self.rank, pattern.q_block, pattern.grid[0]))
         seq = SequenceShards(plan.layout, rank=self.rank, global_ranks=tuple(self.comm.global_ranks),
                              group_ref=self.comm.group_ref, timeout=spec.options.timeout)
-        return make_run(layout, plan, rank=self.rank, device=self.device, comm=self.comm, seq=seq)
+        return make_run(rows, plan, rank=self.rank, device=self.device, comm=self.comm, seq=seq)
 
     def _event(self, run: ExchangeRun, seconds: float) -> PlanEvent:
         spec, plan = self.state.spec, run.plan
