@@ -69,7 +69,7 @@ class ExchangeRun:
 
 def make_run(rows: BlockSparseLayout, plan: ExchangePlan, *, rank: int, device: torch.device, comm: Comm | None,
              seq: SequenceShards) -> ExchangeRun:
-    """Cut ``rows`` (the layout of this rank's query rows against every key: ``rank_rows`` / ``row_layout``)
+    """Cut ``rows`` (the layout of this rank's query rows, ``rank_rows``, against every key)
     into its local and remote tiles and place them on ``device``."""
     grid = tile_grid(rows)
     chunk = plan.layout.chunk_size
