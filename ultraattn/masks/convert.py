@@ -464,6 +464,7 @@ def to_block_pattern(
     block_size: int | tuple[int, int] = 128,
     batch: int = 1,
     num_heads: int = 1,
+    count: bool = True,
 ) -> BlockPattern:
     """Any supported mask as a ``BlockPattern``.
 
@@ -473,6 +474,7 @@ def to_block_pattern(
         q_len, kv_len: lengths, required for a mask_mod or a string (kv_len defaults to q_len);
             checked against a ``BlockMask``'s or tensor's own lengths when given.
         block_size, batch, num_heads: as in ``pattern_from_mask_mod`` (``block_size`` also for tensors).
+        count: a ``BlockMask``'s PARTIAL cells are counted (``pattern_from_block_mask``); False: its own kinds.
 
     Raises:
         TypeError: an unsupported mask type.
@@ -482,7 +484,7 @@ def to_block_pattern(
         case BlockPattern():
             return mask
         case BlockMask():
-            pattern = pattern_from_block_mask(mask)
+            pattern = pattern_from_block_mask(mask, count=count)
         case str():
             if mask not in ("causal", "full"):
                 raise ValueError(f"a string mask must be one of 'causal', 'full', got {mask!r}")

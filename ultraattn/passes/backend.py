@@ -173,12 +173,12 @@ def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendO
     world = opts.world_size
     if not spec.static_mask and explicit_reason(state) is None:
         # a new mask every batch, computed where its query rows live: no single mask's plan fits the next one;
-        # fine head-tail stripes balance document masks within ~1.1 (passes/explicit/runtime.py's [Note])
-        # the most stripes (up to RUNTIME_MASK_STRIPES) that pad the sequence no more than the fewest would
-        padded = {s: 2 * world * s * padded_chunk(an.seq_len, 2 * world * s, block)
-                  for s in range(1, RUNTIME_MASK_STRIPES + 1)}
-        stripes = max(s for s in padded if padded[s] == min(padded.values()))
-        chunk = padded_chunk(an.seq_len, 2 * world * stripes, block)
+        # fine head-tail stripes balance document masks within ~1.1 (passes/explicit/runtime.py's [Note]): the
+        # most stripes (up to RUNTIME_MASK_STRIPES) that pad the sequence no more than the fewest would
+        chunks = {s: padded_chunk(an.seq_len, 2 * world * s, block) for s in range(1, RUNTIME_MASK_STRIPES + 1)}
+        least = min(2 * world * s * c for s, c in chunks.items())
+        stripes = max(s for s, c in chunks.items() if 2 * world * s * c == least)
+        chunk = chunks[stripes]
         return TokenLayout(chunk_size=chunk, owner=tuple(striped_owner(world, stripes))), \
             f"head-tail stripes x{stripes} (a new mask every batch)"
     tensors = [values.get(m) for m in first.args[3]]

@@ -41,11 +41,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask
 
 from ultraattn.cache import LRU
 from ultraattn.kernels.layout import layout_from_pattern
-from ultraattn.masks.convert import pattern_from_block_mask, to_block_pattern
+from ultraattn.masks.convert import to_block_pattern
 from ultraattn.passes.ops.program import new_token
 from ultraattn.passes.records import PlanEvent
 from ultraattn.passes.site import MAX_PENDING, SiteState, check_same_inputs, mask_from_content
@@ -185,11 +184,8 @@ class RuntimeProgram:
         B, H, S, D = spec.q_shape
         Hk = spec.kv_shape[1]
         mask, mask_mod = mask_from_content(spec, mask_tensors, B, H)
-        if isinstance(mask, BlockMask):
-            pattern = pattern_from_block_mask(mask, count=False)
-        else:
-            pattern = to_block_pattern(mask, q_len=S, kv_len=spec.kv_shape[2], block_size=spec.options.block_size,
-                                       batch=B, num_heads=H)
+        pattern = to_block_pattern(mask, q_len=S, kv_len=spec.kv_shape[2], block_size=spec.options.block_size,
+                                   batch=B, num_heads=H, count=False)
         if self.chunk % pattern.q_block or self.chunk % pattern.kv_block:
             raise RuntimeError(f"ultraattn site {spec.name}: chunks of {self.chunk} tokens are not whole mask blocks "
                                f"({pattern.q_block} x {pattern.kv_block})")

@@ -38,6 +38,11 @@ def _fake_scalar() -> Tensor:
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
+def _fake_token_and_pair(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    """[scalar, two tensors of ``shape``]: the fake of the ops that return a token (or id) and a K/V-like pair."""
+    return [_fake_scalar()] + [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
+
+
 @custom_op("ultraattn::cp_rt_plan", mutates_args=())
 def cp_rt_plan(token: Tensor, mask_tensors: list[Tensor], site: str) -> list[Tensor]:
     """Plan this call's mask (an ``ExchangePlan``, cached on its content): [token, plan id]."""
@@ -82,8 +87,7 @@ def cp_rt_kv_wait(handle: Tensor, plan: Tensor, site: str) -> list[Tensor]:
 @cp_rt_kv_wait.register_fake
 def _(handle, plan, site):
     prog = _program(site)
-    return [_fake_scalar()] + [torch.empty(prog.buffer_shape, dtype=prog.dtype, device=prog.device)
-                               for _ in range(2)]
+    return _fake_token_and_pair(prog.buffer_shape, prog.dtype, prog.device)
 
 
 @custom_op("ultraattn::cp_rt_tile_fwd", mutates_args=())
@@ -131,8 +135,7 @@ def cp_rt_dkv_wait(handle: Tensor, plan: Tensor, site: str) -> list[Tensor]:
 @cp_rt_dkv_wait.register_fake
 def _(handle, plan, site):
     prog = _program(site)
-    return [_fake_scalar()] + [torch.empty(prog.local_kv_shape, dtype=torch.float32, device=prog.device)
-                               for _ in range(2)]
+    return _fake_token_and_pair(prog.local_kv_shape, torch.float32, prog.device)
 
 
 @custom_op("ultraattn::cp_rt_gather", mutates_args=())
@@ -173,8 +176,7 @@ def cp_rt_unstash(ticket: Tensor, site: str) -> list[Tensor]:
 @cp_rt_unstash.register_fake
 def _(ticket, site):
     prog = _program(site)
-    return [_fake_scalar()] + [torch.empty(prog.buffer_shape, dtype=prog.dtype, device=prog.device)
-                               for _ in range(2)]
+    return _fake_token_and_pair(prog.buffer_shape, prog.dtype, prog.device)
 
 
 RT_COMM_OPS = ("cp_rt_plan", "cp_rt_kv_start", "cp_rt_kv_wait", "cp_rt_dkv_start", "cp_rt_dkv_wait", "cp_rt_gather")
