@@ -26,15 +26,13 @@ sequence-sharded graph's layout for run-time masks).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from _results import pyplot, save
 
 from ultraattn.masks import generate_document
 from ultraattn.masks.convert import to_block_pattern
@@ -138,20 +136,11 @@ def main() -> None:
                       f"fwd MiB): " + "; ".join(f"{n} {row[n]['over_ideal']:.2f} ({row[n]['imbalance']:.2f}, "
                                                  f"{row[n]['fwd_mib']:.0f})" for n in res))
     out = Path(a.out)
-    out.parent.mkdir(exist_ok=True)
-    meta = {"command": " ".join(["python", *sys.argv]), "host": platform.node(),
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-            "model": f"{HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, bf16, block {BLOCK}, "
-                     "policies in POLICIES", "cost": "DEFAULT_COST (H100 figures, planner/cost.py)",
-            "note": "modelled, not measured on a GPU", "seconds": round(time.time() - t0, 1)}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no PNG)")
+    save(out, {"model": f"{HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, bf16, block {BLOCK}, policies in POLICIES",
+               "cost": "DEFAULT_COST (H100 figures, planner/cost.py)", "note": "modelled, not measured on a GPU",
+               "seconds": round(time.time() - t0, 1)}, rows)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 3.8))
     labels = [f"{r['packing'][:4]}\nS={r['seqlen'] // 1024}K W={r['world']}" for r in rows]

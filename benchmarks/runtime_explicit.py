@@ -21,14 +21,13 @@ median over ``--steps`` steps (after ``--warmup``), ``spread`` = (max - min) / m
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _results import pyplot, save
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
@@ -112,18 +111,10 @@ def main() -> None:
     print(f"losses of every configuration equal opaque's within 1e-4: {same}  ({time.time() - t0:.0f} s)")
     out = Path(a.out) if a.out else HERE / "results" / ("runtime_explicit" + ("_attention_only" if a.attention_only
                                                                                else "") + ".json")
-    out.parent.mkdir(exist_ok=True)
-    meta = {"command": " ".join(["python", *sys.argv]), "host": platform.node(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M"), **args, "nproc": a.nproc,
-            "losses_match": same}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no PNG)")
+    save(out, {"torch": torch.__version__, "threads": torch.get_num_threads(), **args, "nproc": a.nproc,
+               "losses_match": same}, rows)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(rows)
