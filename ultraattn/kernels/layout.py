@@ -182,7 +182,7 @@ def _sorted_lists(sel: Tensor) -> tuple[Tensor, Tensor]:
 def _check_block(name: str, value: int) -> None:
     if value < 16 or value & (value - 1):
         raise ValueError(
-            f"{name}={value}: the block-sparse kernels need a power-of-two block size >= 16 "
+            f"ultraattn: {name}={value}: the block-sparse kernels need a power-of-two block size >= 16 "
             f"(the tile is also the dot-product tile); build the mask with BLOCK_SIZE=128 (FlexAttention's default)"
         )
 

@@ -28,8 +28,10 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 from torch.nn.attention.flex_attention import BlockMask
 
+from ultraattn.eager import eager_dispatch
 from ultraattn.masks.factories import generate_causal, generate_full
 from ultraattn.masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
 
@@ -103,10 +105,8 @@ def eval_mask(mask_mod: Callable, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -
             return out.expand(shape)
     except Exception:  # noqa: BLE001 - any failure: retry the FlexAttention way
         pass
-    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-
     flat = [x.expand(shape).reshape(-1) for x in (b, h, q, kv)]
-    with TransformGetItemToIndex():
+    with eager_dispatch(), TransformGetItemToIndex():  # (inside a custom op, vmap needs the eager keys back)
         out = torch.vmap(mask_mod)(*flat)
     return out.to(torch.bool).reshape(shape)
 

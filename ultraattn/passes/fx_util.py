@@ -124,6 +124,35 @@ def set_input(n: fx.Node, where: int | str, value: fx.Node) -> None:
         n.meta["eager_input_vals"] = (tuple(args), kwargs)
 
 
+def is_impure(n: fx.Node) -> bool:
+    """Whether dead-code elimination must keep ``n``: FX's own rule, plus the vmap nesting calls of a region Dynamo
+    inlined (``torch._functorch.predispatch``: they return nothing anyone reads, yet without them the region's
+    batched values have no level)."""
+    return n.is_impure() or (n.op == "call_function" and
+                             getattr(n.target, "__module__", "") == "torch._functorch.predispatch")
+
+
+class _FakeProp(FakeTensorProp):
+    """FakeTensorProp that steps over ``vmap`` regions Dynamo inlined (a BlockMask built inside the compiled code:
+    ``create_block_mask``, or flex_attention's default mask): their values are functorch batched tensors, which
+    have no fake snapshot ("your tensor may have escaped from inside a function being vmapped"). Such nodes keep
+    the example values Dynamo gave them."""
+
+    _ENTER = ("_vmap_increment_nesting",)
+    _EXIT = ("_vmap_decrement_nesting",)
+
+    def __init__(self, gm, mode):
+        super().__init__(gm, mode)
+        self._vmap_depth = 0
+
+    def run_node(self, n):
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        self._vmap_depth += (name in self._ENTER) - (name in self._EXIT)
+        if self._vmap_depth > 0 or name in self._EXIT:
+            return fx.Interpreter.run_node(self, n)
+        return super().run_node(n)
+
+
 def refresh_fake_values(gm: fx.GraphModule, old_placeholders: list[fx.Node], example_inputs) -> None:
     """Fake values for every node of a rewritten graph, propagated from the original inputs' fakes
     (``old_placeholders``: the placeholders before the rewrite, which hold them)."""
@@ -134,7 +163,7 @@ def refresh_fake_values(gm: fx.GraphModule, old_placeholders: list[fx.Node], exa
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n, f in zip(phs, fakes):
         n.meta["example_value"] = f
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    _FakeProp(gm, mode).propagate_dont_convert_inputs(*fakes)
     for n in gm.graph.nodes:
         if "val" in n.meta and n.op != "placeholder":
             n.meta["example_value"] = n.meta["val"]

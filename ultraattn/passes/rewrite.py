@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from ultraattn.passes.capture import Site
-from ultraattn.passes.fx_util import insert_call, meta_value, set_value, tensor_value, value_fake_mode
+from ultraattn.passes.fx_util import insert_call, is_impure, meta_value, set_value, tensor_value, value_fake_mode
 from ultraattn.passes.options import BackendOptions
 from ultraattn.passes.records import NullObserver, Observer
 from ultraattn.passes.site import SiteSpec, SiteState
@@ -75,7 +75,7 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions
         table.bump("rewritten")
         states.append(state)
     for mod in touched.values():
-        mod.graph.eliminate_dead_code()
+        mod.graph.eliminate_dead_code(is_impure_node=is_impure)
         mod.graph.lint()
         mod.recompile()
     if touched:

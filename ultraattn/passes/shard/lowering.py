@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ultraattn.passes.fx_util import is_tensor_node, meta_value
+from ultraattn.passes.fx_util import is_impure, is_tensor_node, meta_value
 from ultraattn.passes.ops.seq import sp_enter
 from ultraattn.passes.records import Fallback, ShardSummary
 from ultraattn.passes.shard.analysis import Analysis, why_gathered
@@ -272,7 +272,7 @@ def _pack(*xs):
 
 
 def _impure(n: fx.Node) -> bool:
-    return n.is_impure() or (n.op == "call_function" and getattr(n.target, "namespace", None) == "ultraattn"
+    return is_impure(n) or (n.op == "call_function" and getattr(n.target, "namespace", None) == "ultraattn"
                              and "site_attention" in str(n.target))
 
 
