@@ -110,6 +110,8 @@ def choose_region(gm: fx.GraphModule, sp: Specs, sites: list[fx.Node]) -> dict[f
         if user not in region:
             return False
         r = rules[user]
+        if m in r.meta_args(user):
+            return True
         if m in r.rep_args(user):
             return False
         if region[user] == "reduce":

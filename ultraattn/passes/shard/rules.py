@@ -50,6 +50,11 @@ class Rule:
     def rep_args(self, n: fx.Node) -> set[fx.Node]:
         return set()
 
+    def meta_args(self, n: fx.Node) -> set[fx.Node]:
+        """Arguments of which the op reads only dtype or device (``type_as``'s reference): any form will do, so
+        they never need gathering; they are also in ``rep_args``, and ``lower`` does not read them."""
+        return set()
+
     def tokenwise(self, n: fx.Node, sp: Specs) -> bool:
         """Op-specific condition beyond the generic one (e.g. softmax not over the sequence)."""
         return True
@@ -113,6 +118,35 @@ class Identity(Rule):
 
     def rep_args(self, n):
         return {m for m in tensor_inputs(n) if m is not n.args[0]}
+
+
+class LikeOther(Identity):
+    """``x.type_as(y)`` / ``x.to(y)``: x cast to y's dtype (and device); y is read for that alone (torchtitan's RoPE
+    ends with ``xq_out.type_as(xq)``), so a sharded y is never gathered for it."""
+
+    def other(self, n):
+        y = arg(n, 1, "other")
+        return y if is_tensor_node(y) else None
+
+    def meta_args(self, n):
+        y = self.other(n)
+        return {y} if y is not None else set()
+
+    def lower(self, cx, n):
+        y = self.other(n)
+        if y is None:  # x.to(dtype), x.to(device): the op as it is
+            return super().lower(cx, n)
+        x = cx.shard_of(n.args[0], cx.want(n, n.args[0]))
+        return cx.g.call_method("to", (x,), {"dtype": meta_value(y).dtype, "device": meta_value(y).device})
+
+
+class ComplexView(Rule):
+    """view_as_complex / view_as_real: a trailing pair of reals is one complex number, the other dims keep (RoPE as
+    complex rotations, as torchtitan's Llama writes it)."""
+
+    def links(self, n):
+        x = n.args[0]
+        return [dim_link(x, {d: d for d in range(min(ndim_of(x), ndim_of(n)))})]
 
 
 class Reshape(Rule):
@@ -318,11 +352,23 @@ class Embedding(FirstInput):
 
 
 class Cat(Rule):
-    """cat / concat / stack along a dim that is not the sequence."""
+    """cat / concat / stack along a dim that is not the sequence, or along any dim where every other part is empty.
+
+    An empty 1-D part (``torch.tensor([])``, which cat skips whatever the other parts' shapes) contributes nothing:
+    Hugging Face's ``DynamicCache`` (``use_cache=True``, the default even in training) appends each layer's keys and
+    values to such an empty cache, ``cat([tensor([]), k], dim=-2)``, which is ``k`` itself."""
 
     def parts(self, n):
         xs = arg(n, 0, "tensors")
-        return [x for x in xs if is_tensor_node(x)] if isinstance(xs, list | tuple) else []
+        return [x for x in xs if is_tensor_node(x) and not self.empty(n, x)] if isinstance(xs, list | tuple) else []
+
+    def empty(self, n, x) -> bool:
+        v = meta_value(x)
+        return opname(n) != "stack" and v.dim() == 1 and v.numel() == 0
+
+    def rep_args(self, n):
+        xs = arg(n, 0, "tensors")
+        return {x for x in xs if is_tensor_node(x) and self.empty(n, x)} if isinstance(xs, list | tuple) else set()
 
     def cat_dim(self, n) -> int:
         return norm_dim(arg(n, 1, "dim", 0), ndim_of(n))
@@ -330,19 +376,23 @@ class Cat(Rule):
     def links(self, n):
         d = self.cat_dim(n)
         stack = opname(n) == "stack"
+        parts = self.parts(n)
         links = []
-        for x in self.parts(n):
+        for x in parts:
             nd = ndim_of(x)
             if stack:
                 mapping = {i: (i if i < d else i + 1) for i in range(nd)}
-            else:
-                mapping = {i: i for i in range(nd) if i != d}
+            else:  # the cat dim is the same positions only where the part is all there is
+                mapping = {i: i for i in range(nd) if i != d or len(parts) == 1}
             links.append(dim_link(x, mapping))
         return links
 
     def tokenwise(self, n, sp):
         s = sp.seq(n)
-        return s is not None and s.dim != self.cat_dim(n) and all(sp.seq(x) is not None for x in self.parts(n))
+        parts = self.parts(n)
+        along = s is not None and s.dim == self.cat_dim(n)
+        return s is not None and (not along or len(parts) == 1 and opname(n) != "stack") and \
+            all(sp.seq(x) is not None for x in parts)
 
 
 class Split(Rule):

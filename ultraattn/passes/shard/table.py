@@ -14,11 +14,13 @@ from ultraattn.passes.shard.reductions import Loss, Metadata, Reduction, Site
 from ultraattn.passes.shard.rules import (
     AlongDim,
     Cat,
+    ComplexView,
     Einsum,
     Embedding,
     Expand,
     GetItem,
     Identity,
+    LikeOther,
     Linear,
     Matmul,
     Norm,
@@ -32,14 +34,14 @@ from ultraattn.passes.shard.rules import (
 )
 
 POINTWISE_EXTRA = {
-    "where", "masked_fill", "clamp", "clip", "lerp", "addcmul", "addcdiv", "type_as", "dropout", "float_power",
+    "where", "masked_fill", "clamp", "clip", "lerp", "addcmul", "addcdiv", "dropout", "float_power",
     "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
     "bitwise_not", "floor_divide", "remainder", "positive", "maximum", "minimum", "fmax", "fmin", "nan_to_num",
 }
 IDENTITY = {
-    "float", "double", "half", "bfloat16", "int", "long", "bool", "to", "type", "contiguous", "clone", "detach",
+    "float", "double", "half", "bfloat16", "int", "long", "bool", "type", "contiguous", "clone", "detach",
     "requires_grad_", "cpu", "cuda", "dropout", "dropout1d", "alpha_dropout", "feature_alpha_dropout", "zeros_like",
-    "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "type_as", "detach_",
+    "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "detach_",
 }
 
 RULES: dict[str, Rule] = {}
@@ -61,6 +63,7 @@ RULES.update({
     "bmm": Matmul(), "outer": Outer(), "ger": Outer(), "einsum": Einsum(), "embedding": Embedding(),
     "cat": Cat(), "concat": Cat(), "concatenate": Cat(), "stack": Cat(), "chunk": Split(), "split": Split(),
     "tensor_split": Split(), "unbind": Split(), "split_with_sizes": Split(), "getitem": GetItem(),
+    "view_as_complex": ComplexView(), "view_as_real": ComplexView(), "type_as": LikeOther(), "to": LikeOther(),
     "ultraattn_site": Site(), "size": Metadata(), "dim": Metadata(), "numel": Metadata(),
 })
 for _n in ("sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", "prod", "std", "var", "norm",
