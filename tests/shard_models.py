@@ -12,6 +12,10 @@ Each style uses its own op vocabulary on purpose (none of it is ultraattn's exam
 * ``hf``: an HF-style attention module calling SDPA with a boolean ``attn_mask`` that the model
   builds from an ``attention_mask`` (padding) and ``position_ids`` inputs; returns logits, the loss
   is computed outside the compiled model.
+* ``titan``: torchtitan-Llama-3-like. One fused ``wqkv`` projection split by sizes, RoPE as complex
+  rotations (``view_as_complex`` of the pairs times a complex ``freqs_cis`` table sliced to the length,
+  ``view_as_real``, ``flatten``, ``type_as`` the input), ``F.rms_norm``, SDPA ``is_causal`` with GQA, the loss
+  inside forward.
 * ``pool``: a bidirectional encoder (SDPA without a mask) with mean pooling over the tokens and a
   classifier: a reduction over the sequence inside the model, then a per-sequence loss.
 * ``unknown``: a cumulative mean over the sequence between the layers (``cumsum`` along the
@@ -236,6 +240,72 @@ class HFModel(nn.Module):
         return self.head(self.final(h))
 
 
+# ----------------------------------------------------------------------------- torchtitan style
+def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    """The rotations as (cos, sin) pairs, [end, dim // 2, 2] (real: Module.to(float64) would drop a complex
+    table's imaginary part); forward views them as complex."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    return torch.view_as_real(torch.polar(torch.ones(end, dim // 2), torch.outer(torch.arange(end).float(), freqs)))
+
+
+def _wide(x):
+    return x if x.dtype == torch.float64 else x.float()  # torchtitan's .float() (the fp64 oracle stays fp64)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(_wide(xq).reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(_wide(xk).reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim, heads, kv_heads):
+        super().__init__()
+        self.h, self.hk, self.d = heads, kv_heads, dim // heads
+        self.wqkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.d, bias=False)
+        self.wo = nn.Linear(heads * self.d, dim, bias=False)
+        self.attention_norm = nn.Parameter(torch.ones(dim))
+        self.ffn_norm = nn.Parameter(torch.ones(dim))
+        self.w1 = nn.Linear(dim, 2 * dim, bias=False)
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, 2 * dim, bias=False)
+
+    def forward(self, x, freqs_cis):
+        bs, seqlen, _ = x.shape
+        h = F.rms_norm(x, (x.shape[-1],), self.attention_norm, eps=1e-5)
+        xq, xk, xv = self.wqkv(h).split([self.h * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
+        xq = xq.view(bs, seqlen, self.h, self.d)
+        xk = xk.view(bs, seqlen, self.hk, self.d)
+        xv = xv.view(bs, seqlen, self.hk, self.d)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        o = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
+                                           is_causal=True, enable_gqa=True)
+        x = x + self.wo(o.transpose(1, 2).reshape(bs, seqlen, -1))
+        h = F.rms_norm(x, (x.shape[-1],), self.ffn_norm, eps=1e-5)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class TitanLM(nn.Module):
+    def __init__(self, dim=32, heads=4, kv_heads=2, layers=2, max_seq_len=512):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(TitanBlock(dim, heads, kv_heads) for _ in range(layers))
+        self.norm = nn.Parameter(torch.ones(dim))
+        self.output = nn.Linear(dim, VOCAB, bias=False)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(dim // heads, max_seq_len), persistent=False)
+
+    def forward(self, tokens, labels):
+        h = self.tok_embeddings(tokens)
+        freqs_cis = torch.view_as_complex(self.freqs_cis[: tokens.shape[1]].contiguous())
+        for layer in self.layers:
+            h = layer(h, freqs_cis)
+        logits = self.output(F.rms_norm(h, (h.shape[-1],), self.norm, eps=1e-5)).float()
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
 class PoolClassifier(nn.Module):
     """Encoder layers (GPT-2 blocks without the causal mask), mean pooling, a classifier."""
 
@@ -271,6 +341,8 @@ def build(style: str, dtype=torch.float32, **kw) -> nn.Module:
         m = HFModel(**kw)
     elif style == "pool":
         m = PoolClassifier(**kw)
+    elif style == "titan":
+        m = TitanLM(**kw)
     else:
         raise ValueError(style)
     return m.to(dtype)

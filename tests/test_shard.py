@@ -80,7 +80,7 @@ def _analysis(model, *args):
     return out["gm"], out["an"]
 
 
-@pytest.mark.parametrize("style", ["llama", "gpt2", "hf"])
+@pytest.mark.parametrize("style", ["llama", "gpt2", "hf", "titan"])
 def test_the_common_vocabulary_runs_on_local_tokens(style):
     """Every op that carries the sequence is in the region; what stays replicated is what must (factories,
     the S x S mask, the shifted labels), never an activation."""
@@ -102,8 +102,8 @@ def test_an_op_along_the_sequence_stays_outside():
 
 
 # ----------------------------------------------------------------------------- across ranks
-@pytest.mark.parametrize("world,style", [(2, "llama"), (2, "gpt2"), (2, "hf"), (2, "pool"), (4, "llama"), (4, "gpt2"),
-                                         (4, "hf")])
+@pytest.mark.parametrize("world,style", [(2, "llama"), (2, "gpt2"), (2, "hf"), (2, "pool"), (2, "titan"), (4, "llama"),
+                                         (4, "gpt2"), (4, "hf")])
 def test_model_styles_match_one_process(style, world):
     """At 4 ranks the graphs run under aot_eager: the same sharded graph and explicit per-rank programs as under
     Inductor (which the 2-rank runs and test_backend's 4-rank runs compile), at a third of the compile time."""
@@ -214,23 +214,34 @@ def _sharded_outputs_worker(rank: int, world: int) -> dict:
     loss.backward()
     out = {"local_shape": tuple(local.shape), "full": full.detach(), "loss": loss.detach().double(),
            "grads": {n: p.grad.double() for n, p in model.named_parameters()},
-           "local_len": side_table().graphs[-1].shard.local_len, "error": "no error"}
+           "local_len": side_table().graphs[-1].shard.local_len}
 
     def attend(x):  # [2, 1, local tokens, vocab] as q, k, v: attention over a shard, as if it were global
         q = x[:, None]
         return F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
 
-    try:
-        torch.compile(attend, backend="ultraattn", options=FAST)(local)
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        out["error"] = str(exc)
+    def loss_of(x):  # no attention: a mean over a shard would be this rank's mean
+        return x.float().mean()
+
+    table = torch.ones(96, VOCAB)
+
+    def add_positions(x):  # Dynamo's trace fails in the user's code (the shard is shorter than the table)
+        return x + table
+
+    for name, fn in (("error", attend), ("no_attention_error", loss_of), ("trace_error", add_positions)):
+        try:
+            torch.compile(fn, backend="ultraattn", options=FAST)(local)
+            out[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            out[name] = str(exc)
     return out
 
 
 def test_sharded_outputs_and_undispatch():
     """options outputs='sharded': the logits stay on local tokens; ultraattn.undispatch gathers them (and is
-    differentiable), giving one process's logits and gradients. A shard passed into another graph with
-    attention is an error that says what to do."""
+    differentiable), giving one process's logits and gradients. A shard passed into another compiled function is
+    an error that says what to do: a graph with attention, one without (its mean would be this rank's), and a
+    function whose trace fails in Dynamo on the shard's length (the error keeps Dynamo's message after ours)."""
     res = run_ranks(_sharded_outputs_worker, 2, timeout=900)
     ref64, ref32 = oracle("hf", 96)
     want = build("hf")(*batch("hf", 96)[:3]).detach()
@@ -238,7 +249,9 @@ def test_sharded_outputs_and_undispatch():
         assert got["local_shape"] == (2, got["local_len"], VOCAB) and got["local_len"] < 96
         torch.testing.assert_close(got["full"], want, rtol=1e-5, atol=1e-5)
         assert not check_step(got, ref64, ref32), check_step(got, ref64, ref32)
-        assert "returned sharded" in got["error"] and "ultraattn.undispatch" in got["error"], got["error"]
+        for name in ("error", "no_attention_error", "trace_error"):
+            assert "returned sharded" in got[name] and "ultraattn.undispatch" in got[name], (name, got[name])
+        assert "add_positions()" in got["trace_error"] and "return x + table" in got["trace_error"]  # Dynamo's, after
 
 
 # ----------------------------------------------------------------------------- must not fire

@@ -27,6 +27,7 @@ from ultraattn.passes.options import BackendOptions, parse_options
 from ultraattn.passes.records import AotGraphRecord, GraphRecord, NullObserver, PlanEvent, ShardSummary, SiteStats
 from ultraattn.passes.rewrite import rewrite_sites
 from ultraattn.passes.shard import analyse, inline_checkpoints, summarize
+from ultraattn.passes.shard_inputs import install_shard_error_hint
 from ultraattn.passes.site import plan_offline
 from ultraattn.passes.state import SideTable, private_side_table, side_table
 from ultraattn.report.compile_report import (
@@ -41,6 +42,8 @@ from ultraattn.report.plan_report import print_plan_result
 
 SHIM_INSTALLED = install_flex_cpu_shim()
 """Dynamo can trace CPU flex_attention training for this backend (``passes/flex_shim.py``)."""
+HINT_INSTALLED = install_shard_error_hint()
+"""A trace that fails on a shard a graph returned says so (``passes/shard_inputs.py``)."""
 
 
 def _rank0() -> bool:

@@ -31,10 +31,12 @@ from ultraattn.passes.explicit.expand import expand_sites, explicit_reason, prep
 from ultraattn.passes.explicit.order import order_comm
 from ultraattn.passes.explicit.runtime import RUNTIME_MASK_STRIPES
 from ultraattn.passes.fx_util import placeholders, refresh_fake_values, tensor_value, ultraattn_op
+from ultraattn.passes.kept import keep_flex_eager
 from ultraattn.passes.options import BackendOptions
 from ultraattn.passes.records import AotGraphRecord, GraphRecord, Observer, PlanEvent, ShardSummary
 from ultraattn.passes.rewrite import rewrite_sites
 from ultraattn.passes.shard import analyse, inline_checkpoints, lower
+from ultraattn.passes.shard_inputs import check_no_shards
 from ultraattn.passes.site import SiteState, seed_plan
 from ultraattn.passes.state import SideTable
 from ultraattn.planner.api import padded_chunk
@@ -72,20 +74,21 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
     before = gm.code
     sites = capture(gm, example_inputs, opts.world_size)
     states = rewrite_sites(gm, sites, opts, graph_index=index, table=table, observer=observer)
+    kept = keep_flex_eager([s for s in sites if _cpu(s)], table)
     shard = None
-    if opts.world_size > 1 and states:
+    if opts.world_size > 1:
         check_no_shards(example_inputs)
-        if opts.shard:
+        if states and opts.shard:
             shard = shard_sequence(gm, states, opts, example_inputs, index, table)
     reasons = {s.spec.name: explicit_reason(s) for s in states}
     rec = GraphRecord(index=index, world_size=opts.world_size, code_before=before, code_after=gm.code,
-                      sites=tuple(s.record(_form(reasons, s.name)) for s in sites),
+                      sites=tuple(s.record(_form(reasons, s.name, kept)) for s in sites),
                       site_keys=tuple(s.spec.key for s in states), report_file=opts.report_file, shard=shard)
     table.bump("graphs")
     table.bump("sites", len(sites))
     observer.graph_compiled(rec)
     compiled = _compile(gm, example_inputs, rec, opts, table, observer, _devices(sites, states, reasons))
-    table.forget_with(compiled, rec.site_keys, (shard.key,) if shard is not None else ())
+    table.forget_with(compiled, rec.site_keys + tuple(kept.values()), (shard.key,) if shard is not None else ())
     return compiled
 
 
@@ -102,26 +105,23 @@ def capture(gm: fx.GraphModule, example_inputs, world: int) -> list[Site]:
     return sites
 
 
-def _form(reasons: dict, name: str) -> str:
+def _form(reasons: dict, name: str, eager) -> str:
+    if name in eager:
+        return "kept: PyTorch's eager flex_attention with the BlockMask's blocks (CPU)"
     if name not in reasons:
         return ""
     return "explicit" if reasons[name] is None else f"one op: {reasons[name]}"
+
+
+def _cpu(s: Site) -> bool:
+    q = tensor_value(s.q)
+    return q is not None and q.device.type == "cpu"
 
 
 def _devices(sites: list[Site], states: list[SiteState], reasons: dict) -> dict[str, torch.device]:
     """The device of each site that is expanded at compile time (by site key)."""
     q_of = {s.name: s.q for s in sites}
     return {st.spec.key: tensor_value(q_of[st.spec.name]).device for st in states if reasons[st.spec.name] is None}
-
-
-def check_no_shards(example_inputs) -> None:
-    """A graph with attention must see the global view: a shard an earlier graph returned is an error."""
-    for v in example_inputs:
-        if isinstance(v, torch.Tensor) and getattr(v, "_ultraattn_shard", None) is not None:
-            raise ValueError(
-                "a graph with attention received a tensor that an earlier ultraattn graph returned sharded "
-                "(options['outputs']='sharded'): gather it first with ultraattn.undispatch(x), or keep "
-                "options['outputs']='global' where the model has graph breaks between attention regions")
 
 
 # ----------------------------------------------------------------------------- analyse, plan, lower

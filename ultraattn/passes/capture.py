@@ -34,6 +34,8 @@ from ultraattn.passes.records import SiteRecord
 from ultraattn.passes.site import FlexMaskInfo
 
 _INV_LN2 = 1.0 / math.log(2.0)
+_NO_MASK_BLOCK = 1 << 30
+"""The block size of the BlockMask flex_attention makes when it is given none (``_LARGE_SPARSE_BLOCK_SIZE``)."""
 _SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
 
 
@@ -214,6 +216,7 @@ def _flex_site(index: int, node: fx.Node, world: int) -> Site:
         return s
     s.q_shape, s.kv_shape, s.dtype = tuple(qv.shape), tuple(kv.shape), qv.dtype
     owner = node.graph.owning_module
+    why_not = _flex_mask(s, bm, mask_buffers, owner)  # first: a site that is kept is reported with its true mask
     sm = getattr(owner, score_mod.target) if isinstance(score_mod, fx.Node) and score_mod.op == "get_attr" else None
     if score_buffers or not _identity_score_mod(sm):
         s.skip("flex_attention with a score_mod: the tile kernels apply masks only, so this site keeps "
@@ -223,28 +226,14 @@ def _flex_site(index: int, node: fx.Node, world: int) -> Site:
         if user.target is operator.getitem and user.args[1] not in (0, 1) and user.users:
             s.skip("the auxiliary max output of flex_attention is used")
             return s
+    if why_not:
+        s.skip(why_not)
+        return s
     if tuple(vv.shape) != s.kv_shape or s.q_shape[3] != s.kv_shape[3]:
         s.skip(f"q {s.q_shape} / k {s.kv_shape} / v {tuple(vv.shape)}: needs equal head dims and k, v of one shape")
         return s
     if qv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         s.skip(f"dtype {qv.dtype} is not supported by the tile kernels (fp16, bf16, fp32)")
-        return s
-    mm = bm[-1]
-    mask_mod = getattr(owner, mm.target) if isinstance(mm, fx.Node) and mm.op == "get_attr" else None
-    if mask_mod is None:
-        s.skip("the BlockMask's mask_mod is not a graph submodule")
-        return s
-    q_len, kv_len = bm[0], bm[1]
-    if not isinstance(q_len, int) or not isinstance(kv_len, int):
-        s.skip("the BlockMask's sequence lengths are dynamic")
-        return s
-    s.mask = "block_mask"
-    s.block_mask = {
-        "q_len": q_len, "kv_len": kv_len, "q_block": bm[-3], "kv_block": bm[-2],
-        "tensors": tuple(bm[2:6]), "mask_mod": mask_mod, "buffers": tuple(mask_buffers),
-    }
-    if q_len != s.q_shape[2] or kv_len != s.kv_shape[2]:
-        s.skip(f"BlockMask built for ({q_len}, {kv_len}) but q/k have lengths ({s.q_shape[2]}, {s.kv_shape[2]})")
         return s
     if s.q_shape[2] != s.kv_shape[2] and world > 1:
         s.skip(f"cross-attention (q len {s.q_shape[2]} != kv len {s.kv_shape[2]}) is not sharded")
@@ -252,11 +241,38 @@ def _flex_site(index: int, node: fx.Node, world: int) -> Site:
     if s.q_shape[1] % s.kv_shape[1]:
         s.skip(f"{s.q_shape[1]} query heads are not a multiple of {s.kv_shape[1]} kv heads")
         return s
-    if any(not isinstance(b, fx.Node) for b in s.block_mask["tensors"][:2]):
-        s.skip("the BlockMask has no kv_num_blocks/kv_indices tensors")
-        return s
-    s.reason = "rewritten (BlockMask)"
+    s.reason = "rewritten (BlockMask)" if s.mask == "block_mask" else "rewritten (no block_mask: full)"
     return s
+
+
+def _flex_mask(s: Site, bm: tuple, mask_buffers, owner: fx.GraphModule) -> str:
+    """Read a flex site's BlockMask into ``s.mask`` / ``s.block_mask``; why it cannot be rewritten ('' if it can).
+
+    flex_attention without a block_mask passes PyTorch's default mask (one block of 2**30 tokens for lengths
+    (1, 1)): every pair attends, the site's mask is "full"."""
+    q_len, kv_len, q_block = bm[0], bm[1], bm[-3]
+    if (q_len, kv_len) == (1, 1) and isinstance(q_block, int) and q_block >= _NO_MASK_BLOCK:
+        s.mask = "full"
+        return ""
+    mm = bm[-1]
+    mask_mod = getattr(owner, mm.target) if isinstance(mm, fx.Node) and mm.op == "get_attr" else None
+    if mask_mod is None:
+        return "the BlockMask's mask_mod is not a graph submodule"
+    if not isinstance(q_len, int) or not isinstance(kv_len, int):
+        return "the BlockMask's sequence lengths are dynamic"
+    s.mask = "block_mask"
+    s.block_mask = {
+        "q_len": q_len, "kv_len": kv_len, "q_block": q_block, "kv_block": bm[-2],
+        "tensors": tuple(bm[2:6]), "mask_mod": mask_mod, "buffers": tuple(mask_buffers),
+    }
+    if q_len != s.q_shape[2] or kv_len != s.kv_shape[2]:
+        return f"BlockMask built for ({q_len}, {kv_len}) but q/k have lengths ({s.q_shape[2]}, {s.kv_shape[2]})"
+    if any(not isinstance(b, fx.Node) for b in s.block_mask["tensors"][:2]):
+        return "the BlockMask has no kv_num_blocks/kv_indices tensors"
+    if any(not isinstance(b, int) or b < 16 or b & (b - 1) for b in (q_block, bm[-2])):
+        return (f"the BlockMask's block size ({q_block}, {bm[-2]}) is not a power of two >= 16, which the "
+                f"block-sparse tiles need; build it with BLOCK_SIZE=128 (FlexAttention's default) to shard this site")
+    return ""
 
 
 def estimate_density(site: Site, values: dict) -> float | None:

@@ -5,8 +5,9 @@ PyTorch's flex_attention refuses ``requires_grad`` inputs on CPU in its Python f
 ``install_flex_cpu_shim`` wraps that check so that, on CPU and only while Dynamo is tracing,
 the backward refusal is skipped (every other check still runs). Eager calls and non-CPU devices
 behave exactly as before. A flex site that the backend rewrites then trains on CPU through
-ultraattn's kernels; one it cannot rewrite still fails later with Inductor's own "CPU only
-supports inference" error. Installed when the backend is loaded (``ultraattn.compiler``).
+ultraattn's kernels; one it keeps runs PyTorch's own eager flex_attention through one op
+(``kept.py``), since Inductor's CPU flex_attention is inference-only. Installed when the backend is
+loaded (``ultraattn.compiler``).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ key that the graph carries. PyTorch does the same for user Triton kernels
 one object makes the state visible, bounded and resettable:
 
 * ``sites``: ``SiteState`` per rewritten site (``passes/site.py``), keyed by ``SiteSpec.key``;
+* ``kept``: ``KeptFlex`` per kept flex_attention site that runs eagerly (``passes/kept.py``);
 * ``layouts``: ``runtime.sequence.SequenceShards`` per sequence-sharded graph;
 * ``graphs`` / ``aot_graphs`` / ``plan_events``: the records of what was compiled and planned;
 * ``meshes``: the default DeviceMesh per (world, local world), created once (a collective);
@@ -48,6 +49,7 @@ class SideTable:
         self.lock = threading.RLock()
         self._own_counters: Counter | None = Counter() if private else None
         self.sites: dict[str, SiteState] = {}
+        self.kept: dict[str, object] = {}
         self.layouts: dict[str, object] = {}
         self.graphs: list[GraphRecord] = []
         self.aot_graphs: list[AotGraphRecord] = []
@@ -95,6 +97,17 @@ class SideTable:
                 f"graph was compiled; call torch._dynamo.reset() together with ultraattn's reset so graphs recompile")
         return state
 
+    def add_kept(self, key: str, kept) -> None:
+        with self.lock:
+            self.kept[key] = kept
+
+    def kept_site(self, key: str):
+        kept = self.kept.get(key)
+        if kept is None:
+            raise RuntimeError(f"ultraattn: no state for kept site {key!r} (the side table was reset after this graph "
+                               f"was compiled; call torch._dynamo.reset() too)")
+        return kept
+
     def add_layout(self, key: str, shards) -> None:
         with self.lock:
             self.layouts[key] = shards
@@ -110,11 +123,13 @@ class SideTable:
         with self.lock:
             for k in site_keys:
                 self.sites.pop(k, None)
+                self.kept.pop(k, None)
             for k in layout_keys:
                 self.layouts.pop(k, None)
 
     def forget_with(self, owner: object, site_keys: tuple[str, ...], layout_keys: tuple[str, ...] = ()) -> None:
-        """Drop these sites and layouts once ``owner`` (the compiled callable Dynamo keeps) is garbage collected."""
+        """Drop these sites (rewritten or kept) and layouts once ``owner`` (the compiled callable Dynamo keeps) is
+        garbage collected."""
         weakref.finalize(owner, self.forget, tuple(site_keys), tuple(layout_keys))
 
     # ------------------------------------------------------------------ records
@@ -157,6 +172,7 @@ class SideTable:
         """Forget every site, layout, record and count (mesh handles too)."""
         with self.lock:
             self.sites.clear()
+            self.kept.clear()
             self.layouts.clear()
             self.graphs.clear()
             self.aot_graphs.clear()
