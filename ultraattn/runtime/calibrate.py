@@ -77,13 +77,13 @@ class Grid:
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
-            raise ValueError(f"`dtype` must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"ultraattn calibrate: `dtype` must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         bad = [n for n in self.kv_tokens if n % self.block or n < self.block]
         if bad or self.q_tokens % self.block:
-            raise ValueError(f"kv_tokens {bad or ''} and q_tokens {self.q_tokens} must be multiples of the block "
-                             f"{self.block}")
+            raise ValueError(f"ultraattn calibrate: kv_tokens {bad or ''} and q_tokens {self.q_tokens} must be "
+                             f"multiples of the block {self.block}")
         if self.reps < 1:
-            raise ValueError(f"`reps` must be >= 1, got {self.reps}")
+            raise ValueError(f"ultraattn calibrate: `reps` must be >= 1, got {self.reps}")
 
 
 def grid_for(device: torch.device, *, quick: bool = False, dtype: str | None = None) -> Grid:
@@ -126,7 +126,7 @@ class _Ranks:
 
     def _wait(self, work, what: str) -> None:
         if work.wait(timeout=datetime.timedelta(seconds=self.timeout)) is False:
-            raise TimeoutError(f"calibrate: rank {self.me} waited {self.timeout:g} s at {what}")
+            raise TimeoutError(f"ultraattn calibrate: rank {self.me} waited {self.timeout:g} s at {what}")
 
     def barrier(self) -> None:
         if self.group is not None and self.world > 1:
@@ -290,7 +290,8 @@ def measure_messages(ranks: _Ranks, grid: Grid, device: torch.device, advance: C
                          dist.irecv(recv, src=ranks.ranks[frm], group=ranks.group)]
                 for w in works:
                     if w.wait(timeout=timeout) is False:
-                        raise TimeoutError(f"calibrate: rank {ranks.me} waited {ranks.timeout:g} s for a message")
+                        raise TimeoutError(f"ultraattn calibrate: rank {ranks.me} waited {ranks.timeout:g} s for "
+                                           f"a message")
 
             t = _timed(ranks, exchange, grid.reps + 2, device, grid.target)
             out.append({"link": link, "nbytes": nbytes, "seconds": t})

@@ -39,6 +39,9 @@ from ..planner.plan import Mesh
 class RankTimeoutError(RuntimeError):
     """A peer did not deliver within the timeout (it died, never joined, or planned differently)."""
 
+    def __init__(self, msg: str):
+        super().__init__(f"ultraattn: {msg}")
+
 
 def pack(tensors: Sequence[Tensor]) -> Tensor:
     """Concatenate the raw bytes of ``tensors`` (each made contiguous) into one uint8 buffer."""
@@ -48,7 +51,8 @@ def pack(tensors: Sequence[Tensor]) -> Tensor:
 def unpack(buf: Tensor, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Tensor]:
     """Inverse of ``pack`` given the (shape, dtype) of each piece."""
     if buf.numel() != spec_bytes(specs):
-        raise RuntimeError(f"message of {buf.numel()} bytes does not match its layout ({spec_bytes(specs)} bytes)")
+        raise RuntimeError(f"ultraattn: message of {buf.numel()} bytes does not match its layout "
+                           f"({spec_bytes(specs)} bytes)")
     out, off = [], 0
     for shape, dtype in specs:
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -94,8 +98,9 @@ class GroupRef:
             return None
         group = self._ref()
         if group is None or not _is_registered(group):
-            raise RuntimeError("the process group this plan was made for was destroyed (destroy_process_group); "
-                               "make the plan again (plan_attention) in the current process group")
+            raise RuntimeError("ultraattn: the process group this plan was made for was destroyed "
+                               "(destroy_process_group); make the plan again (plan_attention) in the current process "
+                               "group")
         return group
 
     def __repr__(self) -> str:
@@ -237,12 +242,12 @@ def resolve_group(mesh, group) -> tuple[Mesh, tuple[int, ...], object, int]:
         env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if mesh is not None or group is not None:
             raise RuntimeError(
-                "plan_attention: `mesh`/`group` given but torch.distributed is not initialised; call "
+                "ultraattn.plan_attention: `mesh`/`group` given but torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group first (or pass neither for one process)"
             )
         if env_world > 1:
             raise RuntimeError(
-                f"plan_attention: WORLD_SIZE={env_world} but torch.distributed is not initialised; call "
+                f"ultraattn.plan_attention: WORLD_SIZE={env_world} but torch.distributed is not initialised; call "
                 f"torch.distributed.init_process_group(backend='gloo' or 'nccl') before planning"
             )
         return Mesh(nodes=1, devices=1), (0,), None, 0
@@ -251,28 +256,30 @@ def resolve_group(mesh, group) -> tuple[Mesh, tuple[int, ...], object, int]:
         from torch.distributed.device_mesh import DeviceMesh
 
         if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"`mesh` must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
+            raise TypeError(f"ultraattn: `mesh` must be a torch.distributed DeviceMesh or None, got "
+                            f"{type(mesh).__name__}")
         grid = mesh.mesh
         if grid.dim() == 1:
             pm = Mesh(nodes=1, devices=grid.numel())
         elif grid.dim() == 2:
             pm = Mesh(nodes=grid.shape[0], devices=grid.shape[1])
         else:
-            raise ValueError(f"`mesh` must be 1-D or 2-D (nodes x devices), got {grid.dim()}-D {tuple(grid.shape)}")
+            raise ValueError(f"ultraattn: `mesh` must be 1-D or 2-D (nodes x devices), got {grid.dim()}-D "
+                             f"{tuple(grid.shape)}")
         ranks = tuple(int(x) for x in grid.flatten().tolist())
         comm_group = group if group is not None else (mesh.get_group() if grid.dim() == 1 else dist.group.WORLD)
         group_ranks = tuple(dist.get_process_group_ranks(comm_group))
         if sorted(group_ranks) != sorted(ranks):
             raise ValueError(
-                f"`mesh` covers ranks {sorted(ranks)} but the process group has ranks {sorted(group_ranks)}; pass a "
-                f"mesh over exactly the group's ranks (or the matching `group`)"
+                f"ultraattn: `mesh` covers ranks {sorted(ranks)} but the process group has ranks "
+                f"{sorted(group_ranks)}; pass a mesh over exactly the group's ranks (or the matching `group`)"
             )
     else:
         comm_group = group if group is not None else dist.group.WORLD
         ranks = tuple(dist.get_process_group_ranks(comm_group))
         pm = Mesh(nodes=1, devices=len(ranks))
     if me not in ranks:
-        raise ValueError(f"this process (global rank {me}) is not in the plan's ranks {list(ranks)}")
+        raise ValueError(f"ultraattn: this process (global rank {me}) is not in the plan's ranks {list(ranks)}")
     _register_exit_handler()
     return pm, ranks, comm_group, ranks.index(me)
 

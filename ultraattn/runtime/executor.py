@@ -40,6 +40,9 @@ _FINAL_OF = {"o": "out", "dq": "dq_out", "dkv": "dkv_out"}
 class PlanExecutionError(ValueError):
     """The plan cannot be executed as written (a rank would send data it never has, ...)."""
 
+    def __init__(self, msg: str):
+        super().__init__(f"ultraattn: {msg}")
+
 
 Step = tuple[int, Transfer]  # (index in plan.transfers: the message tag, transfer)
 
