@@ -90,34 +90,21 @@ class SideTable:
         return state
 
     def site(self, key: str) -> SiteState:
-        state = self.sites.get(key)
-        if state is None:
-            raise RuntimeError(
-                f"ultraattn: no state for site {key!r}: the side table was reset (or the graph was freed) after this "
-                f"graph was compiled; call torch._dynamo.reset() together with ultraattn's reset so graphs recompile")
-        return state
+        return _held(self.sites, key, "state for site")
 
     def add_kept(self, key: str, kept) -> None:
         with self.lock:
             self.kept[key] = kept
 
     def kept_site(self, key: str):
-        kept = self.kept.get(key)
-        if kept is None:
-            raise RuntimeError(f"ultraattn: no state for kept site {key!r} (the side table was reset after this graph "
-                               f"was compiled; call torch._dynamo.reset() too)")
-        return kept
+        return _held(self.kept, key, "state for kept site")
 
     def add_layout(self, key: str, shards) -> None:
         with self.lock:
             self.layouts[key] = shards
 
     def layout(self, key: str):
-        shards = self.layouts.get(key)
-        if shards is None:
-            raise RuntimeError(f"ultraattn: no sequence layout {key!r} (the side table was reset after this graph "
-                               f"was compiled; call torch._dynamo.reset() too)")
-        return shards
+        return _held(self.layouts, key, "sequence layout")
 
     def forget(self, site_keys: tuple[str, ...], layout_keys: tuple[str, ...] = ()) -> None:
         with self.lock:
@@ -181,6 +168,15 @@ class SideTable:
             self.exchange_runs.clear()
             self.counters.clear()
             self._graph_count = 0
+
+
+def _held(store: dict, key: str, what: str):
+    value = store.get(key)
+    if value is None:
+        raise RuntimeError(
+            f"ultraattn: no {what} {key!r}: the side table was reset (or the graph was freed) after this graph was "
+            f"compiled; call torch._dynamo.reset() together with ultraattn's reset so graphs recompile")
+    return value
 
 
 _PROCESS_TABLE = SideTable(private=False)
