@@ -362,19 +362,21 @@ KEPT_S, KEPT_CTX = 200, 96
 
 class KeptModel(nn.Module):
     """One attention layer whose call the case picks: score_mods (attn-gym's ALiBi and soft-capping, a learned
-    relative-position bias), cross-attention (flex with attn-gym's flamingo mask, SDPA), and two flex calls the
-    backend rewrites (no block_mask; a BlockMask built inside the compiled code)."""
+    relative-position bias), cross-attention (flex with attn-gym's flamingo mask, SDPA), a rewritten site feeding
+    a kept one inside activation checkpointing, and two flex calls the backend rewrites (no block_mask; a
+    BlockMask built inside the compiled code)."""
 
     def __init__(self, case: str):
         super().__init__()
         d = DIM // HEADS
         self.case = case
+        self.checkpoint = True  # (the reference runs without: eager flex's CPU backward fails under its recompute)
         self.q = nn.Linear(DIM, HEADS * d, bias=False)
         self.kv = nn.Linear(DIM, 2 * KV_HEADS * d, bias=False)
         self.o = nn.Linear(HEADS * d, DIM, bias=False)
         if case == "learned_bias":
             self.rel = nn.Parameter(0.1 * torch.randn(HEADS, 2 * KEPT_S))
-        if case == "alibi_causal":  # built outside the compiled code: its tensors are graph inputs with data
+        if case in ("alibi_causal", "mixed_ckpt"):  # built outside the compiled code: graph inputs with data
             self.block_mask = create_block_mask(_causal, None, None, KEPT_S, KEPT_S, device="cpu")
 
     def forward(self, x, ctx):
@@ -407,6 +409,15 @@ class KeptModel(nn.Module):
             a = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         elif c == "flex_no_mask":
             a = flex_attention(q, k, v, enable_gqa=True)
+        elif c == "mixed_ckpt":  # a rewritten site feeding a kept one, in an activation-checkpoint region
+            kx, vx = self.kv(x).view(B, S, 2, KV_HEADS, d).permute(2, 0, 3, 1, 4)
+
+            def layer(q, kx, vx, k, v):
+                a = flex_attention(q, kx, vx, block_mask=self.block_mask, enable_gqa=True)
+                return flex_attention(a, k, v, score_mod=generate_tanh_softcap(2), enable_gqa=True)
+
+            a = torch.utils.checkpoint.checkpoint(layer, q, kx, vx, k, v, use_reentrant=False) if self.checkpoint \
+                else layer(q, kx, vx, k, v)
         elif c == "mask_in_graph":
             bm = create_block_mask(_causal, None, None, S, S, device="cpu")
             a = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
@@ -416,8 +427,9 @@ class KeptModel(nn.Module):
         return (y.float() ** 2).mean()
 
 
-KEPT_CASES = ("alibi_causal", "softcap", "learned_bias", "flex_cross", "sdpa_cross", "flex_no_mask", "mask_in_graph")
-CROSS = ("flex_cross", "sdpa_cross")
+KEPT_CASES = ("alibi_causal", "softcap", "learned_bias", "flex_cross", "sdpa_cross", "mixed_ckpt", "flex_no_mask",
+              "mask_in_graph")
+CROSS = ("flex_cross", "sdpa_cross", "mixed_ckpt")
 
 
 def kept_step(model, x, ctx) -> dict:
@@ -441,6 +453,7 @@ def kept_reference(case: str) -> tuple[dict, dict]:
         for dt in (torch.float64, torch.float32):
             torch.manual_seed(0)
             m = KeptModel(case).to(dt)
+            m.checkpoint = False  # the same values (see KeptModel)
             x, ctx = (t.to(dt) for t in _inputs(KEPT_S, KEPT_CTX, True))
             out.append(kept_step(m, x, ctx if case in CROSS else x))
     finally:
@@ -464,5 +477,7 @@ def kept_worker(rank: int, world: int, cases: list[str], options: dict) -> list[
         recs = P.side_table().graphs
         res["sites"] = [s.to_json() for g in recs for s in g.sites]
         res["code"] = [g.code_after for g in recs]
+        res["fallbacks"] = [f.op for g in recs if g.shard for f in g.shard.fallbacks]
+        res["sharded"] = [g.shard is not None for g in recs]
         results.append(res)
     return results

@@ -85,7 +85,8 @@ def test_every_attn_gym_mask_matches_one_process(world):
 def test_kept_and_new_flex_forms_run_exactly_under_inductor():
     """Sites the backend keeps compile with the default compiler (Inductor) on CPU and train exactly: score_mods
     (attn-gym's ALiBi with a causal BlockMask, soft-capping without one, a learned bias table whose gradient is
-    checked), cross-attention (flex with attn-gym's flamingo mask, SDPA); and two flex forms it now rewrites:
+    checked), cross-attention (flex with attn-gym's flamingo mask, SDPA), a kept site fed by a rewritten one in a
+    checkpointed region (the graph stays sequence-sharded); and two flex forms it now rewrites:
     no block_mask (full attention) and a BlockMask built inside the compiled code. Kept sites are reported with
     their true mask and density."""
     res = run_ranks(kept_worker, 2, args=(list(KEPT_CASES), FAST), timeout=1800)
@@ -97,12 +98,16 @@ def test_kept_and_new_flex_forms_run_exactly_under_inductor():
         for rank, r in enumerate(res):
             if check_step(r[i], ref64, ref32):
                 bad.append(f"{case} rank {rank}: {check_step(r[i], ref64, ref32)}")
-        (site,) = res[0][i]["sites"]
+        *first, site = res[0][i]["sites"]
+        if case == "mixed_ckpt":  # the first site is rewritten and sharded; the kept one runs on gathered data
+            if not (first[0]["rewritten"] and res[0][i]["sharded"] == [True] and
+                    [op for op in res[0][i]["fallbacks"] if "kept_flex" not in op] == []):
+                bad.append(f"{case}: {first} sharded {res[0][i]['sharded']} gathered {res[0][i]['fallbacks']}")
         kept = case not in ("flex_no_mask", "mask_in_graph")
         if site["rewritten"] == kept:
             bad.append(f"{case}: rewritten={site['rewritten']} ({site['why']})")
         want_mask = {"alibi_causal": "block_mask", "softcap": "full", "learned_bias": "full",
-                     "flex_cross": "block_mask", "sdpa_cross": "full", "flex_no_mask": "full",
+                     "flex_cross": "block_mask", "sdpa_cross": "full", "mixed_ckpt": "full", "flex_no_mask": "full",
                      "mask_in_graph": "block_mask"}[case]
         if site["mask"] != want_mask:
             bad.append(f"{case}: reported mask {site['mask']}, not {want_mask}")

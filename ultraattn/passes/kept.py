@@ -140,10 +140,15 @@ def keep_flex_eager(sites: list[Site], table) -> dict[str, str]:
         key = f"{s.name}-kept-{uuid.uuid4().hex[:12]}"
         table.add_kept(key, kept)
         graph = s.node.graph
+        q, k, v = s.node.args[:3]  # (not s.q: rewriting an earlier site may have replaced the node q was)
         with graph.inserting_before(s.node):
-            res = insert_call(graph, torch.ops.ultraattn.kept_flex.default, (s.q, s.k, s.v, tensors, key))
+            res = insert_call(graph, torch.ops.ultraattn.kept_flex.default, (q, k, v, tensors, key))
+        attrs = [a for a in s.node.all_input_nodes if a.op == "get_attr"]  # score_mod, mask_mod: KeptFlex holds them
         s.node.replace_all_uses_with(res)
         graph.erase_node(s.node)
+        for a in attrs:  # (a graph without them stays inlinable: shard/checkpoint.py)
+            if not a.users:
+                graph.erase_node(a)
         touched[id(graph)] = graph.owning_module
         keys[s.name] = key
     for mod in touched.values():
