@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from ultraattn.masks.convert import eval_mask, listed_blocks
+
 HEADS, KV_HEADS, DIM = 4, 2, 32
 
 
@@ -186,31 +188,17 @@ def dense_of(bm: BlockMask, batch: int, heads: int) -> torch.Tensor:
     q_len, kv_len = bm.seq_lengths
     qb, kb = bm.BLOCK_SIZE
 
-    def blocks(num, idx):
-        nk = -(-kv_len // kb)
-        out = torch.zeros(*num.shape, nk + 1, dtype=torch.bool)  # (+1: where the unused index slots point)
-        used = torch.arange(idx.shape[-1]) < num[..., None]
-        out.scatter_(-1, torch.where(used, idx.long(), nk), True)
-        return out[..., :nk]
-
     def expand(b):  # [B', H', Qb, Kb] -> [B, H, Q, KV]
         b = b.repeat_interleave(qb, -2).repeat_interleave(kb, -1)[..., :q_len, :kv_len]
         return b.expand(batch, heads, q_len, kv_len)
 
-    partial = expand(blocks(bm.kv_num_blocks, bm.kv_indices))
-    full = expand(blocks(bm.full_kv_num_blocks, bm.full_kv_indices)) if bm.full_kv_num_blocks is not None \
-        else torch.zeros_like(partial)
+    partial, full = (expand(t) for t in listed_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                                        bm.full_kv_indices, -(-q_len // qb), -(-kv_len // kb)))
     qi, ki = torch.arange(q_len), torch.arange(kv_len)
     b = torch.arange(batch)[:, None, None, None]
     h = torch.arange(heads)[None, :, None, None]
-    elem = _eval(bm.mask_mod, b, h, qi[:, None], ki[None, :])
+    elem = eval_mask(bm.mask_mod, b, h, qi[:, None], ki[None, :])
     return full | (partial & elem.expand(batch, heads, q_len, kv_len))
-
-
-def _eval(mask_mod, b, h, q, kv) -> torch.Tensor:
-    from ultraattn.masks.convert import eval_mask
-
-    return eval_mask(mask_mod, b, h, q, kv)
 
 
 # ----------------------------------------------------------------------------- the model

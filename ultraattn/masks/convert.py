@@ -372,8 +372,15 @@ def pattern_from_block_mask(block_mask: BlockMask, *, count: bool = True) -> Blo
 
 
 def _block_mask_kinds(block_mask: BlockMask, nq: int, nk: int) -> tuple[Tensor, Tensor]:
-    """(partial, full) bool [B, H, nq, nk] of a BlockMask's listed blocks, broadcast to one shape; a block listed
-    as both counts as PARTIAL."""
+    """(partial, full) bool [B, H, nq, nk] of a BlockMask's listed blocks (``listed_blocks``)."""
+    return listed_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                         block_mask.full_kv_indices, nq, nk)
+
+
+def listed_blocks(kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Tensor | None,
+                  full_kv_indices: Tensor | None, nq: int, nk: int) -> tuple[Tensor, Tensor]:
+    """(partial, full) bool [B, H, nq, nk] (on the CPU) of the blocks a BlockMask's index lists name, broadcast to
+    one shape; a block listed as both counts as PARTIAL."""
 
     def to4(x: Tensor) -> Tensor:
         x = x.cpu()
@@ -381,13 +388,13 @@ def _block_mask_kinds(block_mask: BlockMask, nq: int, nk: int) -> tuple[Tensor, 
             x = x.unsqueeze(0)
         return x
 
-    idx = to4(block_mask.kv_indices)
-    num = to4(block_mask.kv_num_blocks.unsqueeze(-1))[..., 0]
+    idx = to4(kv_indices)
+    num = to4(kv_num_blocks.unsqueeze(-1))[..., 0]
     partial = _ordered_to_dense_BHQK(num, idx, nq, nk)
     full = torch.zeros_like(partial)
-    if block_mask.full_kv_indices is not None:
-        fidx = to4(block_mask.full_kv_indices)
-        fnum = to4(block_mask.full_kv_num_blocks.unsqueeze(-1))[..., 0]
+    if full_kv_indices is not None:
+        fidx = to4(full_kv_indices)
+        fnum = to4(full_kv_num_blocks.unsqueeze(-1))[..., 0]
         full = _ordered_to_dense_BHQK(fnum, fidx, nq, nk)
     shape = torch.broadcast_shapes(partial.shape, full.shape)
     return partial.expand(shape), full.expand(shape) & ~partial.expand(shape)

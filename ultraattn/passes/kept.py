@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from ultraattn.masks.convert import listed_blocks
 from ultraattn.passes.capture import Site
 from ultraattn.passes.fx_util import insert_call, tensor_value
 
@@ -71,16 +72,7 @@ def _blocked(bm: tuple):
     masks padding)."""
     q_len, kv_len, kvn, kvi, fkn, fki = bm[:6]
     qb, kb, mask_mod = bm[-3], bm[-2], bm[-1]
-    nk = -(-kv_len // kb)
-
-    def table(num, idx):
-        out = torch.zeros(*num.shape, nk + 1, dtype=torch.bool, device=num.device)  # (+1: unused index slots)
-        used = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
-        out.scatter_(-1, torch.where(used, idx.long(), nk), True)
-        return out[..., :nk]
-
-    partial = table(kvn, kvi)
-    full = table(fkn, fki) if fkn is not None else torch.zeros_like(partial)
+    partial, full = listed_blocks(kvn, kvi, fkn, fki, -(-q_len // qb), -(-kv_len // kb))
     nb, nh = partial.shape[:2]
 
     def blocked_mask_mod(b, h, q_idx, kv_idx, *buffers):
