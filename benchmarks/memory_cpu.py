@@ -7,7 +7,10 @@ inside forward), the same tokens and the same torch thread count per process:
 * ``attn_cp``: ``--world`` gloo ranks, ``backend="ultraattn"`` with ``options={"shard": False}``:
   attention-only context parallelism (every other activation replicated on every rank);
 * ``sharded``: ``--world`` gloo ranks, ``backend="ultraattn"`` (the default: every activation that
-  carries the sequence lives on this rank's tokens).
+  carries the sequence lives on this rank's tokens);
+* ``blocks``: ``--world`` gloo ranks, the model compiled block by block (``ultraattn.compile_blocks(model.layers)``,
+  regional compilation as torchtitan does it): the blocks hand this rank's tokens to each other, and the model's
+  own eager code (embedding, final norm, head and loss) runs on the global values.
 
 Each configuration takes one warm-up step (it compiles), then ``--reps`` measured steps (forward and
 backward, no optimizer). Peak activation memory of a step: the peak resident set during it minus the
@@ -39,7 +42,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 
-MODES = ("single", "attn_cp", "sharded")
+MODES = ("single", "attn_cp", "sharded", "blocks")
+COLORS = {"single": "#777", "attn_cp": "#d88", "sharded": "#4a8", "blocks": "#48a"}
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
 
@@ -68,10 +72,15 @@ def run_mode(rank: int, world: int, mode: str, args) -> dict:
     """Warm up, then measure ``args.reps`` steps on this process; the last step's loss and gradients."""
     torch.set_num_threads(args.threads)
     model = _model(args)
+    opts = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 1800.0, "shard": mode != "attn_cp"}
     if mode == "single":
         run = torch.compile(model)
+    elif mode == "blocks":
+        import ultraattn
+
+        ultraattn.compile_blocks(model.layers, options=opts)
+        run = model
     else:
-        opts = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 1800.0, "shard": mode == "sharded"}
         run = torch.compile(model, backend="ultraattn", options=opts)
     tokens = _tokens(args)
     barrier = torch.distributed.barrier if world > 0 else (lambda: None)
@@ -148,7 +157,7 @@ def measure(args) -> dict:
     m = result["modes"]
     ratios = {}
     if "single" in m:
-        for mode in ("attn_cp", "sharded"):
+        for mode in ("attn_cp", "sharded", "blocks"):
             if mode in m:
                 ratios[f"{mode}_peak_vs_single"] = m[mode]["peak_bytes"] / m["single"]["peak_bytes"]
                 ratios[f"{mode}_time_vs_single"] = m[mode]["step_seconds"] / m["single"]["step_seconds"]
@@ -168,10 +177,11 @@ def plot(result: dict, path: Path) -> None:
     modes = [m for m in MODES if m in result["modes"]]
     c = result["config"]
     labels = {"single": "1 process", "attn_cp": f"attention-only\nCP ({c['world']} ranks)",
-              "sharded": f"sequence-sharded\nCP ({c['world']} ranks)"}
+              "sharded": f"sequence-sharded\nCP ({c['world']} ranks)",
+              "blocks": f"sharded, block\nby block ({c['world']} ranks)"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     peaks = [result["modes"][m]["peak_bytes"] / 2**30 for m in modes]
-    bars = a.bar([labels[m] for m in modes], peaks, color=["#777", "#d88", "#4a8"][:len(modes)])
+    bars = a.bar([labels[m] for m in modes], peaks, color=[COLORS[m] for m in modes])
     for bar, m in zip(bars, modes):
         ratio = result["modes"][m]["peak_bytes"] / result["modes"]["single"]["peak_bytes"] \
             if "single" in result["modes"] else None
@@ -180,7 +190,7 @@ def plot(result: dict, path: Path) -> None:
     a.set_ylabel("peak activation memory per rank (GiB)")
     a.set_ylim(0, max(peaks) * 1.25)
     times = [result["modes"][m]["step_seconds"] for m in modes]
-    bars = b.bar([labels[m] for m in modes], times, color=["#777", "#d88", "#4a8"][:len(modes)])
+    bars = b.bar([labels[m] for m in modes], times, color=[COLORS[m] for m in modes])
     for bar in bars:
         b.annotate(f"{bar.get_height():.1f} s", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
                    va="bottom", fontsize=9)

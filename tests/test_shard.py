@@ -203,55 +203,76 @@ def test_a_graph_break_between_two_sharded_regions():
 
 
 def _sharded_outputs_worker(rank: int, world: int) -> dict:
+    import numpy as np
+
     import ultraattn
 
     model = build("hf")
     ids, mask, pos, labels = batch("hf", 96)
-    cm = torch.compile(model, backend="ultraattn", options=dict(FAST, outputs="sharded"))
-    local = cm(ids, mask, pos)
-    full = ultraattn.undispatch(local)
+    cm = torch.compile(model, backend="ultraattn", options=FAST)  # outputs="sharded": the default
+    logits = cm(ids, mask, pos)
+    full = ultraattn.undispatch(logits)
     loss = F.cross_entropy(full[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
     loss.backward()
-    out = {"local_shape": tuple(local.shape), "full": full.detach(), "loss": loss.detach().double(),
+    out = {"type": type(logits).__name__, "shape": tuple(logits.shape), "local_shape": tuple(logits._local.shape),
+           "full": full.detach(), "loss": loss.detach().double(),
            "grads": {n: p.grad.double() for n, p in model.named_parameters()},
            "local_len": side_table().graphs[-1].shard.local_len}
+    x = logits.detach()
+    out["eager"] = {  # eager code on the shard: the global value, exactly
+        "cumsum": torch.cumsum(x, 1), "prefix": x[:, :-1] * 2, "sum": (x + x).sum(),
+        "tolist": torch.tensor(x.tolist()), "numpy": torch.from_numpy(np.asarray(x.numpy()))}
+    out["pair_type"] = type(x + x.detach()).__name__  # two shards of one layout: stays a shard
 
-    def attend(x):  # [2, 1, local tokens, vocab] as q, k, v: attention over a shard, as if it were global
+    def attend(x):  # [2, 1, tokens, vocab] as q, k, v: attention over the logits
         q = x[:, None]
         return F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
 
-    def loss_of(x):  # no attention: a mean over a shard would be this rank's mean
+    def mean_of(x):  # no attention: the mean over the whole sequence
         return x.float().mean()
 
-    table = torch.ones(96, VOCAB)
+    table = torch.arange(96.0)[None, :, None]
 
-    def add_positions(x):  # Dynamo's trace fails in the user's code (the shard is shorter than the table)
-        return x + table
+    def add_positions(x):  # a table sized for the whole sequence
+        return (x + table).sum(1)
 
-    for name, fn in (("error", attend), ("no_attention_error", loss_of), ("trace_error", add_positions)):
-        try:
-            torch.compile(fn, backend="ultraattn", options=FAST)(local)
-            out[name] = "no error"
-        except Exception as exc:  # noqa: BLE001 - the test reads the message
-            out[name] = str(exc)
+    for name, fn in (("attend", attend), ("mean", mean_of), ("positions", add_positions)):
+        out[name] = torch.compile(fn, backend="ultraattn", options=FAST)(x).detach()
+        out[name] = ultraattn.undispatch(out[name]) if type(out[name]).__name__ == "SeqShard" else out[name]
+    try:
+        x.add_(torch.ones_like(full))
+        out["inplace"] = "no error"
+    except RuntimeError as exc:
+        out["inplace"] = str(exc)
     return out
 
 
 def test_sharded_outputs_and_undispatch():
-    """options outputs='sharded': the logits stay on local tokens; ultraattn.undispatch gathers them (and is
-    differentiable), giving one process's logits and gradients. A shard passed into another compiled function is
-    an error that says what to do: a graph with attention, one without (its mean would be this rank's), and a
-    function whose trace fails in Dynamo on the shard's length (the error keeps Dynamo's message after ours)."""
+    """options outputs='sharded' (the default): the logits come back as a SeqShard, the global shape holding this
+    rank's tokens; ultraattn.undispatch gathers them (differentiably), giving one process's logits and gradients.
+    Eager code and other compiled functions that take the shard get the global value exactly (a graph with
+    attention, one without, one with a table sized for the sequence); an in-place write that would be lost on a
+    gathered copy is an error naming the fix."""
     res = run_ranks(_sharded_outputs_worker, 2, timeout=900)
     ref64, ref32 = oracle("hf", 96)
     want = build("hf")(*batch("hf", 96)[:3]).detach()
     for got in res:
+        assert got["type"] == "SeqShard" and got["shape"] == tuple(want.shape)
         assert got["local_shape"] == (2, got["local_len"], VOCAB) and got["local_len"] < 96
         torch.testing.assert_close(got["full"], want, rtol=1e-5, atol=1e-5)
         assert not check_step(got, ref64, ref32), check_step(got, ref64, ref32)
-        for name in ("error", "no_attention_error", "trace_error"):
-            assert "returned sharded" in got[name] and "ultraattn.undispatch" in got[name], (name, got[name])
-        assert "add_positions()" in got["trace_error"] and "return x + table" in got["trace_error"]  # Dynamo's, after
+        e = got["eager"]
+        for name, ref in (("cumsum", torch.cumsum(want, 1)), ("prefix", want[:, :-1] * 2), ("sum", (want + want).sum()),
+                          ("tolist", want), ("numpy", want)):
+            torch.testing.assert_close(e[name], ref, rtol=1e-5, atol=1e-4, msg=name)
+        assert got["pair_type"] == "SeqShard"
+        q = want[:, None]
+        torch.testing.assert_close(got["attend"], F.scaled_dot_product_attention(q, q, q, is_causal=True).sum(),
+                                   rtol=1e-5, atol=1e-3)
+        torch.testing.assert_close(got["mean"], want.mean(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["positions"], (want + torch.arange(96.0)[None, :, None]).sum(1),
+                                   rtol=1e-5, atol=1e-3)
+        assert "ultraattn" in got["inplace"] and "undispatch" in got["inplace"] and "x = x + y" in got["inplace"]
 
 
 # ----------------------------------------------------------------------------- must not fire
@@ -272,11 +293,6 @@ def test_world1_does_not_shard():
 
 
 def test_options_are_checked():
-    f = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend="ultraattn",
-                      options={"outputs": "sharded", "shard": False})
-    with pytest.raises(Exception, match=r"outputs'\]='sharded' needs the sequence-sharding pass"):
-        f(torch.randn(1, 2, 64, 16))
-    torch._dynamo.reset()
     with pytest.raises(Exception, match=r"options\['outputs'\]='local': expected one of global, sharded"):
         torch.compile(lambda q: q * 2, backend="ultraattn", options={"outputs": "local"})(torch.randn(2))
     torch._dynamo.reset()

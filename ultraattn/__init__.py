@@ -4,7 +4,8 @@ The package is laid out along the data flow (DESIGN.md):
 masks -> planner -> kernels/runtime -> passes -> report -> compiler/cli.
 
 ``torch.compile(model, backend="ultraattn")`` finds the backend through its entry point;
-``ultraattn.backend`` is the same callable (``ultraattn.compiler``, imported on first access, so
+``ultraattn.backend`` is the same callable and ``ultraattn.compile_blocks(model.layers)`` compiles a model block by
+block with it (``ultraattn.compiler``, imported on first access, so
 ``import ultraattn`` stays light and does not touch torch.compile machinery).
 """
 
@@ -14,12 +15,12 @@ from ultraattn.planner.profile import CostProfile
 from ultraattn.runtime import AttentionPlan, dispatch, dist_attention, plan_ahead, plan_attention, undispatch
 from ultraattn.runtime.calibrate import calibrate
 
-__all__ = ["AttentionPlan", "CostProfile", "backend", "calibrate", "dispatch", "dist_attention", "explain",
-           "plan_ahead", "plan_attention", "undispatch", "__version__"]
+__all__ = ["AttentionPlan", "CostProfile", "backend", "calibrate", "compile_blocks", "dispatch", "dist_attention",
+           "explain", "plan_ahead", "plan_attention", "undispatch", "__version__"]
 
 
 def __getattr__(name: str):
-    if name in ("backend", "explain"):
+    if name in ("backend", "compile_blocks", "explain"):
         from ultraattn import compiler
 
         return getattr(compiler, name)

@@ -27,7 +27,6 @@ from ultraattn.passes.options import BackendOptions, parse_options
 from ultraattn.passes.records import AotGraphRecord, GraphRecord, NullObserver, PlanEvent, ShardSummary, SiteStats
 from ultraattn.passes.rewrite import rewrite_sites
 from ultraattn.passes.shard import analyse, inline_checkpoints, summarize
-from ultraattn.passes.shard_inputs import install_shard_error_hint
 from ultraattn.passes.site import plan_offline
 from ultraattn.passes.state import SideTable, private_side_table, side_table
 from ultraattn.report.compile_report import (
@@ -42,8 +41,6 @@ from ultraattn.report.plan_report import print_plan_result
 
 SHIM_INSTALLED = install_flex_cpu_shim()
 """Dynamo can trace CPU flex_attention training for this backend (``passes/flex_shim.py``)."""
-HINT_INSTALLED = install_shard_error_hint()
-"""A trace that fails on a shard a graph returned says so (``passes/shard_inputs.py``)."""
 
 
 def _rank0() -> bool:
@@ -91,6 +88,40 @@ def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
 
 
 backend = ultraattn_backend
+
+
+def compile_blocks(blocks, *, options: dict | None = None, **compile_kwargs) -> int:
+    """Compile each block of a model with the ultraattn backend, in place, as regional compilation does (PyTorch's
+    advice for large models; torchtitan's ``apply_compile``, which refuses backends other than its own two).
+
+    ``blocks``: an ``nn.ModuleDict`` or ``nn.ModuleList`` (``model.layers``) or any iterable of modules. Each one
+    gets ``block.compile(backend="ultraattn", options=options, **compile_kwargs)`` (``fullgraph=True`` unless
+    given): identical blocks share one compiled graph per input kind. The first block meets the global sequence
+    and dispatches it; each block returns this rank's shard (a ``SeqShard``, ``options["outputs"] = "sharded"``, the
+    default), so the next takes it with no communication, and eager code around the blocks (the embedding before,
+    the final norm, output projection and loss after) sees the exact global values. Returns how many blocks were
+    compiled."""
+    if isinstance(blocks, torch.nn.ModuleDict):
+        mods = list(blocks.values())
+    elif isinstance(blocks, torch.nn.Module) and not isinstance(blocks, torch.nn.ModuleList):
+        raise TypeError(f"ultraattn.compile_blocks: `blocks` is one {type(blocks).__name__}; pass the container of "
+                        f"the model's blocks (model.layers), or torch.compile(model, backend='ultraattn') to compile "
+                        f"the whole model as one graph")
+    else:
+        try:
+            mods = list(blocks)
+        except TypeError:
+            raise TypeError(f"ultraattn.compile_blocks: `blocks` must be an nn.ModuleDict, nn.ModuleList or an "
+                            f"iterable of modules, got {type(blocks).__name__}") from None
+    bad = [type(m).__name__ for m in mods if not isinstance(m, torch.nn.Module)]
+    if bad:
+        raise TypeError(f"ultraattn.compile_blocks: `blocks` holds {bad[0]}, not a module; pass model.layers")
+    if "backend" in compile_kwargs:
+        raise TypeError("ultraattn.compile_blocks: `backend` is always 'ultraattn'; drop the argument")
+    compile_kwargs.setdefault("fullgraph", True)
+    for m in mods:
+        m.compile(backend="ultraattn", options=dict(options or {}), **compile_kwargs)
+    return len(mods)
 
 
 # ----------------------------------------------------------------------------- explain

@@ -25,8 +25,10 @@ import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ultraattn.passes.capture import Site, estimate_density, find_sites
+from ultraattn.passes.carrier import Carried, SeqShard
 from ultraattn.passes.explicit.expand import expand_sites, explicit_reason, prepare, schedule_rows
 from ultraattn.passes.explicit.order import order_comm
 from ultraattn.passes.explicit.runtime import RUNTIME_MASK_STRIPES
@@ -35,8 +37,7 @@ from ultraattn.passes.kept import keep_flex_eager
 from ultraattn.passes.options import BackendOptions
 from ultraattn.passes.records import AotGraphRecord, GraphRecord, Observer, PlanEvent, ShardSummary
 from ultraattn.passes.rewrite import rewrite_sites
-from ultraattn.passes.shard import analyse, inline_checkpoints, lower
-from ultraattn.passes.shard_inputs import check_no_shards
+from ultraattn.passes.shard import Seq, analyse, inline_checkpoints, lower
 from ultraattn.passes.site import SiteState, seed_plan
 from ultraattn.passes.state import SideTable
 from ultraattn.planner.api import padded_chunk
@@ -72,14 +73,15 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
     observer = _Recorded(table, observer)
     index = table.next_graph_index()
     before = gm.code
+    carried = carried_inputs(gm, example_inputs)
     sites = capture(gm, example_inputs, opts.world_size)
     states = rewrite_sites(gm, sites, opts, graph_index=index, table=table, observer=observer)
     kept = keep_flex_eager([s for s in sites if _cpu(s)], table)
     shard = None
-    if opts.world_size > 1:
-        check_no_shards(example_inputs)
-        if states and opts.shard:
-            shard = shard_sequence(gm, states, opts, example_inputs, index, table)
+    if opts.world_size > 1 and (states or carried) and opts.shard:
+        shard = shard_sequence(gm, states, opts, example_inputs, index, table, carried)
+    taken = _taken(gm, carried, shard)
+    example_inputs = _entry_values(gm, example_inputs, carried, taken)
     reasons = {s.spec.name: explicit_reason(s) for s in states}
     rec = GraphRecord(index=index, world_size=opts.world_size, code_before=before, code_after=gm.code,
                       sites=tuple(s.record(_form(reasons, s.name, kept)) for s in sites),
@@ -87,8 +89,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
     table.bump("graphs")
     table.bump("sites", len(sites))
     observer.graph_compiled(rec)
-    compiled = _compile(gm, example_inputs, rec, opts, table, observer, _devices(sites, states, reasons))
-    table.forget_with(compiled, rec.site_keys + tuple(kept.values()), (shard.key,) if shard is not None else ())
+    compiled = boundary(_compile(gm, example_inputs, rec, opts, table, observer, _devices(sites, states, reasons)),
+                        carried, taken, shard)
+    table.forget_with(compiled, rec.site_keys + tuple(kept.values()))
     return compiled
 
 
@@ -131,39 +134,62 @@ def _has_site(gm: fx.GraphModule) -> bool:
 
 
 def shard_sequence(gm: fx.GraphModule, states: list[SiteState], opts: BackendOptions, example_inputs, index: int,
-                   table: SideTable) -> ShardSummary | None:
-    """Sequence-shard ``gm`` in place for this rank; None when it has no site to shard around."""
-    if not _has_site(gm):
+                   table: SideTable, carried: dict[int, Carried]) -> ShardSummary | None:
+    """Sequence-shard ``gm`` in place for this rank; None when it has no site to shard around.
+
+    ``carried``: inputs that arrive as shards (``SeqShard``); those in this graph's layout and aligned with its
+    sequence the same way are taken as they are (no communication), the others are gathered where the graph is
+    called (``boundary``)."""
+    phs = placeholders(gm)
+    _mesh, ranks, group, me = resolve_group(opts.mesh, None)
+    taken = _takeable(phs, carried, table, ranks)
+    if not _has_site(gm) and not taken:
         return None
     inlined = inline_checkpoints(gm, table.next_id)
-    phs = placeholders(gm)
     refresh_fake_values(gm, phs, example_inputs)
-    an = analyse(gm)  # pure
-    if an is None or not an.sites:
+    an = analyse(gm, {ph: Seq(c.dim, c.length, c.inner) for ph, c in taken.items()})  # pure
+    if an is None or not (an.sites or an.carried):
         return None
     if any(not isinstance(d, int) for n in an.sites for d in tensor_value(n.args[0]).shape):
         return None  # dynamic shapes: attention-only CP
     by_key = {s.spec.key: s for s in states}
-    layout, how = choose_layout(an, by_key, dict(zip(phs, example_inputs)), opts)  # a collective
+    if an.carried:  # the layout the shards arrive in
+        key = taken[next(iter(an.carried))].key
+        layout, how = table.layout(key).layout, "the layout the input shards arrive in"
+    else:
+        key, how = table.decided.get((an.seq_len, ranks), (None, None))
+        if key is not None:
+            layout, how = table.layout(key).layout, f"this run's layout for {an.seq_len} tokens: {how}"
+        else:
+            layout, how = choose_layout(an, by_key, dict(zip(phs, example_inputs)), opts)  # a collective
+            key = layout_key(layout, ranks)
+            table.decided[(an.seq_len, ranks)] = (key, how)
     for n in an.sites:
         by_key[n.args[4]].layout = layout
-    _mesh, ranks, group, me = resolve_group(opts.mesh, None)
-    key = f"g{index}-{layout.to_string()}"
-    seq = SequenceShards(layout, rank=me, global_ranks=ranks, group_ref=GroupRef(group), timeout=opts.timeout)
-    table.add_layout(key, seq)
+    table.add_layout(key, SequenceShards(layout, rank=me, global_ranks=ranks, group_ref=GroupRef(group),
+                                         timeout=opts.timeout))
+    an.carried = {ph: s for ph, s in an.carried.items() if taken[ph].key == key}
     summary = lower(gm, an, key, outputs=opts.outputs, local_len=layout.local_len,
                     layout_text=f"{layout.to_string()} ({how})", debug=opts.debug)
+    for ph in an.carried:  # from here on the placeholder holds this rank's tokens
+        ph.meta["example_value"] = ph.meta["ultraattn_local"]
     refresh_fake_values(gm, phs, example_inputs)
     table.bump("sharded_ops", summary.sharded_ops)
     table.bump("fallbacks", len(summary.fallbacks))
     return dataclasses.replace(summary, inlined_checkpoints=inlined)
 
 
+def layout_key(layout: TokenLayout, ranks: tuple[int, ...]) -> str:
+    """A layout's name in the side table: its chunks and the global ranks that hold them."""
+    return f"{layout.to_string()} @ {','.join(map(str, ranks))}"
+
+
 def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendOptions) -> tuple[TokenLayout, str]:
-    """The graph's token layout: fine head-tail stripes where the first attention is an explicit site whose mask
-    arrives every batch; else its own plan (planned now, without a given layout, where its mask is known at
-    compile time: a static mask or mask tensors among the example inputs), else head-tail chunks (two per rank:
-    balanced for causal-like masks). Every site of the graph is then planned in it.
+    """The token layout of the run's first graph at a sequence length: fine head-tail stripes where the first
+    attention is an explicit site whose mask arrives every batch; else its own plan (planned now, without a given
+    layout, where its mask is known at compile time: a static mask or mask tensors among the example inputs), else
+    head-tail chunks (two per rank: balanced for causal-like masks). Every site of the graph, and of every later
+    graph at that length on these ranks (``SideTable.decided``), is then planned in it.
 
     Returns (layout, how it was chosen)."""
     first = an.sites[0]
@@ -197,7 +223,7 @@ def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendO
 def _compile(gm, example_inputs, rec: GraphRecord, opts: BackendOptions, table: SideTable, observer: Observer,
              devices: dict[str, torch.device]):
     if opts.compiler == "eager":
-        return tag_outputs(gm.forward, rec.shard, table)
+        return gm.forward
     for key, device in devices.items():  # compile-time plans (collective): now, not inside Inductor
         prepare(table.site(key), device)
 
@@ -209,8 +235,7 @@ def _compile(gm, example_inputs, rec: GraphRecord, opts: BackendOptions, table: 
             expand(g)
             return make_boxed_func(g.forward)
 
-        return tag_outputs(aot_autograd(fw_compiler=expand_only, bw_compiler=expand_only)(gm, example_inputs),
-                           rec.shard, table)
+        return aot_autograd(fw_compiler=expand_only, bw_compiler=expand_only)(gm, example_inputs)
     # (imported here: Inductor's compile machinery is heavy and only this path needs it)
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -218,7 +243,7 @@ def _compile(gm, example_inputs, rec: GraphRecord, opts: BackendOptions, table: 
         expand(g, backward=bool(kw.get("is_backward")))
         return compile_fx_inner(g, inputs, **kw)
 
-    return tag_outputs(compile_fx(gm, example_inputs, inner_compile=inner_compile), rec.shard, table)
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
 def expand_graph(rec: GraphRecord, g: fx.GraphModule, table: SideTable, observer: Observer,
@@ -234,23 +259,83 @@ def expand_graph(rec: GraphRecord, g: fx.GraphModule, table: SideTable, observer
     return aot
 
 
-def tag_outputs(fn, shard: ShardSummary | None, table: SideTable):
-    """The callable Dynamo keeps: ``fn`` behind a function of our own, which with ``outputs="sharded"`` marks each
-    returned shard (``ultraattn.undispatch`` reads the mark).
+# ----------------------------------------------------------------------------- shards in and out
+def carried_inputs(gm: fx.GraphModule, example_inputs) -> dict[int, Carried]:
+    """The inputs that arrive as shards another graph returned (``SeqShard``), by input index.
+
+    Dynamo traced them with their global shape; from here on the graph's placeholders hold plain (fake) global
+    values, the analysis's view, and each keeps its fake local tensor (``meta["ultraattn_local"]``)."""
+    out = {}
+    for i, (ph, x) in enumerate(zip(placeholders(gm), example_inputs)):
+        if isinstance(x, SeqShard):
+            out[i] = x._carried
+            fv = ph.meta.get("example_value")
+            if isinstance(fv, SeqShard):
+                ph.meta["ultraattn_local"] = fv._local
+                ph.meta["example_value"] = fv._local.new_empty(fv.shape)
+    return out
+
+
+def _takeable(phs: list[fx.Node], carried: dict[int, Carried], table: SideTable, ranks) -> dict[fx.Node, Carried]:
+    """The carried placeholders this graph can take as they are: their layout is on this graph's ranks."""
+    out = {}
+    for i, c in carried.items():
+        held = table.layouts.get(c.key)
+        if held is not None and tuple(held.global_ranks) == tuple(ranks) and "ultraattn_local" in phs[i].meta:
+            out[phs[i]] = c
+    return out
+
+
+def _taken(gm: fx.GraphModule, carried: dict[int, Carried], shard: ShardSummary | None) -> tuple[int, ...]:
+    """Indices of the carried inputs the sharded graph takes as they are (by placeholder name)."""
+    names = set(shard.carried) if shard is not None else set()
+    return tuple(i for i, ph in enumerate(placeholders(gm)) if i in carried and ph.name in names)
+
+
+def _entry_values(gm: fx.GraphModule, example_inputs, carried: dict[int, Carried], taken: tuple[int, ...]):
+    """The example inputs of the graph as compiled: local tensors for the carried inputs it takes as they are,
+    plain global ones (gathered where it is called) for the other shards."""
+    values = list(example_inputs)
+    for i in carried:
+        x = values[i]
+        if i in taken:
+            values[i] = x._local
+        elif isinstance(x._local, FakeTensor):
+            values[i] = x._local.new_empty(x.shape)
+        else:
+            values[i] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return values
+
+
+def boundary(fn, carried: dict[int, Carried], taken: tuple[int, ...], shard: ShardSummary | None):
+    """The callable Dynamo keeps: ``fn`` between the shards that arrive and those that leave.
+
+    Carried inputs the graph takes as they are enter as their local tensors (``SeqShard.to_local``), other shards
+    as their global value (``full_tensor``: an all-gather, once); with ``outputs="sharded"`` every output that is
+    this rank's tokens leaves as a ``SeqShard`` of the graph's layout (``passes/carrier.py``). All three are
+    differentiable, so gradients cross the boundary the same way, as shards.
 
     [Note] Always a new function: the side table drops a graph's sites when Dynamo drops what the backend
     returned (``SideTable.forget_with``), and Dynamo keeps exactly that object, whereas the compiler's own
     callable may be referenced only through it."""
-    marks = []
-    if shard is not None and any(o is not None for o in shard.outputs):
-        seq = table.layout(shard.key)
-        marks = [(i, (seq, *o)) for i, o in enumerate(shard.outputs) if o is not None]
+    gathered = tuple(i for i in carried if i not in taken)
+    leaving = []
+    if shard is not None:
+        leaving = [(i, Carried(shard.key, *o)) for i, o in enumerate(shard.outputs) if o is not None]
 
     def run(*args):
+        args = list(args)  # (Dynamo calls what a backend returns unboxed, whatever its ``_boxed_call`` says)
+        for i in taken:
+            args[i] = args[i].to_local()
+        for i in gathered:
+            if isinstance(args[i], SeqShard):
+                args[i] = args[i].full_tensor()
         outs = fn(*args)
-        for i, mark in marks:
-            if isinstance(outs[i], torch.Tensor):
-                outs[i]._ultraattn_shard = mark
+        if leaving:
+            outs = list(outs)
+            for i, c in leaving:
+                if isinstance(outs[i], torch.Tensor) and not isinstance(outs[i], SeqShard):
+                    outs[i] = SeqShard.from_local(outs[i], c)
         return outs
 
     run._boxed_call = getattr(fn, "_boxed_call", False)

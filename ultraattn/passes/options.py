@@ -43,10 +43,13 @@ class BackendOptions:
     """Sequence sharding (``passes/shard/``): every activation that carries the sequence lives on this rank's
     tokens, so memory scales with the ranks. False: attention-only context parallelism (each attention gathers
     its output; the rest of the model runs replicated on the full sequence)."""
-    outputs: Outputs = "global"
-    """global: graph outputs that carry the sequence are all-gathered, so every rank returns what one process
-    would. sharded: they are returned as this rank's shard (``ultraattn.undispatch(x)`` gathers one later), so
-    logits need not be materialised in full."""
+    outputs: Outputs = "sharded"
+    """sharded: a graph output that carries the sequence is returned as a ``SeqShard`` (``passes/carrier.py``): a
+    tensor with the global shape holding this rank's tokens. The next compiled region takes it as it is (a model
+    compiled block by block hands shards from block to block with no communication); eager code gets the exact
+    global value, all-gathered once on first use; ``ultraattn.undispatch(x)`` returns that value as a plain tensor.
+    global: such outputs are all-gathered inside the graph and returned as plain tensors. Without sequence
+    sharding (``shard=False``, one rank) every output is global."""
     ilp_time_limit: float | None = None
     balance_tol: float | None = None
     time_budget: float | None = None
@@ -99,8 +102,6 @@ def _check_values(opts: BackendOptions) -> None:
     for nm in ("shard", "debug", "explicit"):
         if not isinstance(getattr(opts, nm), bool):
             raise ValueError(f"options[{nm!r}]={getattr(opts, nm)!r}: expected True or False")
-    if opts.outputs == "sharded" and not opts.shard:
-        raise ValueError("options['outputs']='sharded' needs the sequence-sharding pass: drop options['shard']=False")
     for nm in ("ilp_time_limit", "balance_tol", "time_budget", "timeout"):
         v = getattr(opts, nm)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v <= 0):

@@ -84,6 +84,9 @@ class ShardSummary:
     """Sums, means and losses over the sequence run as local sums plus an all-reduce."""
     dispatched: tuple[str, ...] = ()
     """Replicated graph values sliced where they meet the sharded region."""
+    carried: tuple[str, ...] = ()
+    """Graph inputs that arrived as this rank's shard (a ``SeqShard`` another graph returned) and were taken as
+    they are: no communication."""
     entered: int = 0
     """Replicated weights entering the region (their gradients are all-reduced)."""
     replicated_ops: int = 0
@@ -101,6 +104,7 @@ class ShardSummary:
     def to_json(self) -> dict:
         return {"layout": self.layout, "seq_len": self.seq_len, "local_len": self.local_len,
                 "sharded_ops": self.sharded_ops, "reductions": self.reductions, "dispatched": list(self.dispatched),
+                "carried": list(self.carried),
                 "entered": self.entered, "replicated_ops": self.replicated_ops,
                 "fallbacks": [f.to_json() for f in self.fallbacks], "skipped_sites": dict(self.skipped_sites),
                 "outputs": [list(o) if o is not None else None for o in self.outputs], "key": self.key,
@@ -108,7 +112,7 @@ class ShardSummary:
 
     @classmethod
     def from_json(cls, d: dict) -> ShardSummary:
-        return cls(**{**d, "dispatched": _tuple(d["dispatched"]),
+        return cls(**{**d, "dispatched": _tuple(d["dispatched"]), "carried": _tuple(d.get("carried", ())),
                       "fallbacks": tuple(Fallback.from_json(f) for f in d["fallbacks"]),
                       "skipped_sites": tuple(d["skipped_sites"].items()),
                       "outputs": tuple(tuple(o) if o is not None else None for o in d["outputs"])})

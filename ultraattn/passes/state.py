@@ -10,7 +10,9 @@ one object makes the state visible, bounded and resettable:
 
 * ``sites``: ``SiteState`` per rewritten site (``passes/site.py``), keyed by ``SiteSpec.key``;
 * ``kept``: ``KeptFlex`` per kept flex_attention site that runs eagerly (``passes/kept.py``);
-* ``layouts``: ``runtime.sequence.SequenceShards`` per sequence-sharded graph;
+* ``layouts``: ``runtime.sequence.SequenceShards`` per token layout and process group, shared by every graph
+  sharded in it, and ``decided``: the layout chosen per (sequence length, ranks), so that every compiled region of
+  a run shards a sequence the same way and hands its shards to the next (``passes/carrier.py``);
 * ``graphs`` / ``aot_graphs`` / ``plan_events``: the records of what was compiled and planned;
 * ``meshes``: the default DeviceMesh per (world, local world), created once (a collective);
 * ``counters``: ``torch._dynamo.utils.counters["ultraattn"]`` for the process table (a private
@@ -51,6 +53,8 @@ class SideTable:
         self.sites: dict[str, SiteState] = {}
         self.kept: dict[str, object] = {}
         self.layouts: dict[str, object] = {}
+        self.decided: dict[tuple, tuple[str, str]] = {}
+        """(sequence length, global ranks) -> (layout key, how it was chosen): one decision per run."""
         self.graphs: list[GraphRecord] = []
         self.aot_graphs: list[AotGraphRecord] = []
         self.plan_events: deque[PlanEvent] = deque(maxlen=MAX_PLAN_EVENTS)
@@ -99,25 +103,25 @@ class SideTable:
     def kept_site(self, key: str):
         return _held(self.kept, key, "state for kept site")
 
-    def add_layout(self, key: str, shards) -> None:
+    def add_layout(self, key: str, shards) -> object:
+        """Hold ``shards`` under ``key`` unless a layout is held there already; returns the one held."""
         with self.lock:
-            self.layouts[key] = shards
+            return self.layouts.setdefault(key, shards)
 
     def layout(self, key: str):
         return _held(self.layouts, key, "sequence layout")
 
-    def forget(self, site_keys: tuple[str, ...], layout_keys: tuple[str, ...] = ()) -> None:
+    def forget(self, site_keys: tuple[str, ...]) -> None:
         with self.lock:
             for k in site_keys:
                 self.sites.pop(k, None)
                 self.kept.pop(k, None)
-            for k in layout_keys:
-                self.layouts.pop(k, None)
 
-    def forget_with(self, owner: object, site_keys: tuple[str, ...], layout_keys: tuple[str, ...] = ()) -> None:
-        """Drop these sites (rewritten or kept) and layouts once ``owner`` (the compiled callable Dynamo keeps) is
-        garbage collected."""
-        weakref.finalize(owner, self.forget, tuple(site_keys), tuple(layout_keys))
+    def forget_with(self, owner: object, site_keys: tuple[str, ...]) -> None:
+        """Drop these sites (rewritten or kept) once ``owner`` (the compiled callable Dynamo keeps) is garbage
+        collected. (Layouts stay: other graphs and the shards they returned share them; there is one per sequence
+        length and process group.)"""
+        weakref.finalize(owner, self.forget, tuple(site_keys))
 
     # ------------------------------------------------------------------ records
     def record_graph(self, rec: GraphRecord) -> None:
@@ -161,6 +165,7 @@ class SideTable:
             self.sites.clear()
             self.kept.clear()
             self.layouts.clear()
+            self.decided.clear()
             self.graphs.clear()
             self.aot_graphs.clear()
             self.plan_events.clear()

@@ -58,6 +58,12 @@ def shard_summary(rec: GraphRecord) -> Text | None:
     names = sorted({_short(n) for n in sh.dispatched})
     if names:
         t.append(f" ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''})")
+    if sh.carried:
+        t.append(f" · inputs arriving as shards (no communication) {len(sh.carried)} "
+                 f"({', '.join(sorted({_short(n) for n in sh.carried}))})")
+    returned = sum(o is not None for o in sh.outputs)
+    if returned:
+        t.append(f" · outputs returned as shards {returned}")
     t.append(f" · weights entering (gradients all-reduced) {sh.entered} · reductions over the sequence "
              f"{sh.reductions} · replicated ops {sh.replicated_ops} · ")
     t.append(f"gathered fallbacks {n_fb}", style="bold red" if n_fb else "bold green")

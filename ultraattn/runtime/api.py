@@ -530,35 +530,21 @@ def gather_tokens(x: Tensor, plan: AttentionPlan, seq_dim: int = 2) -> Tensor:
 def undispatch(x_local: Tensor, plan: AttentionPlan | None = None, seq_dim: int = 2) -> Tensor:
     """The global tensor from every rank's tokens (an all-gather), without the tail padding.
 
-    ``plan`` None: ``x_local`` is a shard a compiled graph returned (``options={"outputs": "sharded"}``),
-    which carries its layout and sequence dim. Differentiable: the backward takes this rank's slice of the
-    (replicated) global gradient.
+    ``plan`` None: ``x_local`` is a shard a compiled graph returned (a ``SeqShard``, ``options={"outputs":
+    "sharded"}``, the default), which carries its layout and sequence dim; the result is its global value as a
+    plain tensor. Differentiable: the backward takes this rank's slice of the (replicated) global gradient.
     """
     if plan is None:
-        mark = getattr(x_local, "_ultraattn_shard", None)
-        if mark is None:
-            raise TypeError("`x_local` is not a shard an ultraattn graph returned (options outputs='sharded'); "
-                            "pass the AttentionPlan it was dispatched with as `plan`")
-        seq, dim, length, inner = mark
-        return _GatherShard.apply(x_local, seq, dim, length, inner)
+        if not getattr(x_local, "_ultraattn_carrier", False):  # (passes/carrier.py, a layer above this one)
+            raise TypeError("ultraattn.undispatch: `x_local` is not a shard an ultraattn graph returned (a SeqShard, "
+                            f"got {type(x_local).__name__}); pass the AttentionPlan it was dispatched with as `plan`")
+        return x_local.full_tensor()
     plan = _check_plan(plan)
     d = _seq_dim(x_local, seq_dim, "x_local")
     if x_local.shape[d] != plan.local_len:
         raise ValueError(f"`x_local` has {x_local.shape[d]} tokens on seq_dim={seq_dim} but this rank holds "
                          f"{plan.local_len} (did you pass a global tensor?)")
     return _Undispatch.apply(x_local, plan, d)
-
-
-class _GatherShard(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seq: SequenceShards, dim: int, length: int, inner: int):
-        ctx.args = (seq, dim, length, inner)
-        return seq.gather(x, dim, length, inner)
-
-    @staticmethod
-    def backward(ctx, g):
-        seq, dim, length, inner = ctx.args
-        return seq.shard(g, dim, length, inner), None, None, None, None
 
 
 def dist_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor, plan: AttentionPlan, *,

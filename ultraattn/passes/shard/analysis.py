@@ -40,6 +40,8 @@ class Analysis:
     sites: list[fx.Node]
     skipped_sites: dict[str, str] = field(default_factory=dict)
     """site node name -> why it stays a global-view op."""
+    carried: dict[fx.Node, Seq] = field(default_factory=dict)
+    """Placeholders that arrive as this rank's shard and are taken as they are (in the region, mode 'shard')."""
 
 
 def site_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -84,8 +86,10 @@ def align(gm: fx.GraphModule, seeds: dict[fx.Node, Seq]) -> tuple[Specs, dict[fx
     return sp, links
 
 
-def choose_region(gm: fx.GraphModule, sp: Specs, sites: list[fx.Node]) -> dict[fx.Node, str]:
-    """The nodes that run on local tokens (see the module docstring), each with its mode."""
+def choose_region(gm: fx.GraphModule, sp: Specs, sites: list[fx.Node],
+                  carried: dict[fx.Node, Seq] | None = None) -> dict[fx.Node, str]:
+    """The nodes that run on local tokens (see the module docstring), each with its mode; ``carried``
+    placeholders (already local) start in it."""
     modes: dict[fx.Node, str | None] = {}
     rules: dict[fx.Node, Rule] = {}
     for n in gm.graph.nodes:
@@ -98,6 +102,7 @@ def choose_region(gm: fx.GraphModule, sp: Specs, sites: list[fx.Node]) -> dict[f
         except Exception:  # noqa: BLE001 - arguments the rule does not understand: replicated
             modes[n] = None
     region: dict[fx.Node, str] = {n: "shard" for n in sites if modes.get(n) == "shard"}
+    region.update((ph, "shard") for ph in carried or {})
     nodes = list(gm.graph.nodes)
     pinned: set[fx.Node] = set()
     for n in nodes:  # an in-place op that cannot run sharded keeps the tensor it modifies replicated
@@ -162,13 +167,17 @@ def choose_region(gm: fx.GraphModule, sp: Specs, sites: list[fx.Node]) -> dict[f
     return region
 
 
-def analyse(gm: fx.GraphModule) -> Analysis | None:
-    """Alignment and region of ``gm`` (None: no site to shard around)."""
+def analyse(gm: fx.GraphModule, carried: dict[fx.Node, Seq] | None = None) -> Analysis | None:
+    """Alignment and region of ``gm`` (None: nothing to shard around: no site and no carried input).
+
+    ``carried``: placeholders whose values arrive as this rank's shard (``passes/carrier.py``), with the dim that
+    carries the sequence; those the analysis aligns the same way join the region (``Analysis.carried``). A graph
+    without attention (a model's head and loss compiled on their own) is sharded around them alone."""
     sites = site_nodes(gm)
-    if not sites:
+    if not sites and not carried:
         return None
-    S = shape_of(sites[0].args[0])[2]
-    seeds = {}
+    S = shape_of(sites[0].args[0])[2] if sites else next(iter(carried.values())).length
+    seeds = {ph: s for ph, s in (carried or {}).items() if s.length == S}
     use = []
     skipped = {}
     for n in sites:
@@ -184,11 +193,12 @@ def analyse(gm: fx.GraphModule) -> Analysis | None:
     for n in use:
         for o in (0, 1):
             sp.set(n, Seq(2, S, 1), o)
-    region = choose_region(gm, sp, use)
+    taken = {ph: s for ph, s in (carried or {}).items() if s.length == S and sp.seq(ph) == s}
+    region = choose_region(gm, sp, use, taken)
     for n in use:
         if n not in region:
             skipped[n.name] = "its q, k or v is aligned with the sequence in two ways (a conflicting op)"
-    return Analysis(specs=sp, mode=region, seq_len=S, sites=use, skipped_sites=skipped)
+    return Analysis(specs=sp, mode=region, seq_len=S, sites=use, skipped_sites=skipped, carried=taken)
 
 
 def why_gathered(user: fx.Node) -> str:
@@ -205,7 +215,7 @@ def why_gathered(user: fx.Node) -> str:
 
 def summarize(gm: fx.GraphModule, an: Analysis) -> ShardSummary:
     """What lowering would do, from the analysis alone (``ultraattn.explain``: no process group, no layout)."""
-    local = {n for n, m in an.mode.items() if m == "shard"}
+    local = {n for n, m in an.mode.items() if m == "shard" and n.op != "placeholder"}
     fallbacks = []
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method") and n not in an.mode and opname(n) not in ("size", "dim", "numel"):

@@ -31,6 +31,7 @@ class _Tally:
     sharded_ops: int = 0
     reductions: int = 0
     dispatched: list[str] = field(default_factory=list)
+    carried: list[str] = field(default_factory=list)
     entered: int = 0
     fallbacks: list[Fallback] = field(default_factory=list)
     replicated_ops: int = 0
@@ -52,7 +53,7 @@ class Lowering:
 
     # ------------------------------------------------------------------ specs
     def spec(self, n: fx.Node) -> Seq:
-        s = self.an.specs.seq(n)
+        s = self.an.carried.get(n) or self.an.specs.seq(n)
         assert s is not None, n.format_node()
         return s
 
@@ -88,7 +89,7 @@ class Lowering:
                 parts.append(part)
             self.rep[m] = self.g.call_function(_pack, tuple(parts))
             return self.rep[m]
-        s = self.an.specs.seq(m)
+        s = self.an.carried.get(m) or self.an.specs.seq(m)
         if s is None:
             raise NotImplementedError(f"ultraattn: {m.name} is sharded without a single sequence dim")
         user = self.current
@@ -103,7 +104,7 @@ class Lowering:
 
     def shard_of(self, m: fx.Node, want: Seq) -> fx.Node:
         """``m`` on this rank's tokens in spec ``want`` (slices of the global value if it is replicated)."""
-        if m in self.local and self.an.specs.seq(m) == want:
+        if m in self.local and self.spec(m) == want:
             return self.local[m]
         key = ("dispatch", m, want)
         if key not in self.cache:
@@ -155,7 +156,7 @@ class Lowering:
             g = self.g
             L = self.local_len
             outer = shape[s.dim] // (s.length * s.inner)
-            dev = meta_value(self.an.sites[0].args[0]).device
+            dev = meta_value(self.an.sites[0].args[0] if self.an.sites else next(iter(self.an.carried))).device
             v = g.call_function(torch.ops.ultraattn.sp_valid.default, (self.key, s.length, dev))
             v = g.call_method("view", (v, [1, L, 1]))
             v = g.call_method("expand", (v, [outer, L, s.inner]))
@@ -182,7 +183,11 @@ def _copy_placeholder(cx: Lowering, n: fx.Node) -> None:
     for attr, value in vars(n).items():  # Dynamo's own attributes (_dynamo_source: not in meta)
         if attr.startswith("_dynamo"):
             setattr(new, attr, value)
-    cx.rep[n] = new
+    if n in cx.an.carried:  # it arrives as this rank's tokens
+        cx.local[n] = new
+        cx.rec.carried.append(n.name)
+    else:
+        cx.rep[n] = new
 
 
 def _output_value(cx: Lowering, m, outputs: str):
@@ -191,7 +196,7 @@ def _output_value(cx: Lowering, m, outputs: str):
     if not isinstance(m, fx.Node):
         return m
     local_only = m in cx.local and m not in cx.rep
-    s = cx.an.specs.seq(m) if local_only else None
+    s = cx.spec(m) if local_only else None
     if local_only and outputs == "sharded":
         cx.rec.outputs.append((s.dim, s.length, s.inner))
         return cx.local[m]
@@ -254,8 +259,8 @@ def lower(gm: fx.GraphModule, an: Analysis, key: str, *, outputs: str, local_len
     gm.recompile()
     t = cx.rec
     return ShardSummary(layout=layout_text, seq_len=an.seq_len, local_len=local_len, sharded_ops=t.sharded_ops,
-                        reductions=t.reductions, dispatched=tuple(t.dispatched), entered=t.entered,
-                        replicated_ops=t.replicated_ops, fallbacks=tuple(t.fallbacks),
+                        reductions=t.reductions, dispatched=tuple(t.dispatched), carried=tuple(t.carried),
+                        entered=t.entered, replicated_ops=t.replicated_ops, fallbacks=tuple(t.fallbacks),
                         skipped_sites=tuple(an.skipped_sites.items()), outputs=tuple(t.outputs), key=key)
 
 

@@ -1,0 +1,190 @@
+"""Regional compilation: a model compiled block by block keeps the sequence sharded from block to block.
+
+Each block is compiled on its own (``ultraattn.compile_blocks(model.layers)``, as torchtitan's ``apply_compile``
+does); the model's own eager code runs around the blocks. The first block meets the global sequence and slices it,
+every block returns this rank's tokens as a ``SeqShard`` (``ultraattn/passes/carrier.py``) and the next takes them
+as they are. Checked here, on every rank, against the single process by the numerics policy (tests/numerics.py):
+the loss and every parameter gradient; and, counted by wrapping ``torch.distributed``, that no all-gather happens
+between blocks: one of the last block's output (the eager norm and head need the global value) and one of the
+first block's input gradient (the eager embedding's backward), whatever the number of blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from numerics import check_step, fresh_dynamo  # noqa: F401 - fresh_dynamo: an autouse fixture
+from shard_models import batch, build, forward, oracle
+
+from ultraattn.passes import side_table
+from ultraattn.testing import run_ranks
+
+FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 60.0, "block_size": 32}
+
+
+class GatherCount:
+    """Counts every all-gather ``torch.distributed`` runs (calls and bytes of the gathered buffer)."""
+
+    NAMES = ("all_gather_into_tensor", "all_gather_single", "all_gather", "_all_gather_base")
+
+    def __init__(self):
+        self.calls, self.bytes, self._orig = 0, 0, {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._orig[name] = fn
+                setattr(dist, name, self._wrap(fn))
+        return self
+
+    def _wrap(self, fn):
+        def counted(out, *args, **kwargs):
+            self.calls += 1
+            outs = out if isinstance(out, list) else [out]
+            self.bytes += sum(t.numel() * t.element_size() for t in outs)
+            return fn(out, *args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc):
+        for name, fn in self._orig.items():
+            setattr(dist, name, fn)
+
+
+def records() -> list[dict]:
+    return [{"sharded_ops": g.shard.sharded_ops, "replicated_ops": g.shard.replicated_ops,
+             "carried": g.shard.carried, "outputs": g.shard.outputs, "fallbacks": g.shard.fallbacks,
+             "layout": g.shard.layout} if g.shard else None for g in side_table().graphs]
+
+
+def _blocks_worker(rank: int, world: int, seqlen: int, options: dict) -> dict:
+    import ultraattn
+
+    model = build("llama")
+    data = batch("llama", seqlen)
+    assert ultraattn.compile_blocks(model.layers, options=options) == 2
+    model.zero_grad(set_to_none=True)
+    with GatherCount() as gc:
+        loss = forward("llama", model, data)  # the model's own forward: eager embedding, norm, head and loss
+        loss.backward()
+    out = {"loss": loss.detach().double(), "grads": {n: p.grad.double() for n, p in model.named_parameters()},
+           "gathers": gc.calls, "gathered": gc.bytes, "graphs": records(),
+           "local_len": side_table().graphs[0].shard.local_len}
+    # a second step, the same graphs: nothing recompiles, and the gradients are the same
+    model.zero_grad(set_to_none=True)
+    forward("llama", model, data).backward()
+    out["again"] = {n: p.grad.double() for n, p in model.named_parameters()}
+    out["graphs_after"] = len(side_table().graphs)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_blocks_hand_shards_to_each_other(world):
+    """The project's Llama-style model, its 2 blocks compiled one by one (Inductor): exact on every rank; the
+    second block's graph takes its input as it arrives (carried), both return a shard, nothing of a block runs on
+    gathered data; two all-gathers per step in all (the eager head's input, the eager embedding's gradient),
+    each of one [batch, seq, hidden] tensor."""
+    seqlen = 96
+    res = run_ranks(_blocks_worker, world, args=(seqlen, FAST), timeout=900)
+    ref64, ref32 = oracle("llama", seqlen)
+    for got in res:
+        assert not check_step(got, ref64, ref32), check_step(got, ref64, ref32)
+        for n, g in got["again"].items():
+            torch.testing.assert_close(g, got["grads"][n], rtol=0, atol=0)
+        first, second = got["graphs"]
+        assert got["graphs_after"] == 2  # the second step reuses both graphs
+        assert first["carried"] == () and second["carried"] == ("l_x_",), got["graphs"]
+        for g in (first, second):
+            assert g["sharded_ops"] > 40 and not g["fallbacks"], g
+            assert g["outputs"] == ((1, seqlen, 1),)  # the block's output leaves as a shard
+            assert g["layout"].startswith(first["layout"].split(" (")[0])  # one layout for the run
+        hidden = 2 * world * got["local_len"] * 32 * 4  # [batch 2, world * local tokens, hidden 32] fp32
+        assert got["gathers"] == 2 and got["gathered"] == 2 * hidden, (got["gathers"], got["gathered"])
+
+
+# ----------------------------------------------------------------------------- torchtitan's Llama 3
+def _titan_args(attn: str):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(attn=attn, seqlen=256, batch=1, layers=2, dim=128, heads=8, kv_heads=4, vocab=2048,
+                           seed=0)
+
+
+def _titan_example():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import torchtitan_cp
+
+    return torchtitan_cp
+
+
+def _titan_step(ex, model, args) -> dict:
+    model.zero_grad(set_to_none=True)
+    with GatherCount() as gc:
+        loss = ex.loss_of(model, ex.make_batch(args, model))
+        loss.backward()
+    return {"loss": loss.detach().double(), "gathers": gc.calls, "gathered": gc.bytes,
+            "grads": {n.removeprefix("_orig_mod."): p.grad.detach().double().clone()
+                      for n, p in model.named_parameters()}}
+
+
+def _titan_worker(rank: int, world: int, attns: tuple[str, ...]) -> dict:
+    import ultraattn.passes as P
+
+    ex = _titan_example()
+    out = {}
+    for attn in attns:
+        args = _titan_args(attn)
+        torch._dynamo.reset()
+        P.reset()
+        model = ex.build(args)
+        ex.compile_like_torchtitan(model, FAST)
+        out[attn] = _titan_step(ex, model, args)
+        out[attn]["graphs"] = records()
+        out[attn]["report"] = [g.shard.to_json() for g in side_table().graphs if g.shard]
+        torch._dynamo.reset()
+        P.reset()
+        model = ex.build(args)
+        whole = torch.compile(model, backend="ultraattn", options=dict(FAST, report="off"))
+        out[attn]["whole"] = _titan_step(ex, whole, args)
+    return out
+
+
+def _titan_reference(rank: int, world: int, attns: tuple[str, ...]) -> dict:
+    ex = _titan_example()
+    ex.eager_reference_mode()
+    out = {}
+    for attn in attns:
+        args = _titan_args(attn)
+        out[attn] = [_titan_step(ex, ex.build(args, dt), args) for dt in (torch.float64, torch.float32)]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_torchtitan_llama_compiled_block_by_block(world):
+    """torchtitan 0.3.0's Llama 3 (its debug model, smaller), each TransformerBlock compiled on its own as its
+    apply_compile does, with flex document masks (its own mask builder) and with causal SDPA: the loss and every
+    gradient match the eager single process on every rank; no all-gather between blocks (the whole step gathers no
+    more bytes than the whole-model compile, which gathers the logits); every block's norm, projections, RoPE and
+    MLP run on local tokens (its graph has no op on gathered data and takes the previous block's shard as is)."""
+    pytest.importorskip("torchtitan", reason="torchtitan is an optional dependency (pip install --no-deps "
+                                             "torchtitan==0.3.0 spmd_types==0.2.3 tyro einops)")
+    attns = ("flex", "sdpa")
+    res = run_ranks(_titan_worker, world, args=(attns,), timeout=1800)
+    (ref,) = run_ranks(_titan_reference, 0, args=(attns,), timeout=900)
+    for attn in attns:
+        ref64, ref32 = ref[attn]
+        for got in (r[attn] for r in res):
+            assert not check_step(got, ref64, ref32), (attn, check_step(got, ref64, ref32))
+            assert not check_step(got["whole"], ref64, ref32), (attn, "whole", check_step(got["whole"], ref64, ref32))
+            assert got["gathered"] <= got["whole"]["gathered"], (attn, got["gathered"], got["whole"]["gathered"])
+            assert got["gathers"] == 2, (attn, got["gathers"])  # the eager head's input, the embedding's gradient
+            first, second = got["graphs"]
+            assert first["carried"] == () and len(second["carried"]) == 1, got["graphs"]
+            for g in (first, second):
+                assert g["sharded_ops"] > 30 and not g["fallbacks"], (attn, g)
+                assert len(g["outputs"]) == 1 and g["outputs"][0] is not None, (attn, g)
