@@ -188,3 +188,47 @@ def test_torchtitan_llama_compiled_block_by_block(world):
             for g in (first, second):
                 assert g["sharded_ops"] > 30 and not g["fallbacks"], (attn, g)
                 assert len(g["outputs"]) == 1 and g["outputs"][0] is not None, (attn, g)
+
+
+# ----------------------------------------------------------------------------- transformers' Llama
+HF_CASES = [("flex_attention", 256, True), ("sdpa", 200, True), ("sdpa", 256, False)]
+
+
+def _hf_worker(rank: int, world: int) -> list[dict]:
+    import ultraattn
+    import ultraattn.passes as P
+    from client_cases import hf_data, hf_model, hf_step
+
+    out = []
+    for impl, S, packed in HF_CASES:
+        torch._dynamo.reset()
+        P.reset()
+        model = hf_model(impl)
+        ultraattn.compile_blocks(model.model.layers, options=FAST)
+        ids, pos = hf_data(S, packed)
+        with GatherCount() as gc:
+            res = hf_step(model, ids, pos, use_cache=False)
+        res.update(gathers=gc.calls, graphs=records(),
+                   sites=[(s.name, s.rewritten) for g in side_table().graphs for s in g.sites])
+        out.append(res)
+    return out
+
+
+def test_transformers_llama_decoder_layers_compiled_block_by_block():
+    """transformers' LlamaForCausalLM (tiny random config), its decoder layers compiled one by one, flex and SDPA,
+    packed documents and plain (use_cache=False: transformers detects packing only then): exact on every rank,
+    every site rewritten, the second layer takes the first one's shard, no op of a layer on gathered data, two
+    all-gathers per step (the eager final norm's input, the eager embedding's gradient)."""
+    from client_cases import hf_reference
+
+    res = run_ranks(_hf_worker, 2, timeout=1200)
+    for i, (impl, S, packed) in enumerate(HF_CASES):
+        ref64, ref32 = hf_reference(S, packed, False)
+        for got in (r[i] for r in res):
+            label = f"{impl} S={S} packed={packed}"
+            assert not check_step(got, ref64, ref32), (label, check_step(got, ref64, ref32))
+            assert len(got["sites"]) == 2 and all(ok for _, ok in got["sites"]), (label, got["sites"])
+            first, second = got["graphs"]
+            assert first["carried"] == () and len(second["carried"]) == 1, (label, got["graphs"])
+            assert not first["fallbacks"] and not second["fallbacks"], (label, got["graphs"])
+            assert got["gathers"] == 2, (label, got["gathers"])
