@@ -79,6 +79,8 @@ def run_mode(rank: int, world: int, mode: str, args) -> dict:
         import ultraattn
 
         ultraattn.compile_blocks(model.layers, options=opts)
+        if args.head:  # the head (final norm, output projection, loss) a region too: it takes the last shard
+            model.loss = torch.compile(model.loss, backend="ultraattn", options=opts)
         run = model
     else:
         run = torch.compile(model, backend="ultraattn", options=opts)
@@ -215,6 +217,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--no-head", dest="head", action="store_false",
+                    help="blocks: leave the head (final norm, output projection, loss) eager, on the global values")
     ap.add_argument("--timeout", type=float, default=5400.0, help="seconds per configuration")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "memory_cpu.json")
     ap.add_argument("--replot", type=Path, help="only redraw the PNG of an existing results JSON")

@@ -5,9 +5,11 @@ shared by identical blocks. ``ultraattn.compile_blocks(model.layers)`` does the 
 (torchtitan's own ``apply_compile`` refuses backends other than ``inductor`` and ``aot_eager``). The first block
 meets the global sequence and slices it; every block returns this rank's tokens (a ``SeqShard``) and the next
 block takes them as they are, so the norms, projections, RoPE, attention and MLP of every block run on this rank's
-tokens with no all-gather between blocks. torchtitan's own code around the blocks runs unchanged: the embedding
-before the first block, the final norm, the output projection and the loss after the last one (on the exact global
-values: one all-gather of the last block's output).
+tokens with no all-gather between blocks. The final norm and the output projection are compiled as regions too,
+and the loss as torchtitan compiles it (its ``loss`` compile component), so the logits and the loss are computed
+on local tokens as well (the loss summed over the ranks). torchtitan's own forward runs unchanged, eagerly, around
+the regions: its embedding before the first block meets the global tokens; with ``--eager-head`` its final norm
+and output projection run on the exact global values (one all-gather of the last block's output).
 
 The model is torchtitan 0.3.0's Llama 3 debug model, smaller (2 layers, dim 128, 8 heads / 4 KV heads, vocab 2048,
 its ComplexRoPE and fused QKV). ``--attn flex`` (the default) uses torchtitan's FlexAttention with the block-causal
@@ -95,9 +97,14 @@ def make_batch(args, model, step: int = 0) -> tuple:
     return tokens[:, :-1], tokens[:, 1:], extra
 
 
-def loss_of(model, batch) -> torch.Tensor:
+def cross_entropy(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """torchtitan's loss (``components/loss.py``): mean next-token cross-entropy."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten())
+
+
+def loss_of(model, batch, loss_fn=cross_entropy) -> torch.Tensor:
     inputs, labels, extra = batch
-    return F.cross_entropy(model(inputs, *extra).flatten(0, 1).float(), labels.flatten())
+    return loss_fn(model(inputs, *extra), labels)
 
 
 def eager_reference_mode() -> None:
@@ -127,19 +134,28 @@ def eager_reference_mode() -> None:
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
 
-def compile_like_torchtitan(model, options: dict | None = None) -> None:
+def compile_like_torchtitan(model, options: dict | None = None, head: bool = True):
     """torchtitan's ``apply_compile`` with the ultraattn backend: every TransformerBlock compiled on its own, with
-    the Dynamo setting torchtitan uses."""
+    the Dynamo setting torchtitan uses; returns the loss function, compiled as torchtitan's ``loss`` compile
+    component does.
+
+    ``head``: the final norm and the output projection are regions of their own too, so the last block's shard
+    flows through them into the loss and the logits never exist whole on any rank (without: they run eagerly on
+    the global values, one all-gather of the last block's output, and the loss runs on every rank's full logits)."""
     torch._dynamo.config.capture_scalar_outputs = True
-    ultraattn.compile_blocks(model.layers, options={"report": "off", **(options or {})})
+    opts = {"report": "off", **(options or {})}
+    ultraattn.compile_blocks(model.layers, options=opts)
+    if head:
+        ultraattn.compile_blocks([model.norm, model.lm_head], options=opts)
+    return torch.compile(cross_entropy, backend="ultraattn", options=opts)
 
 
 # ----------------------------------------------------------------------------- training
-def train(model, args, steps: int) -> list[float]:
+def train(model, args, steps: int, loss_fn=cross_entropy) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
-        loss = loss_of(model, make_batch(args, model, step))
+        loss = loss_of(model, make_batch(args, model, step), loss_fn)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -150,9 +166,9 @@ def train(model, args, steps: int) -> list[float]:
 def rank_main(rank: int, world: int, args) -> list[float]:
     torch.set_num_threads(1)
     model = build(args)
-    compile_like_torchtitan(model)
+    loss_fn = compile_like_torchtitan(model, head=not args.eager_head)
     t0 = time.perf_counter()
-    losses = train(model, args, args.steps)
+    losses = train(model, args, args.steps, loss_fn)
     if rank == 0:
         print(f"{world} ranks: {args.steps} steps in {time.perf_counter() - t0:.1f} s (the first compiles)", flush=True)
     return losses
@@ -177,6 +193,8 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eager-head", action="store_true",
+                   help="leave the final norm and output projection eager (on the gathered global values)")
     args = p.parse_args()
     need_torchtitan()
     if "RANK" in os.environ:  # launched by torchrun: this process is one rank

@@ -131,6 +131,11 @@ class Llama(nn.Module):
         cos, sin = rope_tables(tokens.shape[1], self.head_dim, tokens.device)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
+        return self.loss(x, tokens)
+
+    def loss(self, x: Tensor, tokens: Tensor) -> Tensor:
+        """The head: final norm, output projection and next-token cross-entropy (a region of its own when the model
+        is compiled block by block: ``benchmarks/memory_cpu.py``)."""
         logits = self.lm_head(self.norm(x))
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 

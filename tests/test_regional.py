@@ -95,7 +95,7 @@ def test_blocks_hand_shards_to_each_other(world):
             torch.testing.assert_close(g, got["grads"][n], rtol=0, atol=0)
         first, second = got["graphs"]
         assert got["graphs_after"] == 2  # the second step reuses both graphs
-        assert first["carried"] == () and second["carried"] == ("l_x_",), got["graphs"]
+        assert first["carried"] == () and len(second["carried"]) == 1, got["graphs"]
         for g in (first, second):
             assert g["sharded_ops"] > 40 and not g["fallbacks"], g
             assert g["outputs"] == ((1, seqlen, 1),)  # the block's output leaves as a shard
@@ -122,10 +122,10 @@ def _titan_example():
     return torchtitan_cp
 
 
-def _titan_step(ex, model, args) -> dict:
+def _titan_step(ex, model, args, loss_fn=None) -> dict:
     model.zero_grad(set_to_none=True)
     with GatherCount() as gc:
-        loss = ex.loss_of(model, ex.make_batch(args, model))
+        loss = ex.loss_of(model, ex.make_batch(args, model), loss_fn or ex.cross_entropy)
         loss.backward()
     return {"loss": loss.detach().double(), "gathers": gc.calls, "gathered": gc.bytes,
             "grads": {n.removeprefix("_orig_mod."): p.grad.detach().double().clone()
@@ -142,10 +142,15 @@ def _titan_worker(rank: int, world: int, attns: tuple[str, ...]) -> dict:
         torch._dynamo.reset()
         P.reset()
         model = ex.build(args)
-        ex.compile_like_torchtitan(model, FAST)
+        ex.compile_like_torchtitan(model, FAST, head=False)  # (the loss it returns is not used: eager)
         out[attn] = _titan_step(ex, model, args)
         out[attn]["graphs"] = records()
-        out[attn]["report"] = [g.shard.to_json() for g in side_table().graphs if g.shard]
+        torch._dynamo.reset()
+        P.reset()
+        model = ex.build(args)
+        loss_fn = ex.compile_like_torchtitan(model, FAST)  # blocks, norm, output projection and loss: regions
+        out[attn]["regions"] = _titan_step(ex, model, args, loss_fn)
+        out[attn]["regions"]["graphs"] = records()
         torch._dynamo.reset()
         P.reset()
         model = ex.build(args)
@@ -183,11 +188,20 @@ def test_torchtitan_llama_compiled_block_by_block(world):
             assert not check_step(got["whole"], ref64, ref32), (attn, "whole", check_step(got["whole"], ref64, ref32))
             assert got["gathered"] <= got["whole"]["gathered"], (attn, got["gathered"], got["whole"]["gathered"])
             assert got["gathers"] == 2, (attn, got["gathers"])  # the eager head's input, the embedding's gradient
-            first, second = got["graphs"]
+            first, second = got["graphs"][:2]
             assert first["carried"] == () and len(second["carried"]) == 1, got["graphs"]
             for g in (first, second):
                 assert g["sharded_ops"] > 30 and not g["fallbacks"], (attn, g)
                 assert len(g["outputs"]) == 1 and g["outputs"][0] is not None, (attn, g)
+            # with the head and the loss as regions: the logits never exist whole; one all-gather in all (the
+            # eager embedding's gradient), and every region after the first block takes its input as it arrives
+            reg = got["regions"]
+            assert not check_step(reg, ref64, ref32), (attn, "regions", check_step(reg, ref64, ref32))
+            assert reg["gathers"] == 1, (attn, reg["gathers"])
+            first, rest, norm, head, loss = reg["graphs"]
+            assert first["carried"] == () and not first["fallbacks"], reg["graphs"]
+            assert all(len(g["carried"]) == 1 and not g["fallbacks"] for g in (rest, norm, head, loss)), reg["graphs"]
+            assert loss["outputs"] == (None,)  # the loss: a sum over ranks, replicated
 
 
 # ----------------------------------------------------------------------------- transformers' Llama
@@ -195,9 +209,10 @@ HF_CASES = [("flex_attention", 256, True), ("sdpa", 200, True), ("sdpa", 256, Fa
 
 
 def _hf_worker(rank: int, world: int) -> list[dict]:
+    from client_cases import hf_data, hf_model, hf_step
+
     import ultraattn
     import ultraattn.passes as P
-    from client_cases import hf_data, hf_model, hf_step
 
     out = []
     for impl, S, packed in HF_CASES:

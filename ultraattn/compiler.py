@@ -94,13 +94,15 @@ def compile_blocks(blocks, *, options: dict | None = None, **compile_kwargs) -> 
     """Compile each block of a model with the ultraattn backend, in place, as regional compilation does (PyTorch's
     advice for large models; torchtitan's ``apply_compile``, which refuses backends other than its own two).
 
-    ``blocks``: an ``nn.ModuleDict`` or ``nn.ModuleList`` (``model.layers``) or any iterable of modules. Each one
-    gets ``block.compile(backend="ultraattn", options=options, **compile_kwargs)`` (``fullgraph=True`` unless
-    given): identical blocks share one compiled graph per input kind. The first block meets the global sequence
-    and dispatches it; each block returns this rank's shard (a ``SeqShard``, ``options["outputs"] = "sharded"``, the
-    default), so the next takes it with no communication, and eager code around the blocks (the embedding before,
-    the final norm, output projection and loss after) sees the exact global values. Returns how many blocks were
-    compiled."""
+    ``blocks``: an ``nn.ModuleDict`` or ``nn.ModuleList`` (``model.layers``) or any iterable of modules (a model's
+    final norm and output projection too: ``[model.norm, model.lm_head]``). Each one is compiled in place as
+    ``block.compile(backend="ultraattn", options=options, **compile_kwargs)`` would (``fullgraph=True`` unless
+    given), PyTorch's own modules included: identical blocks share one compiled graph per input kind.
+
+    The first block meets the global sequence and dispatches it; each block returns this rank's shard (a
+    ``SeqShard``, ``options["outputs"] = "sharded"``, the default), so the next takes it with no communication, and
+    eager code around the blocks (the embedding before, the final norm, output projection and loss after) sees the
+    exact global values. Returns how many blocks were compiled."""
     if isinstance(blocks, torch.nn.ModuleDict):
         mods = list(blocks.values())
     elif isinstance(blocks, torch.nn.Module) and not isinstance(blocks, torch.nn.ModuleList):
@@ -120,8 +122,19 @@ def compile_blocks(blocks, *, options: dict | None = None, **compile_kwargs) -> 
         raise TypeError("ultraattn.compile_blocks: `backend` is always 'ultraattn'; drop the argument")
     compile_kwargs.setdefault("fullgraph", True)
     for m in mods:
-        m.compile(backend="ultraattn", options=dict(options or {}), **compile_kwargs)
+        # what ``Module.compile`` does (its ``_compiled_call_impl`` is what ``Module.__call__`` runs), but Dynamo's
+        # first frame is ours: Dynamo skips a first frame inside torch.nn, so ``nn.RMSNorm(...).compile()``
+        # compiles nothing (and with fullgraph=True raises), where a user's block does not
+        m._compiled_call_impl = torch.compile(_region_call(m), backend="ultraattn", options=dict(options or {}),
+                                              **compile_kwargs)
     return len(mods)
+
+
+def _region_call(module: torch.nn.Module):
+    def region(*args, **kwargs):
+        return module._call_impl(*args, **kwargs)
+
+    return region
 
 
 # ----------------------------------------------------------------------------- explain

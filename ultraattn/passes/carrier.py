@@ -122,6 +122,7 @@ class SeqShard(torch.Tensor):
 
     # ------------------------------------------------------------------ eager ops
     @classmethod
+    @torch._disable_dynamo  # (as DTensor's: Dynamo records the op on the shard, it does not trace this)
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
