@@ -28,8 +28,8 @@ import argparse
 import json
 import re
 import statistics
+import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -38,52 +38,20 @@ from _results import pyplot, save
 
 from ultraattn.testing import run_ranks
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import torchtitan_cp  # noqa: E402
+
 EPS = torch.finfo(torch.float32).eps
 
 
 # ---------------------------------------------------------------- the model, its data, one step
+# (the model, its batches and the eager reference's CPU flex come from the example, examples/torchtitan_cp.py)
 def build(args, attn: str, dtype: torch.dtype) -> torch.nn.Module:
-    """torchtitan's Llama 3 debug model, smaller; seeded, so every process holds the same weights."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, Llama3Model, _build_llama3_layers
-    from torchtitan.models.llama3 import _output_linear_init as _lm_head_init
-
-    d, v = args.dim, args.vocab
-    cfg = Llama3Model.Config(  # as torchtitan's llama3 ``_debugmodel``, with the sizes of the command line
-        dim=d, vocab_size=v,
-        tok_embeddings=Embedding.Config(num_embeddings=v, embedding_dim=d, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=d, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=d, out_features=v, param_init=_lm_head_init(d)),
-        layers=_build_llama3_layers(
-            fuse_qkv=True, n_layers=args.layers, dim=d, n_heads=args.heads, n_kv_heads=args.kv_heads,
-            hidden_dim=compute_ffn_hidden_dim(d, multiple_of=256), attn_backend="flex",
-            rope=ComplexRoPE.Config(dim=d // args.heads, max_seq_len=args.seqlen, theta=500000, scaling="llama")))
-    if attn == "sdpa":  # 0.3.0 refuses "sdpa" by name for language models; its ScaledDotProductAttention is causal
-        for layer in cfg.layers:
-            layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    torch.manual_seed(args.seed)
-    model = cfg.build()
-    model.init_states()
-    # Module.to(float64) would cast the complex RoPE table to a real one: cast real and complex tensors apart
-    wide = dtype == torch.float64
-    return model._apply(lambda t: t.to(torch.complex128 if wide else torch.complex64) if t.is_complex()
-                        else t.to(dtype) if t.is_floating_point() else t)
+    return torchtitan_cp.build(argparse.Namespace(**{**vars(args), "attn": attn}), dtype)
 
 
 def make_batch(args, model, attn: str) -> tuple:
-    """Seeded tokens, labels and the model's extra inputs: none (sdpa), or positions that restart at every
-    document and the BlockMask torchtitan builds from them (flex)."""
-    g = torch.Generator().manual_seed(args.seed + 1)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seqlen + 1), generator=g)
-    rows = []
-    for _ in range(args.batch):
-        cuts = (torch.randperm(args.seqlen - 1, generator=g)[: max(args.seqlen // 128, 1) - 1] + 1).sort().values
-        bounds = [0, *cuts.tolist(), args.seqlen]
-        rows.append(torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]))
-    positions = torch.stack(rows)
-    extra = () if attn == "sdpa" else (positions, model.get_attention_masks(positions))
-    return tokens[:, :-1], tokens[:, 1:], extra
+    return torchtitan_cp.make_batch(argparse.Namespace(**{**vars(args), "attn": attn}), model)
 
 
 def run_steps(run, model, batch, steps: int) -> tuple[dict, list[float]]:
@@ -104,31 +72,9 @@ def run_steps(run, model, batch, steps: int) -> tuple[dict, list[float]]:
 
 
 # ---------------------------------------------------------------- the processes
-def _rope_fp64(query, key, rope_cache):
-    """torchtitan's ComplexRoPE.apply_rotary_emb, in fp64 for fp64 inputs (the original rounds q, k to fp32)."""
-    if query.dtype != torch.float64:
-        return _rope_fp64.orig(query, key, rope_cache)
-    q = torch.view_as_complex(query.reshape(*query.shape[:-1], -1, 2))
-    k = torch.view_as_complex(key.reshape(*key.shape[:-1], -1, 2))
-    cache = rope_cache.to(torch.complex128)
-    return torch.view_as_real(q * cache).flatten(3), torch.view_as_real(k * cache).flatten(3)
-
-
 def reference(rank: int, world: int, args, attn: str) -> dict:
     """The eager single-process model in fp64 and fp32 (one process, no group), and its fp32 step time."""
-    import torch.nn.attention.flex_attention as fa
-    from torchtitan.models.common import ComplexRoPE
-    from torchtitan.models.common.attention import FlexAttention
-
-    # Reference process only: PyTorch refuses eager flex_attention backward on CPU in its front end
-    # (_validate_device), and torchtitan's torch.compile'd flex has no CPU backward in Inductor. The reference
-    # lifts that check and runs flex_attention eagerly (PyTorch's unfused math path, any dtype). Its RoPE runs in
-    # fp64 at fp64, so the fp64 reference is fp64 throughout.
-    fa._validate_device = lambda query, key, value: None
-    FlexAttention._compiled_flex_attn = fa.flex_attention
-    _rope_fp64.orig = ComplexRoPE.apply_rotary_emb
-    ComplexRoPE.apply_rotary_emb = staticmethod(_rope_fp64)
-    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    torchtitan_cp.eager_reference_mode()
     out = {}
     for name, dtype in (("ref64", torch.float64), ("ref32", torch.float32)):
         model = build(args, attn, dtype)

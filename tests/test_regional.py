@@ -53,6 +53,58 @@ class GatherCount:
             setattr(dist, name, fn)
 
 
+# ----------------------------------------------------------------------------- the carrier, in one process
+def _one_rank_shard(x: torch.Tensor, length: int, requires_grad: bool = False):
+    """A SeqShard of ``x`` (sequence on dim 1) in a one-rank layout of four 16-token chunks (the tail padded):
+    (the shard, its local leaf, the layout)."""
+    from ultraattn.passes.carrier import Carried, SeqShard
+    from ultraattn.planner.plan import TokenLayout
+    from ultraattn.runtime.sequence import SequenceShards
+
+    seq = SequenceShards(TokenLayout(chunk_size=16, owner=(0, 0, 0, 0)), rank=0, global_ranks=(0,))
+    side_table().add_layout("test-layout", seq)
+    local = seq.shard(x, 1, length).detach().requires_grad_(requires_grad)
+    return SeqShard.from_local(local, Carried("test-layout", 1, length)), local, seq
+
+
+def test_eager_ops_on_a_shard_see_the_global_value():
+    """Any op on a SeqShard runs on its exact global value (order restored, padding dropped), autograd included:
+    the gradient reaching the local tensor is this rank's slice of the global one, zeros at the padding. Two shards
+    added stay a shard; an in-place op that would write a gathered copy is an error naming the fix."""
+    from ultraattn.passes.carrier import SeqShard
+
+    x = torch.randn(2, 50, 3)
+    s, local, seq = _one_rank_shard(x, 50, requires_grad=True)
+    assert s.shape == x.shape and local.shape == (2, 64, 3)
+    torch.testing.assert_close(s.cumsum(1), x.cumsum(1))
+    torch.testing.assert_close(s[:, :-1] * 2, x[:, :-1] * 2)
+    assert torch.tensor(s.detach().tolist()).equal(x)
+    w = torch.randn(2, 50, 3)
+    (s.cumsum(1) * w).sum().backward()
+    want = w.flip(1).cumsum(1).flip(1)  # d/dx of sum(cumsum(x) * w)
+    torch.testing.assert_close(local.grad, seq.shard(want, 1, 50, zero_pad=True))
+    pad = ~seq.valid(50)
+    assert pad.sum() == 14 and local.grad[:, pad].abs().max() == 0  # padding: no output, zero gradient
+    pair = s.detach() + s.detach().detach()
+    assert isinstance(pair, SeqShard)
+    torch.testing.assert_close(pair.full_tensor(), 2 * x)
+    with pytest.raises(RuntimeError, match=r"ultraattn: the in-place op .*x = x \+ y.*ultraattn.undispatch"):
+        s.detach().index_add_(1, torch.tensor([0]), torch.ones(2, 1, 3))
+
+
+def test_compile_blocks_checks_its_argument():
+    import ultraattn
+
+    with pytest.raises(TypeError, match=r"compile_blocks: `blocks` is one Linear; pass the container"):
+        ultraattn.compile_blocks(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"`blocks` holds int, not a module"):
+        ultraattn.compile_blocks([1, 2])
+    with pytest.raises(TypeError, match=r"`blocks` must be an nn.ModuleDict, nn.ModuleList or an iterable"):
+        ultraattn.compile_blocks(3)
+    with pytest.raises(TypeError, match=r"`backend` is always 'ultraattn'"):
+        ultraattn.compile_blocks(torch.nn.ModuleList([torch.nn.Linear(2, 2)]), backend="inductor")
+
+
 def records() -> list[dict]:
     return [{"sharded_ops": g.shard.sharded_ops, "replicated_ops": g.shard.replicated_ops,
              "carried": g.shard.carried, "outputs": g.shard.outputs, "fallbacks": g.shard.fallbacks,
