@@ -52,6 +52,18 @@ def need_torchtitan() -> None:
 
 
 # ----------------------------------------------------------------------------- torchtitan's model and data
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model's sizes and the data's seed (``build``, ``make_batch``; ``benchmarks/clients.py`` shares them)."""
+    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def build(args, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """torchtitan's Llama 3 debug model with the sizes of ``args``; seeded, so every process holds the same
     weights."""
@@ -185,14 +197,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--attn", choices=("flex", "sdpa"), default="flex")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seqlen", type=int, default=512)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    add_model_args(p)
     p.add_argument("--eager-head", action="store_true",
                    help="leave the final norm and output projection eager (on the gathered global values)")
     args = p.parse_args()
