@@ -1,9 +1,8 @@
 """The ops a sequence-sharded graph calls to move data between the global view and this rank's tokens.
 
-Each op names a layout by a string key (the side table's ``layouts``: a
-``runtime.sequence.SequenceShards`` per compiled graph) and, where a dimension carries the
-sequence, that dimension, the coordinate's ``length`` and the ``inner`` elements per position
-(``runtime/sequence.py``).
+Each op names a layout by a string key (the side table's ``layouts``: a ``runtime.sequence.SequenceShards`` per
+token layout and group, shared by the graphs of a run) and, where a dimension carries the sequence, that
+dimension, the coordinate's ``length`` and the ``inner`` elements per position (``runtime/sequence.py``).
 
 Gradient invariant (what makes every rank's gradients the single-device ones):
 
