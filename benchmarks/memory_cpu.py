@@ -180,8 +180,8 @@ def plot(result: dict, path: Path) -> None:
     c = result["config"]
     labels = {"single": "1 process", "attn_cp": f"attention-only\nCP ({c['world']} ranks)",
               "sharded": f"sequence-sharded\nCP ({c['world']} ranks)",
-              "blocks": f"sharded, block\nby block ({c['world']} ranks)"}
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+              "blocks": f"block by block{', head' if c.get('head', True) else ''}\n({c['world']} ranks)"}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(4 + 2.4 * len(modes), 4.2))
     peaks = [result["modes"][m]["peak_bytes"] / 2**30 for m in modes]
     bars = a.bar([labels[m] for m in modes], peaks, color=[COLORS[m] for m in modes])
     for bar, m in zip(bars, modes):

@@ -127,6 +127,7 @@ def two_ranks() -> list[dict]:
 def _blocks_run(seqlen: int, options: dict) -> dict:
     import ultraattn
     import ultraattn.passes as P
+    from ultraattn.report.compile_report import shard_summary
 
     torch._dynamo.reset()
     P.reset()
@@ -139,7 +140,8 @@ def _blocks_run(seqlen: int, options: dict) -> dict:
         loss.backward()
     out = {"loss": loss.detach().double(), "grads": {n: p.grad.double() for n, p in model.named_parameters()},
            "gathers": gc.calls, "gathered": gc.bytes, "graphs": records(),
-           "local_len": side_table().graphs[0].shard.local_len}
+           "local_len": side_table().graphs[0].shard.local_len,
+           "report": [shard_summary(g).plain for g in side_table().graphs]}
     # a second step, the same graphs: nothing recompiles, and the gradients are the same
     model.zero_grad(set_to_none=True)
     forward("llama", model, data).backward()
@@ -166,6 +168,9 @@ def test_blocks_hand_shards_to_each_other(two_ranks):
             assert g["sharded_ops"] > 40 and not g["fallbacks"], g
             assert g["outputs"] == ((1, seqlen, 1),)  # the block's output leaves as a shard
             assert g["layout"].startswith(first["layout"].split(" (")[0])  # one layout for the run
+        first_report, second_report = got["report"]  # what the report says of each block's graph
+        assert "inputs arriving as shards (no communication) 1" in second_report, second_report
+        assert all("outputs returned as shards 1" in r and "gathered fallbacks 0" in r for r in got["report"])
         hidden = 2 * world * got["local_len"] * 32 * 4  # [batch 2, world * local tokens, hidden 32] fp32
         assert got["gathers"] == 2 and got["gathered"] == 2 * hidden, (got["gathers"], got["gathered"])
 
