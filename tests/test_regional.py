@@ -21,6 +21,9 @@ from ultraattn.passes import side_table
 from ultraattn.testing import run_ranks
 
 FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 60.0, "block_size": 32}
+LIGHT = dict(FAST, compiler="aot_eager")
+"""For the cases that repeat one under Inductor (the default compiler): the regions and their shards are the
+backend's, whichever compiler runs the graphs; Inductor's CPU code generation is what costs the suite time."""
 
 
 class GatherCount:
@@ -203,7 +206,7 @@ def _titan_step(ex, model, args, loss_fn=None) -> dict:
                       for n, p in model.named_parameters()}}
 
 
-def _titan_worker(rank: int, world: int, attns: tuple[str, ...], whole: bool) -> dict:
+def _titan_worker(rank: int, world: int, attns: tuple[str, ...], whole: bool, options: dict) -> dict:
     import ultraattn.passes as P
 
     ex = _titan_example()
@@ -213,20 +216,20 @@ def _titan_worker(rank: int, world: int, attns: tuple[str, ...], whole: bool) ->
         torch._dynamo.reset()
         P.reset()
         model = ex.build(args)
-        ex.compile_like_torchtitan(model, FAST, head=False)  # (the loss it returns is not used: eager)
+        ex.compile_like_torchtitan(model, LIGHT, head=False)  # (the loss it returns is not used: eager)
         out[attn] = _titan_step(ex, model, args)
         out[attn]["graphs"] = records()
         torch._dynamo.reset()
         P.reset()
         model = ex.build(args)
-        loss_fn = ex.compile_like_torchtitan(model, FAST)  # blocks, norm, output projection and loss: regions
+        loss_fn = ex.compile_like_torchtitan(model, options)  # blocks, norm, output projection and loss: regions
         out[attn]["regions"] = _titan_step(ex, model, args, loss_fn)
         out[attn]["regions"]["graphs"] = records()
         if whole:
             torch._dynamo.reset()
             P.reset()
             model = ex.build(args)
-            compiled = torch.compile(model, backend="ultraattn", options=dict(FAST, report="off"))
+            compiled = torch.compile(model, backend="ultraattn", options=dict(LIGHT, report="off"))
             out[attn]["whole"] = _titan_step(ex, compiled, args)
     return out
 
@@ -261,7 +264,8 @@ def test_torchtitan_llama_compiled_block_by_block(world, titan_reference):
     ranks checked against the whole-model compile too: no more bytes than it gathers, the logits); every block's
     norm, projections, RoPE and MLP run on local tokens (its graph has no op on gathered data and takes the previous
     block's shard as is). Then with the final norm, output projection and loss as regions too: one all-gather."""
-    res = run_ranks(_titan_worker, world, args=(TITAN_ATTNS, world == 2), timeout=1800)
+    res = run_ranks(_titan_worker, world, args=(TITAN_ATTNS, world == 2, FAST if world == 2 else LIGHT),
+                    timeout=1800)
     for attn in TITAN_ATTNS:
         ref64, ref32 = titan_reference[attn]
         for got in (r[attn] for r in res):
@@ -288,7 +292,7 @@ def test_torchtitan_llama_compiled_block_by_block(world, titan_reference):
 
 
 # ----------------------------------------------------------------------------- transformers' Llama
-HF_CASES = [("flex_attention", 256, True), ("sdpa", 200, True), ("sdpa", 256, False)]
+HF_CASES = [("flex_attention", 256, True, FAST), ("sdpa", 200, True, LIGHT), ("sdpa", 256, False, LIGHT)]
 
 
 def _hf_run() -> list[dict]:
@@ -298,11 +302,11 @@ def _hf_run() -> list[dict]:
     import ultraattn.passes as P
 
     out = []
-    for impl, S, packed in HF_CASES:
+    for impl, S, packed, options in HF_CASES:
         torch._dynamo.reset()
         P.reset()
         model = hf_model(impl)
-        ultraattn.compile_blocks(model.model.layers, options=FAST)
+        ultraattn.compile_blocks(model.model.layers, options=options)
         ids, pos = hf_data(S, packed)
         with GatherCount() as gc:
             res = hf_step(model, ids, pos, use_cache=False)
@@ -319,10 +323,10 @@ def test_transformers_llama_decoder_layers_compiled_block_by_block(two_ranks):
     all-gathers per step (the eager final norm's input, the eager embedding's gradient)."""
     from client_cases import hf_reference
 
-    for i, (impl, S, packed) in enumerate(HF_CASES):
+    for i, (impl, S, packed, options) in enumerate(HF_CASES):
         ref64, ref32 = hf_reference(S, packed, False)
         for got in (r["hf"][i] for r in two_ranks):
-            label = f"{impl} S={S} packed={packed}"
+            label = f"{impl} S={S} packed={packed} {options.get('compiler', 'inductor')}"
             assert not check_step(got, ref64, ref32), (label, check_step(got, ref64, ref32))
             assert len(got["sites"]) == 2 and all(ok for _, ok in got["sites"]), (label, got["sites"])
             first, second = got["graphs"]

@@ -237,7 +237,7 @@ def _sharded_outputs_worker(rank: int, world: int) -> dict:
         return (x + table).sum(1)
 
     for name, fn in (("attend", attend), ("mean", mean_of), ("positions", add_positions)):
-        out[name] = torch.compile(fn, backend="ultraattn", options=FAST)(x).detach()
+        out[name] = torch.compile(fn, backend="ultraattn", options=dict(FAST, compiler="aot_eager"))(x).detach()
         out[name] = ultraattn.undispatch(out[name]) if type(out[name]).__name__ == "SeqShard" else out[name]
     try:
         x.add_(torch.ones_like(full))
