@@ -16,46 +16,9 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 from fuzz_case import run_attention
 
-from ultraattn.testing import RankFailure, run_ranks
-
-#: torch.distributed functions a refusal must not have reached (all communication ultraattn's runtime uses)
-COMM_FUNCTIONS = ("broadcast_object_list", "broadcast", "all_gather_object", "all_gather_into_tensor",
-                  "all_gather_single", "all_gather", "all_reduce", "barrier", "isend", "irecv", "send", "recv",
-                  "batch_isend_irecv")
-
-
-class CommSpy:
-    """Counts calls of ``COMM_FUNCTIONS`` and of the process group's store while active (a context manager)."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self._saved: list[tuple[object, str, object]] = []
-
-    def _wrap(self, owner, name: str) -> None:
-        fn = getattr(owner, name, None)
-        if fn is None:
-            return
-
-        def counted(*args, **kwargs):
-            self.calls.append(name)
-            return fn(*args, **kwargs)
-
-        self._saved.append((owner, name, fn))
-        setattr(owner, name, counted)
-
-    def __enter__(self) -> CommSpy:
-        for name in COMM_FUNCTIONS:
-            self._wrap(dist, name)
-        self._wrap(dist.distributed_c10d, "_get_default_store")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for owner, name, fn in reversed(self._saved):
-            setattr(owner, name, fn)
-        self._saved.clear()
+from ultraattn.testing import CommSpy, RankFailure, run_ranks
 
 
 def run_one(rank: int, world: int, case: dict) -> dict:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from numerics import check_step, fresh_dynamo  # noqa: F401 - fresh_dynamo: an autouse fixture
 from shard_models import batch, build, forward, oracle
 
 from ultraattn.passes import side_table
-from ultraattn.testing import run_ranks
+from ultraattn.testing import CommSpy, run_ranks
 
 FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 60.0, "block_size": 32}
 LIGHT = dict(FAST, compiler="aot_eager")
@@ -26,34 +25,8 @@ LIGHT = dict(FAST, compiler="aot_eager")
 backend's, whichever compiler runs the graphs; Inductor's CPU code generation is what costs the suite time."""
 
 
-class GatherCount:
-    """Counts every all-gather ``torch.distributed`` runs (calls and bytes of the gathered buffer)."""
-
-    NAMES = ("all_gather_into_tensor", "all_gather_single", "all_gather", "_all_gather_base")
-
-    def __init__(self):
-        self.calls, self.bytes, self._orig = 0, 0, {}
-
-    def __enter__(self):
-        for name in self.NAMES:
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                self._orig[name] = fn
-                setattr(dist, name, self._wrap(fn))
-        return self
-
-    def _wrap(self, fn):
-        def counted(out, *args, **kwargs):
-            self.calls += 1
-            outs = out if isinstance(out, list) else [out]
-            self.bytes += sum(t.numel() * t.element_size() for t in outs)
-            return fn(out, *args, **kwargs)
-
-        return counted
-
-    def __exit__(self, *exc):
-        for name, fn in self._orig.items():
-            setattr(dist, name, fn)
+GATHERS = ("all_gather_into_tensor", "all_gather_single", "all_gather", "_all_gather_base")
+"""Every all-gather ``torch.distributed`` has (``CommSpy.count`` tallies their calls and buffer bytes)."""
 
 
 # ----------------------------------------------------------------------------- the carrier, in one process
@@ -138,11 +111,12 @@ def _blocks_run(seqlen: int, options: dict) -> dict:
     data = batch("llama", seqlen)
     assert ultraattn.compile_blocks(model.layers, options=options) == 2
     model.zero_grad(set_to_none=True)
-    with GatherCount() as gc:
+    with CommSpy() as spy:
         loss = forward("llama", model, data)  # the model's own forward: eager embedding, norm, head and loss
         loss.backward()
+    gathers, gathered = spy.count(*GATHERS)
     out = {"loss": loss.detach().double(), "grads": {n: p.grad.double() for n, p in model.named_parameters()},
-           "gathers": gc.calls, "gathered": gc.bytes, "graphs": records(),
+           "gathers": gathers, "gathered": gathered, "graphs": records(),
            "local_len": side_table().graphs[0].shard.local_len,
            "report": [shard_summary(g).plain for g in side_table().graphs]}
     # a second step, the same graphs: nothing recompiles, and the gradients are the same
@@ -198,10 +172,11 @@ def _titan_example():
 
 def _titan_step(ex, model, args, loss_fn=None) -> dict:
     model.zero_grad(set_to_none=True)
-    with GatherCount() as gc:
+    with CommSpy() as spy:
         loss = ex.loss_of(model, ex.make_batch(args, model), loss_fn or ex.cross_entropy)
         loss.backward()
-    return {"loss": loss.detach().double(), "gathers": gc.calls, "gathered": gc.bytes,
+    gathers, gathered = spy.count(*GATHERS)
+    return {"loss": loss.detach().double(), "gathers": gathers, "gathered": gathered,
             "grads": {n.removeprefix("_orig_mod."): p.grad.detach().double().clone()
                       for n, p in model.named_parameters()}}
 
@@ -308,9 +283,9 @@ def _hf_run() -> list[dict]:
         model = hf_model(impl)
         ultraattn.compile_blocks(model.model.layers, options=options)
         ids, pos = hf_data(S, packed)
-        with GatherCount() as gc:
+        with CommSpy() as spy:
             res = hf_step(model, ids, pos, use_cache=False)
-        res.update(gathers=gc.calls, graphs=records(),
+        res.update(gathers=spy.count(*GATHERS)[0], graphs=records(),
                    sites=[(s.name, s.rewritten) for g in side_table().graphs for s in g.sites])
         out.append(res)
     return out

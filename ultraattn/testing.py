@@ -7,6 +7,8 @@ group initialised (gloo, a free port, ``pg_timeout`` seconds on every collective
 value comes back (via ``torch.save`` bytes, so tensors survive). An exception in any rank is
 re-raised in the caller with that rank's traceback; a rank that hangs or dies is killed at
 ``timeout`` and reported by rank number. Nothing is left running.
+
+    with CommSpy() as spy: ...                    # which torch.distributed calls ran, and their bytes
 """
 
 from __future__ import annotations
@@ -21,6 +23,55 @@ from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as mp
+
+#: torch.distributed functions ultraattn's runtime communicates with (``CommSpy`` counts them)
+COMM_FUNCTIONS = ("broadcast_object_list", "broadcast", "all_gather_object", "all_gather_into_tensor",
+                  "all_gather_single", "all_gather", "all_reduce", "barrier", "isend", "irecv", "send", "recv",
+                  "batch_isend_irecv", "_all_gather_base")
+
+
+class CommSpy:
+    """Records the calls of ``COMM_FUNCTIONS`` and of the process group's store while active (a context manager):
+    ``calls`` (names, in order) and ``nbytes`` (per call: the bytes of its first argument, a tensor or a list of
+    tensors, such as an all-gather's output buffer; 0 otherwise)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.nbytes: list[int] = []
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _wrap(self, owner, name: str) -> None:
+        fn = getattr(owner, name, None)
+        if fn is None:
+            return
+
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            first = args[0] if args else None
+            ts = first if isinstance(first, list | tuple) else [first]
+            self.nbytes.append(sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor)))
+            return fn(*args, **kwargs)
+
+        self._saved.append((owner, name, fn))
+        setattr(owner, name, counted)
+
+    def __enter__(self) -> CommSpy:
+        import torch.distributed as dist
+
+        for name in COMM_FUNCTIONS:
+            self._wrap(dist, name)
+        self._wrap(dist.distributed_c10d, "_get_default_store")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved.clear()
+
+    def count(self, *names: str) -> tuple[int, int]:
+        """(calls, bytes) of the functions named."""
+        hits = [b for c, b in zip(self.calls, self.nbytes) if c in names]
+        return len(hits), sum(hits)
 
 
 class RankFailure(RuntimeError):

@@ -25,7 +25,6 @@ import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ultraattn.passes.capture import Site, estimate_density, find_sites
 from ultraattn.passes.carrier import Carried, SeqShard
@@ -79,7 +78,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
     kept = keep_flex_eager([s for s in sites if _cpu(s)], table)
     shard = None
     if opts.world_size > 1 and (states or carried) and opts.shard:
-        shard = shard_sequence(gm, states, opts, example_inputs, index, table, carried)
+        shard = shard_sequence(gm, states, opts, example_inputs, table, carried)
     taken = _taken(gm, carried, shard)
     example_inputs = _entry_values(gm, example_inputs, carried, taken)
     reasons = {s.spec.name: explicit_reason(s) for s in states}
@@ -133,7 +132,7 @@ def _has_site(gm: fx.GraphModule) -> bool:
         any(_has_site(m) for m in gm.children() if isinstance(m, fx.GraphModule))
 
 
-def shard_sequence(gm: fx.GraphModule, states: list[SiteState], opts: BackendOptions, example_inputs, index: int,
+def shard_sequence(gm: fx.GraphModule, states: list[SiteState], opts: BackendOptions, example_inputs,
                    table: SideTable, carried: dict[int, Carried]) -> ShardSummary | None:
     """Sequence-shard ``gm`` in place for this rank; None when it has no site to shard around.
 
@@ -298,12 +297,7 @@ def _entry_values(gm: fx.GraphModule, example_inputs, carried: dict[int, Carried
     values = list(example_inputs)
     for i in carried:
         x = values[i]
-        if i in taken:
-            values[i] = x._local
-        elif isinstance(x._local, FakeTensor):
-            values[i] = x._local.new_empty(x.shape)
-        else:
-            values[i] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        values[i] = x._local if i in taken else x._local.new_empty(x.shape)  # (real or fake, as the input is)
     return values
 
 

@@ -76,10 +76,9 @@ class SeqShard(torch.Tensor):
     _ultraattn_carrier = True  # (what ``ultraattn.undispatch`` looks for: the runtime layer cannot import this)
 
     @staticmethod
-    def __new__(cls, local: Tensor, carried: Carried, shape=None, requires_grad: bool = False, cache=None):
+    def __new__(cls, local: Tensor, carried: Carried, shape=None, cache=None):
         shape = carried.global_shape(local.shape) if shape is None else shape
-        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
-                                                requires_grad=requires_grad)
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
         r._local = local
         r._carried = carried
         r._cache = [None] if cache is None else cache
@@ -143,11 +142,9 @@ class SeqShard(torch.Tensor):
                 f"holding this rank's tokens of a {tuple(first.shape)} tensor); an in-place write to its gathered "
                 f"copy would be lost. Write it out of place (x = x + y instead of x += y), or gather it first: "
                 f"x = ultraattn.undispatch(x)")
-        if pointwise and local_ok and len({id(s._local) for s in shards}) > 1:
+        if pointwise and local_ok and len({id(s._local) for s in shards}) > 1:  # (same shapes: no broadcast)
             out = func(*tree_map(_local_of, args), **tree_map(_local_of, kwargs))
-            if isinstance(out, Tensor) and out.shape == first._local.shape:
-                return SeqShard(out, first._carried, tuple(first.shape))
-            return out  # (a broadcast we did not expect: never seen; the local result is still exact)
+            return SeqShard(out, first._carried, tuple(first.shape))
         return func(*tree_map(_global_of, args), **tree_map(_global_of, kwargs))
 
     # ------------------------------------------------------------------ what does not dispatch
@@ -175,10 +172,6 @@ def _local_of(x):
 
 def _global_of(x):
     return x._gathered() if isinstance(x, SeqShard) else x
-
-
-def is_carrier(x) -> bool:
-    return isinstance(x, SeqShard)
 
 
 def local_grad(g: Tensor, carried: Carried) -> Tensor:
@@ -217,8 +210,8 @@ class _ToLocal(torch.autograd.Function):
 class _Full(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: SeqShard):
-        ctx.carried = x._carried
-        return x._gathered().view_as(x._gathered())
+        g = x._gathered()
+        return g.view_as(g)
 
     @staticmethod
     def backward(ctx, g):

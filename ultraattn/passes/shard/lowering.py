@@ -52,8 +52,12 @@ class Lowering:
         self.current: fx.Node | None = None
 
     # ------------------------------------------------------------------ specs
+    def seq_of(self, n: fx.Node) -> Seq | None:
+        """The sequence spec of ``n``: a carried input's own, else the analysis's."""
+        return self.an.carried.get(n) or self.an.specs.seq(n)
+
     def spec(self, n: fx.Node) -> Seq:
-        s = self.an.carried.get(n) or self.an.specs.seq(n)
+        s = self.seq_of(n)
         assert s is not None, n.format_node()
         return s
 
@@ -89,7 +93,7 @@ class Lowering:
                 parts.append(part)
             self.rep[m] = self.g.call_function(_pack, tuple(parts))
             return self.rep[m]
-        s = self.an.carried.get(m) or self.an.specs.seq(m)
+        s = self.seq_of(m)
         if s is None:
             raise NotImplementedError(f"ultraattn: {m.name} is sharded without a single sequence dim")
         user = self.current
