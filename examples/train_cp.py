@@ -199,7 +199,8 @@ def train(args: argparse.Namespace, device: torch.device, compiled: bool, rank: 
     c = counters["ultraattn"]  # what the backend did, counted by torch._dynamo.utils.counters
     return {"losses": losses, "seconds": seconds, "plan_ms": plan_ms, "sites": c["sites"],
             "rewritten": c["rewritten"], "sharded_ops": c["sharded_ops"], "fallbacks": c["fallbacks"],
-            "planned_ahead": ONLINE.stats.used_ahead}
+            "planned_ahead": ONLINE.stats.used_ahead, "fx_cache": (counters["inductor"]["fxgraph_cache_hit"],
+                                                                   counters["inductor"]["fxgraph_cache_miss"])}
 
 
 def spawned_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
@@ -225,6 +226,9 @@ def compare(args: argparse.Namespace, world: int, cp: list[dict], ref: dict) -> 
           "attention sites)")
     if docs and args.plan_ahead:
         print(f"plans made ahead and used, per rank: {', '.join(str(r['planned_ahead']) for r in cp)}")
+    hits, misses = cp[0]["fx_cache"]
+    print(f"Inductor FX graph cache, rank 0: {hits} hits, {misses} misses (a second run of the same command hits: "
+          f"the rewritten graphs are the same text in every run)")
     rewritten = all(r["sites"] > 0 and r["rewritten"] == r["sites"] for r in cp)
     counts = ", ".join(f"{r['rewritten']}/{r['sites']}" for r in cp)
     print(f"attention sites rewritten by ultraattn, per rank: {counts}")

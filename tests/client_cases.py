@@ -263,13 +263,13 @@ def gym_worker(rank: int, world: int, names: list[str], lengths: list[int], opti
     """Every (mask, length) case on this rank, in one process: the result, or the error it raised."""
     from torch._dynamo.utils import counters
 
-    import ultraattn.passes as P
+    import ultraattn
+    import ultraattn.passes
 
     results = []
     for name in names:
         for S in lengths:
-            torch._dynamo.reset()
-            P.reset()
+            ultraattn.reset()
             res = {"name": name, "S": S}
             try:
                 case = gym_case(name, S)
@@ -279,7 +279,7 @@ def gym_worker(rank: int, world: int, names: list[str], lengths: list[int], opti
                 x, ctx = _inputs(case["q_len"], case["kv_len"], cross)
                 cm = torch.compile(model, backend="ultraattn", options=dict(options))
                 res.update(gym_step(cm, case, x, ctx if cross else x))
-                recs = P.side_table().graphs
+                recs = ultraattn.passes.side_table().graphs
                 res["sites"] = [(s.name, s.mask, s.rewritten, s.why, s.form) for g in recs for s in g.sites]
                 res["fallbacks"] = [f.op for g in recs if g.shard for f in g.shard.fallbacks]
                 res["rewritten"] = counters["ultraattn"]["rewritten"]
@@ -326,16 +326,16 @@ def hf_reference(S: int, packed: bool, use_cache) -> tuple[dict, dict]:
 
 def hf_worker(rank: int, world: int, cases: list[tuple], options: dict) -> list[dict]:
     """Every (impl, S, packed, use_cache, compiler) case on this rank: the step, the sites, the gathers."""
-    import ultraattn.passes as P
+    import ultraattn
+    import ultraattn.passes
 
     results = []
     for impl, S, packed, use_cache, compiler in cases:
-        torch._dynamo.reset()
-        P.reset()
+        ultraattn.reset()
         ids, pos = hf_data(S, packed)
         cm = torch.compile(hf_model(impl), backend="ultraattn", options=dict(options, compiler=compiler))
         res = hf_step(cm, ids, pos, use_cache)
-        recs = P.side_table().graphs
+        recs = ultraattn.passes.side_table().graphs
         res["sites"] = [(s.name, s.mask, s.rewritten, s.form) for g in recs for s in g.sites]
         res["fallbacks"] = [(f.op, f.why) for g in recs if g.shard for f in g.shard.fallbacks]
         res["sharded"] = [g.shard.sharded_ops for g in recs if g.shard]
@@ -451,18 +451,18 @@ def kept_reference(case: str) -> tuple[dict, dict]:
 
 def kept_worker(rank: int, world: int, cases: list[str], options: dict) -> list[dict]:
     """Every case compiled with the backend (default Inductor) on this rank: the step and the site records."""
-    import ultraattn.passes as P
+    import ultraattn
+    import ultraattn.passes
 
     results = []
     for case in cases:
-        torch._dynamo.reset()
-        P.reset()
+        ultraattn.reset()
         torch.manual_seed(0)
         model = KeptModel(case)
         x, ctx = _inputs(KEPT_S, KEPT_CTX, True)
         cm = torch.compile(model, backend="ultraattn", options=dict(options))
         res = kept_step(cm, x, ctx if case in CROSS else x)
-        recs = P.side_table().graphs
+        recs = ultraattn.passes.side_table().graphs
         res["sites"] = [s.to_json() for g in recs for s in g.sites]
         res["code"] = [g.code_after for g in recs]
         res["fallbacks"] = [f.op for g in recs if g.shard for f in g.shard.fallbacks]

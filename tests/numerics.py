@@ -34,9 +34,8 @@ def check_step(got: dict, ref64: dict, ref32: dict) -> list[str]:
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     """Every test compiles from scratch and starts with empty backend records."""
-    import ultraattn.passes as P
+    import ultraattn
 
-    torch._dynamo.reset()
-    P.reset()
+    ultraattn.reset()
     yield
     torch._dynamo.reset()

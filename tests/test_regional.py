@@ -102,11 +102,9 @@ def two_ranks() -> list[dict]:
 
 def _blocks_run(seqlen: int, options: dict) -> dict:
     import ultraattn
-    import ultraattn.passes as P
     from ultraattn.report.compile_report import shard_summary
 
-    torch._dynamo.reset()
-    P.reset()
+    ultraattn.reset()
     model = build("llama")
     data = batch("llama", seqlen)
     assert ultraattn.compile_blocks(model.layers, options=options) == 2
@@ -182,27 +180,24 @@ def _titan_step(ex, model, args, loss_fn=None) -> dict:
 
 
 def _titan_worker(rank: int, world: int, attns: tuple[str, ...], whole: bool, options: dict) -> dict:
-    import ultraattn.passes as P
+    import ultraattn
 
     ex = _titan_example()
     out = {}
     for attn in attns:
         args = _titan_args(attn)
-        torch._dynamo.reset()
-        P.reset()
+        ultraattn.reset()
         model = ex.build(args)
         ex.compile_like_torchtitan(model, LIGHT, head=False)  # (the loss it returns is not used: eager)
         out[attn] = _titan_step(ex, model, args)
         out[attn]["graphs"] = records()
-        torch._dynamo.reset()
-        P.reset()
+        ultraattn.reset()
         model = ex.build(args)
         loss_fn = ex.compile_like_torchtitan(model, options)  # blocks, norm, output projection and loss: regions
         out[attn]["regions"] = _titan_step(ex, model, args, loss_fn)
         out[attn]["regions"]["graphs"] = records()
         if whole:
-            torch._dynamo.reset()
-            P.reset()
+            ultraattn.reset()
             model = ex.build(args)
             compiled = torch.compile(model, backend="ultraattn", options=dict(LIGHT, report="off"))
             out[attn]["whole"] = _titan_step(ex, compiled, args)
@@ -274,12 +269,10 @@ def _hf_run() -> list[dict]:
     from client_cases import hf_data, hf_model, hf_step
 
     import ultraattn
-    import ultraattn.passes as P
 
     out = []
     for impl, S, packed, options in HF_CASES:
-        torch._dynamo.reset()
-        P.reset()
+        ultraattn.reset()
         model = hf_model(impl)
         ultraattn.compile_blocks(model.model.layers, options=options)
         ids, pos = hf_data(S, packed)

@@ -16,11 +16,11 @@ from ultraattn.runtime import AttentionPlan, dispatch, dist_attention, plan_ahea
 from ultraattn.runtime.calibrate import calibrate
 
 __all__ = ["AttentionPlan", "CostProfile", "SeqShard", "backend", "calibrate", "compile_blocks", "dispatch",
-           "dist_attention", "explain", "plan_ahead", "plan_attention", "undispatch", "__version__"]
+           "dist_attention", "explain", "plan_ahead", "plan_attention", "reset", "undispatch", "__version__"]
 
 
 def __getattr__(name: str):
-    if name in ("backend", "compile_blocks", "explain"):
+    if name in ("backend", "compile_blocks", "explain", "reset"):
         from ultraattn import compiler
 
         return getattr(compiler, name)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from rich.console import Console
 
+from ultraattn.kernels.ops import forget_layouts
 from ultraattn.passes.backend import capture, compile_graph
 from ultraattn.passes.flex_shim import install_flex_cpu_shim
 from ultraattn.passes.fx_util import meta_value, placeholders, refresh_fake_values
@@ -38,6 +39,7 @@ from ultraattn.report.compile_report import (
     save_report,
 )
 from ultraattn.report.plan_report import print_plan_result
+from ultraattn.runtime.api import forget_runtime_state
 
 SHIM_INSTALLED = install_flex_cpu_shim()
 """Dynamo can trace CPU flex_attention training for this backend (``passes/flex_shim.py``)."""
@@ -245,3 +247,15 @@ def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict |
     if not result.records:
         console.print("[yellow]Dynamo produced no graph: nothing to explain[/yellow]")
     return result
+
+
+def reset() -> None:
+    """Forget all of ultraattn's process state, and Dynamo's compiled graphs (which hold keys into it).
+
+    The state lives in three places, each cleared here: the backend's side table (sites, layouts, records, counts,
+    meshes: ``passes/state.py``), the online planner of masks that arrive at run time (``runtime/online.py``), and
+    the kernels' cache of block-sparse layouts (``kernels/ops.py``). Every rank must call it at the same point."""
+    torch._dynamo.reset()
+    side_table().reset()
+    forget_runtime_state()
+    forget_layouts()

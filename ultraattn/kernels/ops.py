@@ -200,6 +200,11 @@ _LAYOUTS: LRU = LRU(32)
 """Layouts of the latest masks passed to ``block_sparse_attention`` (mask identity -> (mask, layout))."""
 
 
+def forget_layouts() -> None:
+    """Drop the cached layouts (``ultraattn.reset``)."""
+    _LAYOUTS.clear()
+
+
 def get_layout(mask, *, q_len: int, kv_len: int, batch: int, num_heads: int, device: torch.device,
                mask_mod: Callable | None = None, block_size: int = 128) -> BlockSparseLayout:
     """``make_layout`` with a small cache keyed on the mask object's identity (kept alive by the cache)."""

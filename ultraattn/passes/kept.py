@@ -22,7 +22,6 @@ table under ``key``.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +121,7 @@ def keep_flex_eager(sites: list[Site], table) -> dict[str, str]:
     site name -> the key under which ``table`` (the side table) holds its ``KeptFlex``."""
     keys = {}
     touched = {}
+    code = sites[0].node.graph.owning_module.code if sites else ""
     for s in sites:
         if s.rewritable or s.op != "flex":
             continue
@@ -129,7 +129,7 @@ def keep_flex_eager(sites: list[Site], table) -> dict[str, str]:
         if made is None:
             continue
         kept, tensors = made
-        key = f"{s.name}-kept-{uuid.uuid4().hex[:12]}"
+        key = table.site_key(f"{s.name}-kept", code, s.q_shape, s.kv_shape, s.dtype)
         table.add_kept(key, kept)
         graph = s.node.graph
         q, k, v = s.node.args[:3]  # (not s.q: rewriting an earlier site may have replaced the node q was)

@@ -20,7 +20,6 @@ op takes tensors only, and the mask_mod computes with a 0-d tensor as with the n
 from __future__ import annotations
 
 import math
-import uuid
 
 import torch
 import torch.fx as fx
@@ -33,9 +32,9 @@ from ultraattn.passes.site import SiteSpec, SiteState
 from ultraattn.passes.state import SideTable
 
 
-def site_spec(s: Site, options: BackendOptions, graph_index: int) -> SiteSpec:
+def site_spec(s: Site, options: BackendOptions, graph_index: int, key: str) -> SiteSpec:
     scale = float(s.scale) if s.scale is not None else 1.0 / math.sqrt(s.q_shape[3])
-    return SiteSpec(key=f"{s.name}-{uuid.uuid4().hex[:12]}", name=s.name, graph=graph_index, op=s.op, mask=s.mask,
+    return SiteSpec(key=key, name=s.name, graph=graph_index, op=s.op, mask=s.mask,
                     q_shape=s.q_shape, kv_shape=s.kv_shape, dtype=s.dtype, scale=scale, options=options,
                     flex=s.flex_info())
 
@@ -62,12 +61,14 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions
     """Replace every rewritable site in place (module docstring); returns the new sites' states, in site order."""
     states = []
     touched: dict[int, fx.GraphModule] = {}
+    code = gm.code
     for s in sites:
         if not s.rewritable:
             continue
         graph = s.node.graph
         touched[id(graph.owning_module)] = graph.owning_module
-        state = table.add_site(site_spec(s, options, graph_index), observer or NullObserver())
+        key = table.site_key(s.name, code, s.q_shape, s.kv_shape, s.dtype)
+        state = table.add_site(site_spec(s, options, graph_index, key), observer or NullObserver())
         with graph.inserting_before(s.node):
             res = insert_call(graph, torch.ops.ultraattn.site_attention.default,
                               (s.q, s.k, s.v, _as_tensors(graph, s.mask_inputs(), s.q), state.spec.key))

@@ -18,9 +18,11 @@ one object makes the state visible, bounded and resettable:
 * ``counters``: ``torch._dynamo.utils.counters["ultraattn"]`` for the process table (a private
   table, as ``ultraattn.explain`` uses, counts apart).
 
-The custom ops look their state up in ``side_table()``, the active table. ``reset()`` forgets
-everything (tests call it through one fixture; graphs compiled before it can no longer run:
-call ``torch._dynamo.reset()`` too). A site's state is also dropped when the compiled graph that
+The custom ops look their state up in ``side_table()``, the active table. The backend's state is all
+here; the rest of ultraattn's process state is the online planner of masks that arrive at run time
+(``runtime/online.py``) and the kernels' layout cache (``kernels/ops.py``). ``ultraattn.reset()``
+clears all three together with Dynamo's graphs (graphs compiled before a reset hold keys into this
+table and could no longer run); the tests' fixture calls it. A site's state is also dropped when the compiled graph that
 holds it is garbage collected (``forget_with``), so recompiles do not grow the table.
 """
 
@@ -28,7 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
+import re
 import threading
 import weakref
 from collections import Counter, deque
@@ -64,6 +68,7 @@ class SideTable:
         a model) plan it once (``explicit/runtime.py``)."""
         self._ids = itertools.count(1)
         self._graph_count = 0
+        self._key_uses: Counter = Counter()
 
     # ------------------------------------------------------------------ ids and counters
     @property
@@ -82,6 +87,18 @@ class SideTable:
         with self.lock:
             self._graph_count += 1
             return self._graph_count - 1
+
+    def site_key(self, name: str, graph_code: str, *parts) -> str:
+        """The key a site's call carries in the graph: ``name`` and a digest of the code of the graph it sits in and
+        of ``parts`` (its shapes, dtype), so that the same model compiles to the same graph text in every process and
+        run, and Inductor's FX graph cache hits on a restart. The n-th repeat of one key in this table (two identical
+        blocks, a recompile) gets ``.n`` appended, in compile order, which every run repeats."""
+        text = re.sub(r"0x[0-9a-fA-F]+", "0x", graph_code) + "|" + "|".join(map(str, parts))
+        key = f"{name}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+        with self.lock:
+            n = self._key_uses[key]
+            self._key_uses[key] += 1
+        return key if n == 0 else f"{key}.{n}"
 
     def bump(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
@@ -173,6 +190,7 @@ class SideTable:
             self.exchange_runs.clear()
             self.counters.clear()
             self._graph_count = 0
+            self._key_uses.clear()
 
 
 def _held(store: dict, key: str, what: str):

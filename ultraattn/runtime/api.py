@@ -473,6 +473,13 @@ def check_consistent(ap: AttentionPlan) -> None:
 _CHECK_COUNT: dict[tuple[int, ...], int] = {}
 
 
+def forget_runtime_state() -> None:
+    """Forget the online planners, plans and handed-over masks, and the consistency-check counts
+    (``ultraattn.reset``; every rank calls it, so the counts stay in step)."""
+    ONLINE.clear()
+    _CHECK_COUNT.clear()
+
+
 # ----------------------------------------------------------------------------- data movement
 def _check_plan(plan) -> AttentionPlan:
     if not isinstance(plan, AttentionPlan):
