@@ -148,3 +148,29 @@ def test_a_graph_without_attention_gets_no_site():
     (rec,) = side_table().graphs
     assert rec.sites == () and rec.site_keys == () and not side_table().sites
     assert counters["ultraattn"]["graphs"] == 1 and counters["ultraattn"]["rewritten"] == 0
+
+
+def test_site_keys_are_derived_from_the_graph_so_a_restart_compiles_the_same_text():
+    """The same function compiled after a reset carries the same keys (so Inductor's FX graph cache can hit on a
+    restart); a second identical graph in one process gets its own numbered key; another graph another key."""
+    table = side_table()
+
+    def keys_of(fn, *args):
+        before = set(table.sites)
+        torch.compile(fn, backend="ultraattn", options={"compiler": "aot_eager"})(*args)
+        return sorted(set(table.sites) - before)
+
+    def twin(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    def other(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True) * 2
+
+    q = torch.randn(1, 2, 64, 16)
+    first = keys_of(_sdpa, q)
+    ultraattn.reset()
+    assert keys_of(_sdpa, q) == first and len(first) == 1
+    (numbered,) = keys_of(twin, q)
+    assert numbered == first[0] + ".1"
+    (apart,) = keys_of(other, q)
+    assert apart.split("-")[0] == first[0].split("-")[0] and apart not in (first[0], numbered)

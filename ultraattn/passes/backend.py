@@ -242,7 +242,11 @@ def _compile(gm, example_inputs, rec: GraphRecord, opts: BackendOptions, table: 
         expand(g, backward=bool(kw.get("is_backward")))
         return compile_fx_inner(g, inputs, **kw)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    # AOT autograd's cache is keyed on the graph before ``expand``: a hit would skip it and serve another compile's
+    # programs (another plan, other options). Inductor's FX graph cache, keyed on the expanded graph's text, stays on:
+    # the site keys are deterministic, so a restart hits it.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
 def expand_graph(rec: GraphRecord, g: fx.GraphModule, table: SideTable, observer: Observer,
