@@ -2,7 +2,7 @@
 
     python benchmarks/plan_paper_configs.py [--quick] [--out benchmarks/results]
 
-Configurations (REFERENCES.md): S = 512K, 32 heads, head dim 128, bf16;
+Configurations (UltraAttn, SC'25): S = 512K, 32 heads, head dim 128, bf16;
 CP 8x1 and 8x8 for strided, global+local, full, causal (forward + backward);
 CP 8x1 for star and streaming (forward); and the scale check CP 32x8 at S = 2M.
 Mask parameters are the CLI defaults, which reproduce the paper's block tables.

@@ -145,7 +145,7 @@ def reference(case: dict, dtype):
 
 
 def check_2x(got: dict, ref64: dict, ref: dict, dtype: str) -> list[str]:
-    """DESIGN.md's numerics policy: each of out, lse, dq, dk, dv within 2x the same-precision single-device
+    """The numerics policy (docs/numerics.md): each of out, lse, dq, dk, dv within 2x the same-precision single-device
     reference's error against fp64 (plus a floor of 4 ulps of the tensor's scale, for a reference that happens to be
     exact). Equal infinities (the LSE of a row that attends nowhere) count as no error. The violations."""
     import torch

@@ -1,7 +1,7 @@
 """What the compile tests share: the numerics check of one training step, and a fresh Dynamo per test.
 
 A compiled model's loss and every parameter gradient against the fp64 eager single-process model, by
-the 2x rule of DESIGN.md with the fp32 eager model as the same-precision reference. The floor is 16 fp32
+the 2x rule (docs/numerics.md) with the fp32 eager model as the same-precision reference. The floor is 16 fp32
 ulps of each tensor's scale: Inductor legitimately reorders the non-attention reductions (layer norm,
 cross entropy), which moves fp32 results by a few ulps even without ultraattn.
 """

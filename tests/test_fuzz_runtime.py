@@ -6,7 +6,7 @@ lengths including length-1 documents, windows, prefixes, dilations, rows that at
 blocks 64 and 128, every method and planner, the mask as a BlockMask or a mask_mod, on worlds 1-4 (gloo, ranks
 spawned once per world size, ``fuzz_driver``). Each case must hold:
 
-* out, LSE, dq, dk, dv against the fp64 dense reference by the 2x rule (DESIGN.md, ``fuzz_case.check_2x``);
+* out, LSE, dq, dk, dv against the fp64 dense reference by the 2x rule (docs/numerics.md, ``fuzz_case.check_2x``);
 * every rank moved exactly the messages of the plan's transfers touching it (``runtime_cases.check_bytes``);
 * a combination the runtime does not support (Ulysses where the world size does not divide the heads) is refused
   by every rank with one clear error (argument, value, fix) before any rank communicated.

@@ -1,6 +1,6 @@
 """Block-sparse attention kernels: layout, eager reference op, Triton kernels (interpreted on CPU), compile.
 
-Every numeric check is the 2x rule of DESIGN.md against an fp64 dense oracle (out, lse, dq, dk,
+Every numeric check is the 2x rule (docs/numerics.md) against an fp64 dense oracle (out, lse, dq, dk,
 dv with a loss that flows through both out and lse, so dLSE is exercised). The Triton kernels
 run here under ``TRITON_INTERPRET=1`` (tests/conftest.py sets it when there is no GPU) with
 ``ULTRAATTN_KERNELS=triton``; on a GPU machine the GPU tests run them compiled.

@@ -1,7 +1,7 @@
 """Runtime across ranks (gloo on 127.0.0.1, spawned processes, every wait bounded).
 
 Every case is checked against the single-device dense reference: forward, LSE and dq/dk/dv,
-by the 2x rule (DESIGN.md): the error against fp64 is at most twice that of the same-precision
+by the 2x rule (docs/numerics.md): the error against fp64 is at most twice that of the same-precision
 single-device reference. The bytes each rank actually moved must equal the planner's
 transfers touching that rank, message by message.
 """

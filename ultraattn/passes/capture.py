@@ -1,6 +1,6 @@
 """Find the attention sites of a Dynamo graph and decide, per site, whether it can be rewritten exactly.
 
-Two kinds of site (shared/PLATFORM.md shows what Dynamo hands a backend):
+Two kinds of site, as Dynamo hands them to a backend:
 
 * ``torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0,
   is_causal=False, scale=None, enable_gqa=False)``: rewritten when there is no dropout, the
@@ -15,7 +15,7 @@ Two kinds of site (shared/PLATFORM.md shows what Dynamo hands a backend):
 Every site gets a reason string, shown in reports; a site that is not rewritten runs as the
 user wrote it, so the answer is never wrong.
 
-Find, then rewrite (STYLE.md): ``find_sites`` only reads the graph and returns ``Site`` match
+Find, then rewrite: ``find_sites`` only reads the graph and returns ``Site`` match
 objects; each carries what its replacement needs (``mask_inputs``, ``flex_info``) and how to put
 it in place (``replace_with``), which ``rewrite.py`` calls.
 """

@@ -1,6 +1,6 @@
 """FX helpers every pass shares: a node's fake value, fake values for inserted nodes, splicing a graph in.
 
-Invariant the passes keep (STYLE.md): every node they insert carries a correct ``meta["val"]``
+Invariant the passes keep: every node they insert carries a correct ``meta["val"]``
 (and ``meta["example_value"]`` in Dynamo's graphs, which is what Dynamo's nodes carry), so any
 later pass, ours or Inductor's, can read shapes and dtypes without re-tracing.
 """

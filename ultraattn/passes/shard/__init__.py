@@ -2,8 +2,8 @@
 
 Rewrites the Dynamo graph the backend receives (after ``rewrite.py`` turned each attention
 site into ``ultraattn::site_attention``) so that the ops that carry the sequence run on this
-rank's tokens only, in the token layout of the graph's attention plans (DESIGN.md, "the
-global view"):
+rank's tokens only, in the token layout of the graph's attention plans (docs/compile.md,
+"Sequence sharding"):
 
     before (every rank, full sequence)           after (rank r, its tokens)
     x   = embedding(tokens, W)                   x   = embedding(sp_dispatch(tokens), sp_enter(W))
@@ -14,7 +14,7 @@ global view"):
     loss = cross_entropy(logits, labels)         loss = sp_all_reduce([ce_sum, count]) -> sum / count
     return loss, logits                          return loss, sp_gather(logits)   (or the shard)
 
-Three steps, analysis before mutation (STYLE.md), one file each (``links.py`` and the rule files hold
+Three steps, analysis before mutation, one file each (``links.py`` and the rule files hold
 the vocabulary: ``Seq``, ``Link``, and per-op ``Rule`` objects in ``rules.py``, ``reductions.py``,
 looked up in ``table.py``):
 
