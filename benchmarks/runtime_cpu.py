@@ -47,11 +47,13 @@ from pathlib import Path
 
 import torch
 
+from ultraattn.planner.baselines import METHODS as ALL_METHODS
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 MASKS = ("causal", "strided", "global_local", "document", "sliding_window")
-METHODS = ("ultraattn", "ring", "zigzag", "allgather")
+METHODS = ("ultraattn", "ring", "zigzag", "allgather")  # the default selection; --methods takes any registered one
 
 
 def mask_spec(name: str, seqlen: int) -> str:
@@ -320,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
-    ap.add_argument("--methods", nargs="+", default=[*METHODS, "flex_cp"], choices=[*METHODS, "flex_cp"])
+    ap.add_argument("--methods", nargs="+", default=[*METHODS, "flex_cp"], choices=[*ALL_METHODS, "flex_cp"])
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--world", type=int, default=4)

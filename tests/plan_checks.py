@@ -8,6 +8,7 @@ import torch
 
 from ultraattn.masks.pattern import BlockPattern
 from ultraattn.planner.api import rank_bytes, workload
+from ultraattn.planner.baselines import REGISTRY
 from ultraattn.planner.plan import TilePlan
 
 
@@ -45,7 +46,8 @@ def check_plan(p: TilePlan, pattern: BlockPattern, backward: bool = True) -> Non
                 if (p.owner[m.chunk] == m.src or m.src in has[key]) and m.dst not in has[key]:
                     has[key].add(m.dst)
                     changed = True
-        kept_q = p.method in ("ulysses", "usp") or p.meta.get("structure") in ("ulysses", "usp")
+        head_parallel = {name for name, base in REGISTRY.items() if base.head_parallel}  # ulysses, usp
+        kept_q = p.method in head_parallel or p.meta.get("structure") in head_parallel
         row_t = {"fwd": "q", "bwd": "do" if kept_q else "qdo"}[phase]
         for g, i, j in nonempty.nonzero().tolist():
             r = int(a[g, i, j])

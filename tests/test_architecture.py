@@ -39,3 +39,15 @@ def test_the_scan_sees_every_form_of_the_import(tmp_path):
     mods = [m for _, m in _imports(src)]
     assert "torch.distributed" in mods and "torch.distributed.ProcessGroup" in mods
     assert mods.count("torch.distributed") == 3  # once per line
+
+
+def test_no_import_cycle_anywhere_in_the_package():
+    """Every import, lazy ones inside functions included, flows one way: no module reaches itself again."""
+    import grimp
+
+    graph = grimp.build_graph("ultraattn", exclude_type_checking_imports=True)
+    assert len(graph.modules) > 80
+    cycles = sorted((a, b) for a in graph.modules for b in graph.find_modules_directly_imported_by(a)
+                    if graph.chain_exists(importer=b, imported=a))
+    assert not cycles, "import cycles (module, a module it imports that leads back to it):\n" + "\n".join(
+        f"{a} -> {b}" for a, b in cycles)

@@ -7,6 +7,8 @@ import json
 import pytest
 
 from ultraattn.cli import default_block, main, parse_size
+from ultraattn.masks import MASK_NAMES
+from ultraattn.planner.baselines import BASELINES
 
 SMALL = ["--seqlen", "16k", "--cp", "2x2", "--heads", "8", "--head-dim", "64", "--time-budget", "4",
          "--ilp-time-limit", "1"]
@@ -25,7 +27,8 @@ def test_plan_json_schema(tmp_path, capsys):
     d = json.loads(js.read_text())
     assert d["seqlen"] == 16384 and d["cp"] == [2, 2] and d["mask"].startswith("causal")
     assert set(d["planner"]) >= {"seconds", "ilp_status", "ilp_gap"}
-    assert set(d["methods"]) == {"ultraattn", "ring", "zigzag", "allgather", "ulysses", "usp"}
+    assert set(d["methods"]) == {"ultraattn", *BASELINES} >= {"ultraattn", "ring", "zigzag", "allgather", "ulysses",
+                                                              "usp"}
     for m in d["methods"].values():
         assert set(m) >= {"fwd_ms", "bwd_ms", "max_rank_bytes", "max_rank_inter_node_bytes", "compute_imbalance"}
         assert m["fwd_ms"] > 0 and m["bwd_ms"] > 0
@@ -98,6 +101,7 @@ def test_parse_size_and_block():
 def test_masks_listing(capsys):
     assert main(["masks"]) == 0
     out = capsys.readouterr().out
-    for name in ("full", "causal", "sliding_window", "strided", "global_local", "star", "streaming", "document",
-                 "prefix_lm"):
+    assert set(MASK_NAMES) >= {"full", "causal", "sliding_window", "strided", "global_local", "star", "streaming",
+                               "document", "prefix_lm"}
+    for name in MASK_NAMES:
         assert name in out

@@ -23,7 +23,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 import ultraattn
 from ultraattn.masks.cells import cells_from_block_mask, cells_from_pattern
 from ultraattn.masks.pattern import FULL, PARTIAL
-from ultraattn.planner.api import baseline_plan, evaluate
+from ultraattn.planner.api import baseline_plan, evaluate, work_imbalance, workload
 from ultraattn.planner.baselines import BASELINES, NotApplicable
 from ultraattn.planner.cost import DEFAULT_COST
 from ultraattn.planner.fast import FastPlanner
@@ -142,6 +142,49 @@ def test_fast_plans_on_every_library_mask(mesh, cost):
             assert min(replayed.values()) == pytest.approx(evaluate(tp, pattern, cost=cost).total_ms(), abs=1e-6)
         else:
             assert tp.meta["estimate_ms"] == pytest.approx(min(priced.values()) * 1e3)
+
+
+@pytest.mark.parametrize("backward", [True, False], ids=["fwd+bwd", "fwd"])
+@pytest.mark.parametrize("name", BASELINES)
+def test_every_registered_baseline_array_form_equals_its_builder(name, backward):
+    """Every registered baseline (``planner.baselines.REGISTRY``) in both of its forms: the array form the fast planner
+    prices (``Baseline.fixed`` / ``assign`` / ``draft``) and its ``TilePlan`` builder (``Baseline.plan``) agree on
+    ownership, the rank computing each cell, the work per rank, the kernels, and every message with its bytes, in
+    order (the arrays priced as well as the objects built); where it cannot run, neither form runs. One- and two-level
+    meshes, an odd world, GQA and MHA, batch 2, head counts the world does not divide."""
+    s = 1024
+    shapes = [shape_for(s), AttnShape(seq_len=s, num_heads=8, head_dim=32, batch=2),
+              AttnShape(seq_len=s, num_heads=6, head_dim=16, num_kv_heads=3)]
+    masks = [(m, a) for m, a in LIB if m in ("causal", "document", "random")]
+    ran = 0
+    for mesh in MESHES + [Mesh(nodes=1, devices=3)]:
+        for shape in shapes:
+            fp = FastPlanner(shape=shape, mesh=mesh, backward=backward, baselines=(name,))
+            for mask, kwargs in masks:
+                cells = cells_from_block_mask(block_mask_of(mask, kwargs, s, 64))
+                pattern = cells.to_pattern()
+                cands = {c.name: c for c in fp.candidates(cells)}
+                try:
+                    ref = baseline_plan(name, pattern, shape, mesh, backward=backward)
+                except NotApplicable:
+                    assert name not in cands, (str(mesh), shape)
+                    continue
+                check_plan(ref, pattern, backward=backward)
+                c = cands[name]
+                draft, built = c.get(), fp.build(c)
+                where = (mask, str(mesh), shape.num_heads, shape.kv_heads)
+                assert ref.method == name and built.meta["structure"] == name, where
+                assert built.owner == ref.owner and tuple(draft.owner.tolist()) == ref.owner, where
+                assert torch.equal(built.assign_GPP, ref.assign_GPP), where
+                assert built.chunk_size == ref.chunk_size and built.num_head_groups == ref.num_head_groups, where
+                work = workload(pattern, shape, num_chunks=ref.num_chunks, head_groups=ref.num_head_groups,
+                                chunk=ref.chunk_size)
+                assert c.imbalance == pytest.approx(work_imbalance(ref, work, DEFAULT_COST), rel=1e-12), where
+                assert draft.kernels.to_kernels() == built.kernels == ref.kernels, where
+                assert draft.messages.to_transfers() == built.transfers == ref.transfers, where
+                assert int(draft.messages.nbytes.sum()) == sum(t.nbytes for t in ref.transfers), where
+                ran += 1
+    assert ran > 0
 
 
 @pytest.mark.parametrize("seed", range(6))

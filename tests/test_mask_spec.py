@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from ultraattn.masks import EMPTY, MASK_NAMES, describe_masks, parse_mask_spec, pattern_from_mask_mod
+from ultraattn.masks import EMPTY, MASK_NAMES, MASKS, MaskKind, describe_masks, parse_mask_spec, pattern_from_mask_mod
 
 S = 1 << 20
 
@@ -30,11 +32,25 @@ def test_defaults(spec, name):
     assert hasattr(m, "count_pairs") and m.num_batch == 1
 
 
+ORIGINAL = ("full", "causal", "sliding_window", "strided", "global_local", "star", "streaming", "document", "prefix_lm")
+
+
 def test_every_name_has_a_default():
-    assert MASK_NAMES == ("full", "causal", "sliding_window", "strided", "global_local", "star", "streaming",
-                          "document", "prefix_lm")
+    # the names are the registry's, in registration order (the original nine first, in their order)
+    assert MASK_NAMES == tuple(MASKS) == tuple(MaskKind) and MASK_NAMES[:len(ORIGINAL)] == ORIGINAL
     for name in MASK_NAMES:
-        assert callable(parse_mask_spec(name, 4096))
+        m = parse_mask_spec(name, 4096)
+        assert callable(m) and hasattr(m, "count_pairs") and m.num_batch == 1, name
+        assert m.__name__.partition("(")[0] == name == MaskKind(name) == getattr(MaskKind, name.upper())
+
+
+def test_mask_kinds_read_as_their_names():
+    """MaskKind members are the bare strings they replace: equal, hashed, printed and JSON-encoded alike."""
+    import json
+
+    assert MaskKind.CAUSAL == "causal" and {"causal": 1}[MaskKind.CAUSAL] == 1
+    assert str(MaskKind.SLIDING_WINDOW) == f"{MaskKind.SLIDING_WINDOW}" == "sliding_window"
+    assert json.dumps({"mask": MaskKind.DOCUMENT, MaskKind.FULL: 1}) == '{"mask": "document", "full": 1}'
 
 
 @pytest.mark.parametrize(
@@ -84,8 +100,9 @@ def test_default_spec_reproduces_ultraattn_strided_table():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
+        ("foo", re.escape(f"mask must be one of {', '.join(MASK_NAMES)}, got 'foo'")),
         ("foo", r"mask must be one of full, causal, sliding_window, strided, global_local, star, streaming, "
-                r"document, prefix_lm, got 'foo'"),
+                r"document, prefix_lm\b.*, got 'foo'"),
         ("", r"mask must be one of .*, got ''"),
         ("strided:width=3", r"mask 'strided' has no parameter 'width'; valid parameters: block, stride, band, causal"),
         ("causal:window=3", r"mask 'causal' has no parameter 'window'; valid parameters: none"),

@@ -16,6 +16,7 @@ import ultraattn.masks.convert as convert
 from ultraattn.masks import (
     EMPTY,
     FULL,
+    MASK_NAMES,
     PARTIAL,
     BlockPattern,
     and_masks,
@@ -29,6 +30,7 @@ from ultraattn.masks import (
     generate_streaming,
     generate_strided,
     or_masks,
+    parse_mask_spec,
     pattern_from_block_mask,
     pattern_from_dense,
     pattern_from_full,
@@ -57,6 +59,8 @@ FACTORIES = {
     "prefix_lm": lambda s: generate_prefix_lm(s // 4),
     "prefix_lm_batched": lambda s: generate_prefix_lm([s // 4, 0, s + 5]),
 }
+# every registered mask (masks/registry.py) not listed above, at its spec defaults: a new factory meets the oracles
+FACTORIES.update({nm: (lambda s, nm=nm: parse_mask_spec(nm, s)) for nm in MASK_NAMES if nm not in FACTORIES})
 
 
 def dense_mask(mask_mod, q_len: int, kv_len: int, b: int = 0, h: int = 0) -> torch.Tensor:

@@ -11,7 +11,7 @@ from plan_checks import check_plan
 
 from ultraattn.masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
 from ultraattn.planner.api import baseline_plan, plan
-from ultraattn.planner.baselines import NotApplicable
+from ultraattn.planner.baselines import BASELINES, METHODS, REGISTRY, Method, NotApplicable, Ring, baseline_of, register
 from ultraattn.planner.partition import Level, heuristic, solve_ilp
 from ultraattn.planner.partition import evaluate as level_eval
 from ultraattn.planner.plan import AttnShape, Mesh, TilePlan, TokenLayout
@@ -201,6 +201,22 @@ def test_ulysses_volume_and_applicability():
     assert set(per_rank_out.values()) == {expect}
     with pytest.raises(NotApplicable, match="divide num_heads"):
         baseline_plan("ulysses", pat, AttnShape(seq_len=pat.q_len, num_heads=6, head_dim=64), Mesh(nodes=1, devices=4))
+
+
+def test_baseline_registry_is_the_one_list():
+    """The names every front end accepts come from the registry alone (one class per baseline)."""
+    from typing import get_args
+
+    assert BASELINES == tuple(REGISTRY) and METHODS == ("ultraattn", *BASELINES) == get_args(Method)
+    assert set(BASELINES) >= {"ring", "zigzag", "allgather", "ulysses", "usp"}
+    for name, base in REGISTRY.items():
+        assert base.name == name and baseline_of(name) is base
+    pat = grid_pattern(mask_grid("causal", 32), block=64)
+    with pytest.raises(ValueError, match=f"baseline must be one of {', '.join(BASELINES)}, got 'nope'"):
+        baseline_plan("nope", pat, AttnShape(seq_len=pat.q_len, **SHAPE), Mesh(nodes=1, devices=4))
+    with pytest.raises(ValueError, match="'ring' is registered twice"):
+        register(type("RingAgain", (Ring,), {}))
+    assert BASELINES == tuple(REGISTRY)
 
 
 # ------------------------------------------------------------------------- simulator

@@ -19,9 +19,9 @@ import sys
 from rich.console import Console
 
 from ultraattn.masks.convert import pattern_from_mask_mod
-from ultraattn.masks.spec import describe_masks, parse_mask_spec
+from ultraattn.masks.spec import MaskKind, describe_masks, parse_mask_spec
 from ultraattn.planner.api import choose_planner, method_summaries, overall_ilp_status, plan
-from ultraattn.planner.baselines import BASELINES, ulysses_degree
+from ultraattn.planner.baselines import BASELINES, REGISTRY, HeadsIndivisible, NotApplicable
 from ultraattn.planner.cost import DEFAULT_COST, CostModel
 from ultraattn.planner.plan import AttnShape, Mesh
 from ultraattn.planner.profile import CostProfile, ProfileError
@@ -93,8 +93,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     pl = sub.add_parser("plan", help="plan one attention and compare with the baselines",
                         description="Plan one attention over a nodes x devices mesh; print a report.")
-    pl.add_argument("--mask", default="strided",
-                    help="mask spec NAME[:key=value,...] (see `ultraattn masks`; default: strided)")
+    pl.add_argument("--mask", default=MaskKind.STRIDED,
+                    help=f"mask spec NAME[:key=value,...] (see `ultraattn masks`; default: {MaskKind.STRIDED})")
     pl.add_argument("--seqlen", default="512k", help="sequence length, e.g. 65536, 64k, 2m (default 512k)")
     pl.add_argument("--cp", default="8x8", help="mesh NODESxDEVICES or DEVICES (default 8x8)")
     pl.add_argument("--heads", type=int, default=32)
@@ -174,16 +174,20 @@ def _validate(args):
         baselines = ()
     else:
         baselines = tuple(b.strip() for b in args.baselines.split(","))
-        bad = [b for b in baselines if b not in BASELINES]
+        bad = [b for b in baselines if b not in REGISTRY]
         if bad:
             raise CliError(f"--baselines must be a comma list of {', '.join(BASELINES)}, got {bad[0]!r}")
     shape = AttnShape(seq_len=seq, num_heads=args.heads, head_dim=args.head_dim, num_kv_heads=args.kv_heads,
                       batch=args.batch, dtype=args.dtype)
-    if "ulysses" in baselines and args.baselines not in ("all", ""):
-
-        if not ulysses_degree(mesh, shape, within_node=False):
-            raise CliError(f"--baselines ulysses needs the world size {mesh.world} to divide --heads={args.heads} "
-                           f"and --kv-heads={shape.kv_heads}; drop it or use --baselines all")
+    named = baselines if args.baselines not in ("all", "") else ()  # named ones must run ('all' reports why not)
+    for name in named:
+        try:
+            REGISTRY[name].check(mesh, shape)
+        except HeadsIndivisible:
+            raise CliError(f"--baselines {name} needs the world size {mesh.world} to divide --heads={args.heads} "
+                           f"and --kv-heads={shape.kv_heads}; drop it or use --baselines all") from None
+        except NotApplicable as exc:
+            raise CliError(f"--baselines {name} cannot run here: {exc}; drop it or use --baselines all") from None
     return seq, mesh, shape, block, baselines
 
 

@@ -1,4 +1,5 @@
-"""Masks: mask_mod factories, ``BlockPattern`` and its constructors, CLI mask specs (re-exports only)."""
+"""Masks: mask_mod factories (registered in ``masks/registry.py``), ``BlockPattern`` and its constructors, CLI mask
+specs (re-exports only)."""
 
 from ultraattn.masks.convert import (
     pattern_from_block_mask,
@@ -9,6 +10,7 @@ from ultraattn.masks.convert import (
     to_block_pattern,
 )
 from ultraattn.masks.factories import (
+    MaskKind,
     and_masks,
     generate_causal,
     generate_document,
@@ -22,6 +24,7 @@ from ultraattn.masks.factories import (
     or_masks,
 )
 from ultraattn.masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
+from ultraattn.masks.registry import MASKS
 from ultraattn.masks.spec import MASK_NAMES, describe_masks, parse_mask_spec
 
 __all__ = [
@@ -30,6 +33,8 @@ __all__ = [
     "PARTIAL",
     "BlockPattern",
     "MASK_NAMES",
+    "MASKS",
+    "MaskKind",
     "and_masks",
     "or_masks",
     "describe_masks",
@@ -50,3 +55,7 @@ __all__ = [
     "pattern_from_mask_mod",
     "to_block_pattern",
 ]
+
+# every registered factory, those not named above included (a new mask is one factory in factories.py)
+globals().update({entry.factory.__name__: entry.factory for entry in MASKS.values()})
+__all__ += [entry.factory.__name__ for entry in MASKS.values() if entry.factory.__name__ not in __all__]

@@ -32,7 +32,7 @@ from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 from torch.nn.attention.flex_attention import BlockMask
 
 from ultraattn.eager import eager_dispatch
-from ultraattn.masks.factories import generate_causal, generate_full
+from ultraattn.masks.factories import MaskKind, generate_causal, generate_full
 from ultraattn.masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
 
 __all__ = [
@@ -493,11 +493,11 @@ def to_block_pattern(
         case BlockMask():
             pattern = pattern_from_block_mask(mask, count=count)
         case str():
-            if mask not in ("causal", "full"):
+            if mask not in (MaskKind.CAUSAL, MaskKind.FULL):
                 raise ValueError(f"a string mask must be one of 'causal', 'full', got {mask!r}")
             if q_len is None:
                 raise ValueError(f"`q_len` is required to build a pattern from {mask!r}")
-            maker = pattern_from_is_causal if mask == "causal" else pattern_from_full
+            maker = pattern_from_is_causal if mask == MaskKind.CAUSAL else pattern_from_full
             return maker(q_len, kv_len, block_size=block_size)
         case Tensor():
             pattern = pattern_from_dense(mask, block_size=block_size)

@@ -25,6 +25,9 @@ which is a sum over q-blocks of a clipped arithmetic series and has a closed for
 sum of such terms on (clipped) rectangles; e.g. causal = ``le(d=0, u=1)``, "same u-block" =
 ``le(0, u) - le(-1, u)``.
 
+Every factory is registered (``@register_mask``, ``masks/registry.py``) with its CLI spec parameters and
+defaults: that one entry is what the spec parser, the CLI, ``MaskKind`` and the tests read.
+
 Legend (shape suffixes): B batch entries, T tokens, D documents.
 
 Caution: the counters assume non-negative token coordinates (q0, k0 >= 0); ranges with
@@ -39,19 +42,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import and_masks, or_masks
 
-__all__ = [
-    "and_masks",
-    "or_masks",
-    "generate_full",
-    "generate_causal",
-    "generate_sliding_window",
-    "generate_strided",
-    "generate_global_local",
-    "generate_star",
-    "generate_streaming",
-    "generate_document",
-    "generate_prefix_lm",
-]
+from ultraattn.masks.registry import MASKS, Param, ParamKind, frac, mask_kinds, register_mask
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -153,6 +144,7 @@ def _attach(mask_mod: MaskMod, name: str, counter: Callable[..., Tensor], num_ba
 
 
 # ----------------------------------------------------------------------------- factories
+@register_mask()
 def generate_full() -> MaskMod:
     """Every pair attends."""
 
@@ -162,6 +154,7 @@ def generate_full() -> MaskMod:
     return _attach(full, "full", lambda q0, q1, k0, k1, b: _area(q0, q1, k0, k1))
 
 
+@register_mask()
 def generate_causal() -> MaskMod:
     """Top-left aligned causal mask: ``kv <= q`` (SDPA ``is_causal`` semantics)."""
 
@@ -171,6 +164,10 @@ def generate_causal() -> MaskMod:
     return _attach(causal, "causal", lambda q0, q1, k0, k1, b: _count_causal(q0, q1, k0, k1))
 
 
+@register_mask(
+    Param(name="window", kind=ParamKind.TOKENS, default=frac(8), doc="S/8"),
+    Param(name="causal", kind=ParamKind.BOOL, default=lambda s: True, doc="true"),
+)
 def generate_sliding_window(window: int, causal: bool = True) -> MaskMod:
     """Sliding window: causal ``0 <= q - kv < window``; bidirectional ``|q - kv| < window``.
 
@@ -192,6 +189,12 @@ def generate_sliding_window(window: int, causal: bool = True) -> MaskMod:
     return _attach(sliding_window, f"sliding_window(window={window},causal={causal})", count)
 
 
+@register_mask(
+    Param(name="block", kind=ParamKind.TOKENS, default=frac(16), doc="S/16"),
+    Param(name="stride", kind=ParamKind.COUNT, default=lambda s: 4, doc="4"),
+    Param(name="band", kind=ParamKind.COUNT, default=lambda s: 2, doc="2"),
+    Param(name="causal", kind=ParamKind.BOOL, default=lambda s: False, doc="false"),
+)
 def generate_strided(block: int, stride: int = 4, band: int = 2, causal: bool = False) -> MaskMod:
     """Strided block pattern: with ``bq = q // block``, ``bk = kv // block``, True iff
     ``(bq - bk) % stride == 0`` and ``|bq - bk| <= band * stride`` (and ``kv <= q`` if causal).
@@ -241,6 +244,10 @@ def generate_strided(block: int, stride: int = 4, band: int = 2, causal: bool = 
     return _attach(strided, f"strided(block={block},stride={stride},band={band},causal={causal})", count)
 
 
+@register_mask(
+    Param(name="num_global", kind=ParamKind.TOKENS, default=frac(16), doc="S/16"),
+    Param(name="window", kind=ParamKind.TOKENS, default=frac(16), doc="S/16"),
+)
 def generate_global_local(num_global: int, window: int) -> MaskMod:
     """Global tokens plus aligned local blocks: ``q < num_global or kv < num_global or
     q // window == kv // window``. With ``num_global = window = S/16``: row 0, column 0 and the
@@ -265,6 +272,7 @@ def generate_global_local(num_global: int, window: int) -> MaskMod:
     return _attach(global_local, f"global_local(num_global={num_global},window={window})", count)
 
 
+@register_mask(Param(name="block", kind=ParamKind.TOKENS, default=frac(4), doc="S/4"))
 def generate_star(block: int) -> MaskMod:
     """Star: causal and (``kv < block`` or same block). With ``block = S/4``: a 4x4 table with
     column 0 and the causal diagonal.
@@ -285,6 +293,11 @@ def generate_star(block: int) -> MaskMod:
     return _attach(star, f"star(block={block})", count)
 
 
+@register_mask(
+    Param(name="sink", kind=ParamKind.TOKENS, default=frac(8), doc="S/8"),
+    Param(name="window", kind=ParamKind.COUNT, default=lambda s: 2, doc="2 (blocks)"),
+    Param(name="block", kind=ParamKind.TOKENS, default=frac(8), doc="S/8"),
+)
 def generate_streaming(sink: int, window: int, block: int) -> MaskMod:
     """Streaming (attention sinks): causal and (``kv < sink`` or ``q // block - kv // block <=
     window``). With ``sink = block = S/8, window = 2``: an 8x8 table with the sink column, the two
@@ -330,6 +343,33 @@ def _per_batch_lengths(lengths: Sequence[int] | Sequence[Sequence[int]]) -> list
     return per_batch
 
 
+def _equal_lengths(docs: int, seq_len: int) -> list[int]:
+    if not 1 <= docs <= seq_len:
+        raise ValueError(f"`docs` must lie in [1, seq_len={seq_len}], got {docs}")
+    base, extra = divmod(seq_len, docs)
+    return [base + (1 if i < extra else 0) for i in range(docs)]
+
+
+def _document_spec(kwargs: dict, seq_len: int, given: dict) -> dict:
+    """The spec's ``docs`` (equal documents, 4 by default) or ``lengths``, checked against seq_len."""
+    if "lengths" in kwargs and "docs" in kwargs:
+        raise ValueError("mask 'document' takes `lengths` or `docs`, not both")
+    if "lengths" not in kwargs:
+        kwargs["lengths"] = _equal_lengths(kwargs.pop("docs", 4), seq_len)
+    if sum(kwargs["lengths"]) > seq_len:
+        raise ValueError(
+            f"`lengths` must sum to at most seq_len={seq_len}, got {given.get('lengths')!r} "
+            f"(= {sum(kwargs['lengths'])} tokens)"
+        )
+    return kwargs
+
+
+@register_mask(
+    Param(name="lengths", kind=ParamKind.LENGTHS, default=None, doc="a+b+... tokens (exclusive with docs)"),
+    Param(name="docs", kind=ParamKind.COUNT, default=None, doc="4 equal documents"),
+    Param(name="causal", kind=ParamKind.BOOL, default=lambda s: True, doc="true"),
+    resolve=_document_spec,
+)
 def generate_document(
     lengths: Sequence[int] | Sequence[Sequence[int]], causal: bool = True, *, device: torch.device | str | None = None
 ) -> MaskMod:
@@ -411,6 +451,7 @@ def generate_document(
     return _attach(document, f"document({desc},causal={causal})", count, num_batch=nb)
 
 
+@register_mask(Param(name="prefix", kind=ParamKind.TOKENS, default=frac(4), doc="S/4"))
 def generate_prefix_lm(prefix: int | Sequence[int], *, device: torch.device | str | None = None) -> MaskMod:
     """Prefix-LM: bidirectional over the first ``prefix`` keys, causal after (``kv <= q or
     kv < prefix``). ``prefix`` may be one int or a list with one prefix per batch entry;
@@ -445,35 +486,12 @@ def generate_prefix_lm(prefix: int | Sequence[int], *, device: torch.device | st
     return _attach(prefix_lm, f"prefix_lm(prefix={shown})", count, num_batch=len(values))
 
 
+# ----------------------------------------------------------------------------- kinds
+# register every factory above: MaskKind and __all__ are made from the registry here
+MaskKind = mask_kinds()
+"""One member per registered mask, equal to its spec name (``MaskKind.CAUSAL == "causal"``)."""
+
+__all__ = ["MaskKind", "and_masks", "or_masks", *(entry.factory.__name__ for entry in MASKS.values())]
+
+
 # ----------------------------------------------------------------------------- visualisation
-def _ascii(mask_mod: MaskMod, q_len: int, kv_len: int, b: int = 0) -> str:
-    q_Q1 = torch.arange(q_len)[:, None]
-    kv_1K = torch.arange(kv_len)[None, :]
-    dense = mask_mod(torch.tensor(b), torch.tensor(0), q_Q1, kv_1K).expand(q_len, kv_len)
-    return "\n".join("".join("#" if v else "." for v in row.tolist()) for row in dense)
-
-
-def main() -> None:
-    """Print every factory mask at a small size (32 tokens; '#' attends, '.' masked)."""
-    s = 32
-    masks = [
-        generate_full(),
-        generate_causal(),
-        generate_sliding_window(window=s // 8),
-        generate_sliding_window(window=s // 8, causal=False),
-        generate_strided(block=s // 16),
-        generate_global_local(num_global=s // 16, window=s // 16),
-        generate_star(block=s // 4),
-        generate_streaming(sink=s // 8, window=2, block=s // 8),
-        generate_document([5, 12, 9], causal=True),
-        generate_prefix_lm(prefix=s // 4),
-    ]
-    for m in masks:
-        total = int(m.count_pairs(0, s, 0, s))
-        print(f"{m.__name__}: {total}/{s * s} pairs ({total / (s * s):.1%})")
-        print(_ascii(m, s, s))
-        print()
-
-
-if __name__ == "__main__":
-    main()

@@ -15,7 +15,7 @@ Token-valued parameters accept an int (``4096``), a ``k``/``m`` suffix (``64k`` 
 (rounded down). Count-valued parameters (``stride``, ``band``, streaming ``window``, ``docs``)
 take plain ints; booleans take ``true``/``false``.
 
-The defaults reproduce UltraAttn's experiment patterns (REFERENCES.md): strided block=S/16,
+The defaults reproduce UltraAttn's experiment patterns (SC'25 block tables): strided block=S/16,
 stride=4, band=2; global_local num_global=window=S/16; star block=S/4; streaming
 sink=block=S/8, window=2; sliding_window window=S/8 causal; document 4 equal documents;
 prefix_lm prefix=S/4 (fractions of S rounded down, at least 1 token).
@@ -25,74 +25,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 
-from ultraattn.masks import factories as F
+import torch
 
-__all__ = ["MASK_NAMES", "parse_mask_spec", "describe_masks"]
+from ultraattn.masks.factories import MaskKind, MaskMod
+from ultraattn.masks.registry import MASKS, ParamKind
 
-MASK_NAMES: tuple[str, ...] = (
-    "full",
-    "causal",
-    "sliding_window",
-    "strided",
-    "global_local",
-    "star",
-    "streaming",
-    "document",
-    "prefix_lm",
-)
+__all__ = ["MASK_NAMES", "MaskKind", "parse_mask_spec", "describe_masks"]
 
-ParamKind = Literal["tokens", "count", "bool", "lengths"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Param:
-    name: str
-    """Parameter name as written in the spec (and passed to the factory)."""
-    kind: ParamKind
-    """How its value is parsed: tokens (int, k/m suffix, fraction of S), count, bool or lengths."""
-    default: Callable[[int], object] | None
-    """Default as a function of seq_len; None: no default (optional or exclusive parameter)."""
-    doc: str
-    """Default shown in the help text."""
-
-
-def _frac(div: int) -> Callable[[int], int]:
-    return lambda s: max(1, s // div)
-
-
-_PARAMS: dict[str, tuple[_Param, ...]] = {
-    "full": (),
-    "causal": (),
-    "sliding_window": (
-        _Param(name="window", kind="tokens", default=_frac(8), doc="S/8"),
-        _Param(name="causal", kind="bool", default=lambda s: True, doc="true"),
-    ),
-    "strided": (
-        _Param(name="block", kind="tokens", default=_frac(16), doc="S/16"),
-        _Param(name="stride", kind="count", default=lambda s: 4, doc="4"),
-        _Param(name="band", kind="count", default=lambda s: 2, doc="2"),
-        _Param(name="causal", kind="bool", default=lambda s: False, doc="false"),
-    ),
-    "global_local": (
-        _Param(name="num_global", kind="tokens", default=_frac(16), doc="S/16"),
-        _Param(name="window", kind="tokens", default=_frac(16), doc="S/16"),
-    ),
-    "star": (_Param(name="block", kind="tokens", default=_frac(4), doc="S/4"),),
-    "streaming": (
-        _Param(name="sink", kind="tokens", default=_frac(8), doc="S/8"),
-        _Param(name="window", kind="count", default=lambda s: 2, doc="2 (blocks)"),
-        _Param(name="block", kind="tokens", default=_frac(8), doc="S/8"),
-    ),
-    "document": (
-        _Param(name="lengths", kind="lengths", default=None, doc="a+b+... tokens (exclusive with docs)"),
-        _Param(name="docs", kind="count", default=None, doc="4 equal documents"),
-        _Param(name="causal", kind="bool", default=lambda s: True, doc="true"),
-    ),
-    "prefix_lm": (_Param(name="prefix", kind="tokens", default=_frac(4), doc="S/4"),),
-}
+#: every registered mask's name (``masks/registry.py``), in registration order
+MASK_NAMES: tuple[str, ...] = tuple(kind.value for kind in MaskKind)
 
 _SUFFIX = {"k": 1024, "m": 1024 * 1024}
 _INT_RE = re.compile(r"^(\d+)([kKmM]?)$")
@@ -129,13 +71,6 @@ def _parse_bool(name: str, text: str) -> bool:
     raise ValueError(f"`{name}` must be true or false, got {text!r}")
 
 
-def _equal_lengths(docs: int, seq_len: int) -> list[int]:
-    if not 1 <= docs <= seq_len:
-        raise ValueError(f"`docs` must lie in [1, seq_len={seq_len}], got {docs}")
-    base, extra = divmod(seq_len, docs)
-    return [base + (1 if i < extra else 0) for i in range(docs)]
-
-
 def parse_mask_spec(spec: str, seq_len: int) -> Callable:
     """Build a factory mask_mod from a spec ``name[:param=value,...]`` for ``seq_len`` tokens.
 
@@ -159,9 +94,10 @@ def parse_mask_spec(spec: str, seq_len: int) -> Callable:
         raise ValueError(f"`seq_len` must be positive, got {seq_len}")
     name, _, rest = spec.strip().partition(":")
     name = name.strip()
-    if name not in _PARAMS:
+    if name not in MASKS:
         raise ValueError(f"mask must be one of {', '.join(MASK_NAMES)}, got {name!r}")
-    params = {p.name: p for p in _PARAMS[name]}
+    entry = MASKS[name]
+    params = {p.name: p for p in entry.params}
     valid = ", ".join(params) if params else "none"
     given: dict[str, str] = {}
     for item in filter(None, (x.strip() for x in rest.split(","))):
@@ -179,31 +115,22 @@ def parse_mask_spec(spec: str, seq_len: int) -> Callable:
         if key in given:
             text = given[key]
             match p.kind:
-                case "tokens":
+                case ParamKind.TOKENS:
                     kwargs[key] = _parse_tokens(key, text, seq_len)
-                case "count":
+                case ParamKind.COUNT:
                     kwargs[key] = _parse_count(key, text)
-                case "bool":
+                case ParamKind.BOOL:
                     kwargs[key] = _parse_bool(key, text)
-                case "lengths":
+                case ParamKind.LENGTHS:
                     kwargs[key] = [_parse_tokens(key, t, seq_len) for t in text.split("+")]
                 case _:
                     raise AssertionError(p.kind)
         elif p.default is not None:
             kwargs[key] = p.default(seq_len)
-    if name == "document":
-        if "lengths" in kwargs and "docs" in kwargs:
-            raise ValueError("mask 'document' takes `lengths` or `docs`, not both")
-        if "lengths" not in kwargs:
-            kwargs["lengths"] = _equal_lengths(kwargs.pop("docs", 4), seq_len)
-        if sum(kwargs["lengths"]) > seq_len:
-            raise ValueError(
-                f"`lengths` must sum to at most seq_len={seq_len}, got {given.get('lengths')!r} "
-                f"(= {sum(kwargs['lengths'])} tokens)"
-            )
-    factory = getattr(F, f"generate_{name}")
+    if entry.resolve is not None:
+        kwargs = entry.resolve(kwargs, seq_len, given)
     try:
-        return factory(**kwargs)
+        return entry.factory(**kwargs)
     except (TypeError, ValueError) as e:  # name the spec the bad value came from
         raise ValueError(f"invalid mask spec {spec!r}: {e}") from e
 
@@ -212,7 +139,7 @@ def describe_masks() -> str:
     """Help text: every mask name with its parameters and defaults (S = sequence length)."""
     lines = ["Masks (--mask NAME[:PARAM=VALUE,...]); S = sequence length:"]
     for name in MASK_NAMES:
-        params = _PARAMS[name]
+        params = MASKS[name].params
         desc = ", ".join(f"{p.name}={p.doc}" for p in params) if params else "no parameters"
         lines.append(f"  {name:<15} {desc}")
     lines += [
@@ -220,3 +147,26 @@ def describe_masks() -> str:
         "Booleans: true/false. document lengths: 1000+3000+2000 (tokens past their sum attend nothing).",
     ]
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- python -m ultraattn.masks.spec
+def _ascii(mask_mod: MaskMod, q_len: int, kv_len: int, b: int = 0) -> str:
+    q_Q1 = torch.arange(q_len)[:, None]
+    kv_1K = torch.arange(kv_len)[None, :]
+    dense = mask_mod(torch.tensor(b), torch.tensor(0), q_Q1, kv_1K).expand(q_len, kv_len)
+    return "\n".join("".join("#" if v else "." for v in row.tolist()) for row in dense)
+
+
+def main() -> None:
+    """Print every registered mask at its defaults, at a small size (32 tokens; '#' attends, '.' masked)."""
+    s = 32
+    masks = [parse_mask_spec(name, s) for name in MASKS]
+    for m in masks:
+        total = int(m.count_pairs(0, s, 0, s))
+        print(f"{m.__name__}: {total}/{s * s} pairs ({total / (s * s):.1%})")
+        print(_ascii(m, s, s))
+        print()
+
+
+if __name__ == "__main__":
+    main()

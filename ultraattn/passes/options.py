@@ -17,18 +17,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from ultraattn.planner.baselines import BASELINES
+from ultraattn.planner.baselines import Method
 from ultraattn.planner.cost import DEFAULT_COST, CostModel
 from ultraattn.planner.plan import Mesh
 from ultraattn.planner.tiling import PlannerOptions
-from ultraattn.runtime.calibrate import cached_profile_path, default_device, resolve_cost
+from ultraattn.runtime.calibrate import cached_profile_path, default_device
+from ultraattn.runtime.costs import resolve_cost
 
 ReportMode = Literal["off", "summary", "full"]
 Outputs = Literal["global", "sharded"]
 Compiler = Literal["inductor", "aot_eager", "eager"]
-Method = Literal["ultraattn", "ring", "zigzag", "allgather", "ulysses", "usp"]
 PlannerName = Literal["auto", "fast", "ilp"]
-assert set(get_args(Method)) == {"ultraattn", *BASELINES}, "Method must list the planner and every baseline"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,36 +20,16 @@ from typing import Literal
 
 import torch
 
-from ..masks.cells import BlockCells
 from ..masks.pattern import BlockPattern
-from .baselines import BASELINES, NotApplicable, allgather_plan, ring_plan, ulysses_degree, usp_plan
+from .baselines import BASELINES, NotApplicable, baseline_of
 from .build import make_plan
 from .cost import DEFAULT_COST, CostModel
+from .fast import FastPlanner
 from .ilp import SolveInfo, have_pulp, require_pulp
 from .plan import AttnShape, Mesh, TilePlan, TokenLayout, padded_chunk
-from .schedule import Schedule, Workload, build_graph, simulate
+from .schedule import Schedule, Workload, build_graph, simulate, workload
 from .schedule_ilp import refine_schedule
 from .tiling import PlannerOptions, TilingResult, tile
-
-
-def workload(pattern: BlockPattern | BlockCells, shape: AttnShape, *, num_chunks: int, head_groups: int = 1,
-             chunk: int | None = None) -> Workload:
-    """Per-cell work of ``pattern`` on a num_chunks grid with ``head_groups`` equal head groups
-    (chunks of ``chunk`` tokens; default: the smallest block multiple that covers the sequence).
-    ``BlockCells`` give the same numbers without a dense grid (``evaluate`` takes them too)."""
-    if pattern.q_len != shape.seq_len:
-        raise ValueError(f"pattern q_len {pattern.q_len} must equal seq_len {shape.seq_len}")
-    if chunk is None:
-        chunk = padded_chunk(shape.seq_len, num_chunks, pattern.q_block)
-    h = shape.num_heads
-    hg = [list(range(g * h // head_groups, (g + 1) * h // head_groups)) for g in range(head_groups)]
-    st = {k: torch.as_tensor(v) for k, v in pattern.chunk_stats(chunk, num_chunks, hg, num_heads=h).items()}
-    bmul = shape.batch if pattern.num_batch_patterns == 1 else 1
-    if pattern.num_batch_patterns not in (1, shape.batch):
-        raise ValueError(f"pattern has {pattern.num_batch_patterns} batch entries, shape.batch is {shape.batch}")
-    return Workload(full_GPP=st["full"] * bmul, partial_GPP=st["partial"] * bmul, pairs_GPP=st["pairs"] * bmul,
-                    block=pattern.q_block, head_dim=shape.head_dim,
-                    rows_per_chunk=(chunk // pattern.q_block) * (h // head_groups) * shape.batch)
 
 
 def check_layout(layout: TokenLayout, pattern: BlockPattern, shape: AttnShape, mesh: Mesh) -> None:
@@ -165,36 +145,12 @@ def lower_bound_ms(plan: TilePlan, pattern: BlockPattern, *, cost: CostModel = D
 
 
 def baseline_plan(name: str, pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, backward: bool = True) -> TilePlan:
-    """One baseline's plan; raises ``NotApplicable`` with the reason when it cannot run."""
-    w = mesh.world
-    if name in ("ring",):
-        p, g = w, 1
-    elif name in ("zigzag", "allgather"):
-        p, g = 2 * w, 1
-    elif name == "ulysses":
-        g = ulysses_degree(mesh, shape, within_node=False)
-        if not g:
-            raise NotApplicable(f"ulysses needs world size {w} to divide num_heads={shape.num_heads} and "
-                                f"num_kv_heads={shape.kv_heads}")
-        p = w
-    elif name == "usp":
-        g = ulysses_degree(mesh, shape, within_node=True)
-        p = 2 * w
-    else:
-        raise ValueError(f"baseline must be one of {', '.join(BASELINES)}, got {name!r}")
+    """One baseline's plan (``baselines.REGISTRY``); raises ``NotApplicable`` with the reason when it cannot run."""
+    base = baseline_of(name)
+    p, g = base.grid(mesh, shape)
     chunk = padded_chunk(shape.seq_len, p, pattern.q_block)
     nonempty = workload(pattern, shape, num_chunks=p, head_groups=g).nonempty_GPP()
-    match name:
-        case "ring" | "zigzag":
-            return ring_plan(nonempty[0], mesh=mesh, shape=shape, chunk=chunk, backward=backward,
-                             zigzag=name == "zigzag")
-        case "allgather":
-            return allgather_plan(nonempty[0], mesh=mesh, shape=shape, chunk=chunk, backward=backward)
-        case "ulysses" | "usp":
-            return usp_plan(nonempty, mesh=mesh, shape=shape, chunk=chunk, backward=backward,
-                            pure_ulysses=name == "ulysses")
-        case _:
-            raise AssertionError(name)
+    return base.plan(nonempty, mesh=mesh, shape=shape, chunk=chunk, backward=backward)
 
 
 @dataclass(slots=True)
@@ -356,8 +312,6 @@ def as_ours(src: TilePlan) -> TilePlan:
 def _plan_fast(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel, options: PlannerOptions,
                backward: bool, baselines, layout: TokenLayout | None) -> PlanResult:
     """``plan`` with the fast planner: its plan, then every baseline simulated for the comparison."""
-    from .fast import FastPlanner
-
     t0 = time.perf_counter()
     fp = FastPlanner(shape=shape, mesh=mesh, cost=cost, layout=layout, balance_tol=options.balance_tol,
                      backward=backward, baselines=tuple(baselines))

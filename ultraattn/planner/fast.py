@@ -20,7 +20,8 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    only K/V move, the cheap side with GQA. A rank still above ``(1 + tol) x mean`` hands cells of one
    row at a time to the rank with room where they add the least traffic per unit of work (``place``).
    A given token layout (a sequence-sharded model's) fixes ownership: only placement is chosen.
-3. The baselines (ring, zigzag, all-gather, Ulysses, USP) in the same array form.
+3. Every registered baseline (``baselines.REGISTRY``: ring, zigzag, all-gather, Ulysses, USP) in its array form
+   (``Baseline.fixed``, ``assign``, ``draft``).
 4. Every candidate gets cheap bounds (its busiest rank's work at peak rate, its busiest stream); in
    increasing bound order, candidates are priced in closed form (``price.replay_bound``: a lower bound
    of the simulator's replay, from release times of every task on every stream), skipping those whose
@@ -51,14 +52,13 @@ import numpy as np
 
 from ..masks.cells import BlockCells, cells_from_pattern
 from ..masks.pattern import BlockPattern
-from .api import workload
 from .balance import ownership, place
-from .baselines import BASELINES, ulysses_degree, zigzag_owner
+from .baselines import BASELINES, REGISTRY, Baseline, NotApplicable
 from .build import kernel_groups
 from .cost import DEFAULT_COST, CostModel
-from .plan import AttnShape, Mesh, TilePlan, TokenLayout, Transfer, padded_chunk
-from .price import Grid, Kernels, Messages, assemble, busy_bound, compute_bound, price, ring_messages, route
-from .schedule import build_graph, simulate
+from .plan import AttnShape, Mesh, TilePlan, TokenLayout, padded_chunk
+from .price import Draft, Grid, Kernels, assemble, busy_bound, compute_bound, price, route
+from .schedule import build_graph, simulate, workload
 
 #: chunks per rank tried for our own structure (the ILP planner starts at 2 and refines to 8)
 CHUNKS_PER_RANK = (1, 2, 4, 8)
@@ -70,24 +70,6 @@ REPLAY_TASKS = 2500
 
 
 # ----------------------------------------------------------------------------- candidates
-@dataclass(slots=True)
-class Draft:
-    """A candidate plan in array form."""
-
-    owner: np.ndarray
-    """int64 [P]: rank owning each chunk."""
-    assign_GPP: np.ndarray
-    """int64 [G, P, P]: rank computing each cell, -1 empty."""
-    kernels: Kernels
-    messages: Messages
-    chunk: int
-    """Tokens per chunk."""
-    meta: dict
-    """``TilePlan.meta`` of the built plan."""
-    transfers: Callable[[], tuple[Transfer, ...]] | None = None
-    """``messages`` as ``Transfer`` objects, from cached mask-independent parts (None: made from the arrays)."""
-
-
 @dataclass(slots=True)
 class Candidate:
     """One structure: a cheap bound first, its closed-form price when it can win."""
@@ -154,7 +136,7 @@ class FastPlanner:
             raise TypeError(f"`mesh` must be a Mesh, got {type(self.mesh).__name__}")
         if not 0 <= self.balance_tol < 1:
             raise ValueError(f"`balance_tol` must lie in [0, 1), got {self.balance_tol}")
-        bad = [b for b in self.baselines if b not in BASELINES]
+        bad = [b for b in self.baselines if b not in REGISTRY]
         if bad:
             raise ValueError(f"`baselines` must be among {', '.join(BASELINES)}, got {bad}")
         if self.layout is not None:
@@ -314,109 +296,39 @@ class FastPlanner:
 
     # ------------------------------------------------------------------ baselines
     def _baseline(self, cells: BlockCells, name: str) -> Candidate | None:
-        """A baseline structure (``planner.baselines``) in array form: the same ownership, placement, kernels
-        and transfers as its builder (tested), without its Python loops over cells."""
-        mesh, shape, w = self.mesh, self.shape, self.mesh.world
-        if name in ("ulysses", "usp"):
-            u = ulysses_degree(mesh, shape, within_node=name == "usp")
-            if not u:
-                return None
-            p = w if name == "ulysses" else 2 * w
-        else:
-            u, p = 1, (w if name == "ring" else 2 * w)
+        """A registered baseline (``planner.baselines.REGISTRY``) in its array form: the same ownership, placement,
+        kernels and transfers as its builder (tested), without its Python loops over cells. None where it cannot
+        run, or (given a layout) holds tokens in another layout."""
+        base = REGISTRY[name]
+        try:
+            p, u = base.grid(self.mesh, self.shape)
+        except NotApplicable:
+            return None
         sc = self._scale(p, cells.q_block)
-        fixed = self._fixed_parts(name, sc, cells.q_block)
+        fixed = self._fixed_parts(base, sc, cells.q_block)
         owner = fixed["owner"]
         if self.layout is not None and (sc.chunk, tuple(owner.tolist())) != (self.layout.chunk_size,
                                                                              self.layout.owner):
             return None  # a baseline keeps its own layout
         grid = self._grid(cells, sc, head_groups=u)
-        nonempty = grid.nonempty_GPP > 0
-        if name in ("ring", "zigzag", "allgather"):
-            assign = np.where(nonempty[0], owner[:, None], -1)[None]
+        assign = base.assign(fixed, grid.nonempty_GPP > 0)
 
-            def draft() -> Draft:
-                kern = Kernels.of_groups(grid, kernel_groups(owner, assign), head_dim=shape.head_dim, cost=self.cost,
-                                         phases=self._phases)
-                if name == "allgather":
-                    return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=fixed["msgs"], chunk=sc.chunk,
-                                 meta={"structure": name}, transfers=lambda: fixed["transfers"][0])
-                msgs = ring_messages(owner, assign[0], ring=np.arange(w), start_of=owner, shape=shape, chunk=sc.chunk,
-                                     backward=self.backward)
-                return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=msgs, chunk=sc.chunk,
-                             meta={"structure": name})
-        else:
-            g, i, j = np.nonzero(nonempty)
-            assign = np.full((u, p, p), -1, dtype=np.int64)
-            assign[g, i, j] = fixed["computer_GP"][g, i]
+        def draft() -> Draft:
+            return base.draft(grid, fixed, assign, mesh=self.mesh, shape=self.shape, cost=self.cost,
+                              backward=self.backward)
 
-            def draft() -> Draft:
-                kern, rings = self._usp_parts(grid, fixed, assign, u, name == "ulysses")
-                a2a = fixed["msgs"]
-                # per head group: its all-to-all, then its ring (the builder's order)
-                msgs = Messages.concat([m for g in range(u) for m in (a2a.select(a2a.group == g), rings[g])])
-
-                def transfers() -> tuple[Transfer, ...]:
-                    return tuple(t for g in range(u) for t in (*fixed["transfers"][g], *rings[g].to_transfers()))
-
-                return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=msgs, chunk=sc.chunk,
-                             meta={"structure": name, "ulysses_degree": u, "ring_degree": w // u}, transfers=transfers)
-
-        per_rank = _work_per_rank(grid.blocks_GPP, assign, w)
+        per_rank = _work_per_rank(grid.blocks_GPP, assign, self.mesh.world)
         return Candidate(name=name, draft=draft, bound=self._bound(per_rank, grid), imbalance=_ratio(per_rank))
 
-    def _fixed_parts(self, name: str, sc: _Scale, block: int) -> dict:
-        """A baseline's mask-independent parts on this grid (cached): its ownership, and the messages that do
-        not depend on the mask (all-gather: all of them; Ulysses, USP: the all-to-all)."""
-        key = (name, sc.num_chunks, block)
+    def _fixed_parts(self, base: Baseline, sc: _Scale, block: int) -> dict:
+        """A baseline's mask-independent parts on this grid (``Baseline.fixed``, cached): its ownership, and the
+        messages that do not depend on the mask (all-gather: all of them; Ulysses, USP: the all-to-all)."""
+        key = (base.name, sc.num_chunks, block)
         hit = self._fixed.get(key)
-        if hit is not None:
-            return hit
-        mesh, shape, w, p = self.mesh, self.shape, self.mesh.world, sc.num_chunks
-        out: dict = {}
-        if name == "ring":
-            out["owner"] = np.arange(w, dtype=np.int64)
-        elif name in ("zigzag", "allgather"):
-            out["owner"] = np.asarray(zigzag_owner(w), dtype=np.int64)
-            if name == "allgather":
-                out["msgs"] = allgather_messages(out["owner"], mesh, shape, sc.chunk, self.backward)
-                out["transfers"] = [out["msgs"].to_transfers()]
-        else:
-            pure = name == "ulysses"
-            u = ulysses_degree(mesh, shape, within_node=not pure)
-            rd = w // u
-            # ring position of each chunk's super chunk (zigzag over the u-groups)
-            pos = (np.zeros(p, dtype=np.int64) if pure
-                   else np.asarray(zigzag_owner(rd), dtype=np.int64)[np.arange(p) // u])
-            out["owner"] = np.arange(w, dtype=np.int64) if pure else pos * u + np.arange(p) % u
-            out["computer_GP"] = (np.broadcast_to(np.arange(u)[:, None], (u, p)).copy() if pure
-                                  else pos[None, :] * u + np.arange(u)[:, None])
-            out["pos_of_col"] = pos
-            out["rd"] = rd
-            out["msgs"] = all_to_all_messages(out["owner"], out["computer_GP"], shape, sc.chunk, self.backward)
-            out["transfers"] = [out["msgs"].select(out["msgs"].group == g).to_transfers() for g in range(u)]
-        self._fixed[key] = out
-        return out
-
-    def _usp_parts(self, grid: Grid, fixed: dict, assign: np.ndarray, u: int, pure: bool
-                   ) -> tuple[Kernels, list[Messages]]:
-        """Kernels (``usp_plan``'s grouping: per rank, head group and ring step) and each head group's ring
-        messages (none for Ulysses) of a Ulysses / USP plan."""
-        rd = fixed["rd"]
-        g, i, j = np.nonzero(assign >= 0)
-        r = assign[g, i, j]
-        step = np.zeros_like(r) if pure else (fixed["pos_of_col"][j] - r // u) % rd
-        uniq, k_N = np.unique((r * u + g) * rd + step, return_inverse=True)
-        order = np.argsort(k_N, kind="stable")
-        g, i, j, k_N = g[order], i[order], j[order], k_N[order]
-        rows = np.bincount(np.unique(k_N * grid.num_chunks + i) // grid.num_chunks, minlength=uniq.size)
-        kern = Kernels.make(grid, g, i, j, k_N, uniq // (u * rd), uniq % rd, rows, head_dim=self.shape.head_dim,
-                            cost=self.cost, phases=self._phases)
-        rings = [Messages.concat([]) if pure else
-                 ring_messages(fixed["owner"], assign[gg], ring=np.arange(rd) * u + gg,
-                               start_of=fixed["computer_GP"][gg], shape=self.shape, chunk=grid.chunk,
-                               backward=self.backward, group=gg, groups=u) for gg in range(u)]
-        return kern, rings
+        if hit is None:
+            hit = self._fixed[key] = base.fixed(mesh=self.mesh, shape=self.shape, chunk=sc.chunk,
+                                                num_chunks=sc.num_chunks, backward=self.backward)
+        return hit
 
 
 def _tasks(d: Draft) -> int:
@@ -437,47 +349,6 @@ def planner_key(shape: AttnShape, mesh: Mesh, cost: CostModel, layout: TokenLayo
     s = shape
     return ((s.seq_len, s.num_heads, s.head_dim, s.kv_heads, s.batch, s.dtype), (mesh.nodes, mesh.devices), cost,
             None if layout is None else (layout.chunk_size, layout.owner), balance_tol, backward, tuple(baselines))
-
-
-def allgather_messages(owner: np.ndarray, mesh: Mesh, shape: AttnShape, chunk: int, backward: bool) -> Messages:
-    """``baselines.allgather_plan``'s transfers as arrays: every chunk to every rank, across nodes between equal
-    device indices (the NIC rails), then inside the node; backward re-gathers K/V and reduces dK/dV back."""
-    dev = mesh.devices
-    parts = {"fwd": [], "bwd": [], "dkv": []}
-    for c, src in enumerate(owner.tolist()):
-        hops = []
-        for node in range(mesh.nodes):
-            rail = node * dev + src % dev
-            if node != src // dev:
-                hops.append((src, rail))
-            hops += [(rail, node * dev + d) for d in range(dev) if node * dev + d not in (rail, src)]
-        s, d = (np.asarray(x, dtype=np.int64) for x in zip(*hops)) if hops else (np.zeros(0, np.int64),) * 2
-        parts["fwd"].append(Messages.make("kv", "fwd", np.full(s.size, c), 0, s, d, shape.unit_bytes("kv", chunk)))
-        if backward:
-            parts["bwd"].append(Messages.make("kv", "bwd", np.full(s.size, c), 0, s, d,
-                                              shape.unit_bytes("kv", chunk)))
-            parts["dkv"].append(Messages.make("dkv", "bwd", np.full(s.size, c), 0, d[::-1], s[::-1],
-                                              shape.unit_bytes("dkv", chunk)))
-    # the builder's order: per chunk, forward hops, backward hops, reversed dK/dV hops
-    per_chunk = [[parts[k][c] for k in ("fwd", "bwd", "dkv") if parts[k]] for c in range(owner.size)]
-    return Messages.concat([m for ms in per_chunk for m in ms])
-
-
-def all_to_all_messages(owner: np.ndarray, computer_GP: np.ndarray, shape: AttnShape, chunk: int,
-                        backward: bool) -> Messages:
-    """``baselines.usp_plan``'s sequence-to-head all-to-all as arrays: each chunk's Q and K/V to the rank computing
-    its head group, the output back; backward dO in, dQ and dK/dV out."""
-    u, p = computer_GP.shape
-    g, c = np.nonzero(computer_GP != owner[None, :])
-    home, src = computer_GP[g, c], owner[c]
-    flows = [("q", "fwd", src, home), ("kv", "fwd", src, home), ("out", "fwd", home, src)]
-    if backward:
-        flows += [("do", "bwd", src, home), ("dq_out", "bwd", home, src), ("dkv_out", "bwd", home, src)]
-    parts = [Messages.make(t, ph, c, g, s, d, shape.unit_bytes(t, chunk, u)) for t, ph, s, d in flows]
-    # the builder's order: per (head group, chunk), its flows in turn
-    msgs = Messages.concat(parts)
-    flow = np.repeat(np.arange(len(parts)), c.size)
-    return msgs.select(np.lexsort((flow, msgs.chunk, msgs.group)))
 
 
 def _work_per_rank(weight, assign: np.ndarray, world: int) -> np.ndarray:

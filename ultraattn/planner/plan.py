@@ -13,7 +13,7 @@ head group; Ulysses-style plans split heads into groups and move head slices.
 
 Byte accounting (one place, shared by the simulator, the reports and the runtime):
 inputs travel in the model dtype; partial results travel in fp32 so that merging
-them stays exact (DESIGN.md numerics policy).
+them stays exact (docs/numerics.md).
 
     tensor   phase  carries                                   per token and head
     q        fwd    query                                     D * elt
@@ -243,7 +243,7 @@ class TilePlan:
     """Who owns which tokens, who computes which cell, and what moves (module docstring)."""
 
     method: str
-    """Planner or baseline name (ultraattn, ring, zigzag, allgather, ulysses, usp)."""
+    """Planner or baseline name (ultraattn or one of ``baselines.BASELINES``: ring, zigzag, allgather, ulysses, usp)."""
     mesh: Mesh
     shape: AttnShape
     chunk_size: int

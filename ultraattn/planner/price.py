@@ -10,6 +10,7 @@ Legend: N cells, K kernels, M messages, G head groups, P chunks, W ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -409,6 +410,24 @@ def compute_bound(blocks_W: np.ndarray, grid: Grid, *, head_dim: int, cost: Cost
     rates = {0: cost.fwd_tflops * 1e12, 1: cost.bwd_tflops * 1e12 / cost.bwd_flops_factor}
     # ranks sharing compute may run a kernel up to alone_speedup times faster than the all-busy rate
     return sum(flops / rates[ph] for ph in phases) / cost.alone_speedup
+
+
+@dataclass(slots=True)
+class Draft:
+    """A candidate plan in array form (the fast planner's own structure or a baseline's, ``Baseline.draft``)."""
+
+    owner: np.ndarray
+    """int64 [P]: rank owning each chunk."""
+    assign_GPP: np.ndarray
+    """int64 [G, P, P]: rank computing each cell, -1 empty."""
+    kernels: Kernels
+    messages: Messages
+    chunk: int
+    """Tokens per chunk."""
+    meta: dict
+    """``TilePlan.meta`` of the built plan."""
+    transfers: Callable[[], tuple[Transfer, ...]] | None = None
+    """``messages`` as ``Transfer`` objects, from cached mask-independent parts (None: made from the arrays)."""
 
 
 def assemble(*, owner: np.ndarray, assign_GPP: np.ndarray, kern: Kernels, msgs: Messages, mesh: Mesh,

@@ -28,11 +28,16 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .cost import CostModel, block_flops
-from .plan import PARTIAL_TENSORS, ROW_TENSORS, TilePlan
+from .plan import PARTIAL_TENSORS, ROW_TENSORS, AttnShape, TilePlan, padded_chunk
+
+if TYPE_CHECKING:
+    from ..masks.cells import BlockCells
+    from ..masks.pattern import BlockPattern
 
 INPUT_TENSORS = {"fwd": ("q", "kv"), "bwd": ("qdo", "do", "kv")}
 FINAL_TENSORS = frozenset({"out", "dq_out", "dkv_out"})
@@ -80,6 +85,26 @@ class Workload:
         kv_tokens = nonempty * self.block / (len(rows) * self.rows_per_chunk)
         # the runtime launches once per query row of a kernel (runtime/executor.py: RankProgram.rows)
         return cost.kernel_seconds(flops=flops, kv_tokens_per_row=kv_tokens, phase=phase, launches=len(rows))
+
+
+def workload(pattern: BlockPattern | BlockCells, shape: AttnShape, *, num_chunks: int, head_groups: int = 1,
+             chunk: int | None = None) -> Workload:
+    """Per-cell work of ``pattern`` on a num_chunks grid with ``head_groups`` equal head groups
+    (chunks of ``chunk`` tokens; default: the smallest block multiple that covers the sequence).
+    ``BlockCells`` give the same numbers without a dense grid (``evaluate`` takes them too)."""
+    if pattern.q_len != shape.seq_len:
+        raise ValueError(f"pattern q_len {pattern.q_len} must equal seq_len {shape.seq_len}")
+    if chunk is None:
+        chunk = padded_chunk(shape.seq_len, num_chunks, pattern.q_block)
+    h = shape.num_heads
+    hg = [list(range(g * h // head_groups, (g + 1) * h // head_groups)) for g in range(head_groups)]
+    st = {k: torch.as_tensor(v) for k, v in pattern.chunk_stats(chunk, num_chunks, hg, num_heads=h).items()}
+    bmul = shape.batch if pattern.num_batch_patterns == 1 else 1
+    if pattern.num_batch_patterns not in (1, shape.batch):
+        raise ValueError(f"pattern has {pattern.num_batch_patterns} batch entries, shape.batch is {shape.batch}")
+    return Workload(full_GPP=st["full"] * bmul, partial_GPP=st["partial"] * bmul, pairs_GPP=st["pairs"] * bmul,
+                    block=pattern.q_block, head_dim=shape.head_dim,
+                    rows_per_chunk=(chunk // pattern.q_block) * (h // head_groups) * shape.batch)
 
 
 @dataclass(slots=True)

@@ -1,5 +1,6 @@
 """Runtime: execute a plan across ranks (dispatch, exchange, tile compute, LSE merge, autograd)."""
 
+from ultraattn.runtime import calibrate as _calibrate  # noqa: F401 - provides cost="auto" (costs.py)
 from ultraattn.runtime.api import (
     METHODS,
     AttentionPlan,

@@ -38,21 +38,21 @@ from ..masks.factories import generate_causal, generate_full
 from ..masks.pattern import PARTIAL, BlockPattern
 from ..planner.api import baseline_plan, choose_planner
 from ..planner.api import plan as run_planner
-from ..planner.baselines import BASELINES, ulysses_degree
+from ..planner.baselines import BASELINES, METHODS, REGISTRY, HeadsIndivisible, NotApplicable
 from ..planner.cost import DEFAULT_COST, CostModel
 from ..planner.fast import FastPlanner, planner_key
 from ..planner.plan import AttnShape, Mesh, TilePlan, TokenLayout
 from ..planner.profile import CostProfile, cost_model_of
 from ..planner.tiling import PlannerOptions
-from .calibrate import resolve_cost
-from .comm import Comm, GroupRef, resolve_group, store_exchange
+from .comm import GroupRef, resolve_group, store_exchange
+from .costs import resolve_cost
 from .executor import Executor, run
 from .online import ONLINE
 from .sequence import SequenceShards
 from .tiles import TileGeometry, group_kind_grid
+from .transport import transport_for
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-METHODS = ("ultraattn", *BASELINES)
 Planner = Literal["auto", "fast", "ilp"]
 PLANNERS = ("auto", "fast", "ilp")
 
@@ -260,8 +260,8 @@ def plan_attention(
         group: process group (default: the world); None and no initialised torch.distributed: one process.
         block_size: pattern block size for a mask_mod or a string mask (a BlockMask keeps its own).
         mask_mod: element mask for a ``BlockPattern`` with PARTIAL blocks.
-        method: "ultraattn" (planned) or a baseline executed by the same runtime
-            ("ring", "zigzag", "allgather", "ulysses", "usp").
+        method: "ultraattn" (planned) or a baseline executed by the same runtime (``planner.baselines.BASELINES``:
+            "ring", "zigzag", "allgather", "ulysses", "usp").
         options: planner settings.
         cost: the cost model: a ``CostModel``, a ``CostProfile`` (``ultraattn.calibrate``), a profile's path, or
             ``"auto"``: this machine's calibrated profile, cached under the user's cache directory and measured
@@ -324,15 +324,22 @@ def _cost_model(cost, *, mesh, group, key: tuple, timeout: float) -> CostModel:
 def _check_method(method: str, shape: AttnShape, pmesh: Mesh) -> None:
     """Refuse a baseline that cannot run this configuration, on every rank alike and before any rank communicates
     (else rank 0 alone would find out while planning and the others would learn it from its broadcast)."""
-    if method == "ulysses" and not ulysses_degree(pmesh, shape, within_node=False):
+    if method not in REGISTRY:
+        return
+    try:
+        REGISTRY[method].check(pmesh, shape)
+    except HeadsIndivisible:
         w = pmesh.world
         which = " and ".join(f"{nm}={n}" for nm, n in (("num_heads", shape.num_heads),
                                                         ("num_kv_heads", shape.kv_heads)) if n % w)
         raise ValueError(
-            f"method='ulysses' gives each of the {w} ranks an equal share of the heads, but the world size {w} "
+            f"method={method!r} gives each of the {w} ranks an equal share of the heads, but the world size {w} "
             f"does not divide {which}; use a process group (or mesh) whose size divides num_heads and "
             f"num_kv_heads, or method='usp' (Ulysses inside a node, a ring across) or 'ultraattn' (any head count)"
-        )
+        ) from None
+    except NotApplicable as exc:
+        raise ValueError(f"method={method!r} cannot run this configuration: {exc}; use method='ultraattn' "
+                         f"(it plans for any configuration)") from None
 
 
 def _plan_ilp(mask, *, which: str, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: int, dtype: torch.dtype,
@@ -422,9 +429,9 @@ def _make_executor(ap: AttentionPlan) -> Executor:
     geo = TileGeometry(seq_len=s.seq_len, chunk=tp.chunk_size, q_block=ap.pattern.q_block,
                        kv_block=ap.pattern.kv_block, batch=s.batch, num_heads=s.num_heads, num_kv_heads=s.kv_heads,
                        head_groups=g_count, head_dim=s.head_dim, kind_gQK=kinds, mask_mod=ap.mask_mod)
-    comm = (Comm(rank=ap.rank, global_ranks=ap.global_ranks, group_ref=ap.group_ref, timeout=ap.timeout)
-            if ap.world > 1 else None)
-    return Executor(tp, ap.rank, geo, comm, ap.dtype)
+    transport = (transport_for(rank=ap.rank, global_ranks=ap.global_ranks, group_ref=ap.group_ref,
+                               timeout=ap.timeout) if ap.world > 1 else None)
+    return Executor(tp, ap.rank, geo, transport, ap.dtype)
 
 
 # ----------------------------------------------------------------------------- consistency check

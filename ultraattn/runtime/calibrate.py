@@ -20,7 +20,7 @@ devices and process group it runs on, and fits the model's terms to it (``planne
 A sample's figure is the median over repetitions on each rank, then the median over ranks. Every wait has a
 timeout (``timeout``), so a dead peer fails the call instead of hanging it.
 
-``resolve_cost("auto", ...)`` calibrates once per machine and configuration and caches the profile under the
+``costs.resolve_cost("auto", ...)`` calibrates once per machine and configuration and caches the profile under the
 user's cache directory (``$ULTRAATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/ultraattn``, else
 ``~/.cache/ultraattn``); later calls (in this process or another) load it.
 """
@@ -47,9 +47,12 @@ from ..masks.pattern import EMPTY, FULL, PARTIAL
 from ..planner.api import evaluate
 from ..planner.cost import DEFAULT_COST, CostModel, block_flops
 from ..planner.plan import Mesh
-from ..planner.profile import CostProfile, ProfileError, cost_model_of, fit_cost, fit_step_scale, scale_kernels
-from .comm import resolve_group
+from ..planner.profile import CostProfile, ProfileError, fit_cost, fit_step_scale, scale_kernels
+from .api import dispatch, dist_attention, plan_attention
+from .comm import CommLog, GroupRef, resolve_group
+from .costs import provide_auto
 from .tiles import TileGeometry, merge_partial, row_backward, row_forward
+from .transport import Recv, Send, transport_for
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -117,28 +120,25 @@ def _sync(device: torch.device) -> None:
 
 
 class _Ranks:
-    """The calibration's view of its process group: barriers and gathers with a timeout, nothing without one."""
+    """The calibration's view of its process group: barriers, gathers and messages through the transport the runtime
+    uses (``runtime/transport.py``: what is timed is what runs), each with a timeout; nothing without a group."""
 
     def __init__(self, group, ranks: Sequence[int], me: int, mesh: Mesh, timeout: float, device: torch.device):
         self.group, self.ranks, self.me, self.mesh, self.timeout = group, tuple(ranks), me, mesh, timeout
         self.world = len(self.ranks)
         self.device = device if group is not None and dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-    def _wait(self, work, what: str) -> None:
-        if work.wait(timeout=datetime.timedelta(seconds=self.timeout)) is False:
-            raise TimeoutError(f"ultraattn calibrate: rank {self.me} waited {self.timeout:g} s at {what}")
+        self.transport = (transport_for(rank=me, global_ranks=self.ranks, group_ref=GroupRef(group), timeout=timeout)
+                          if group is not None else None)
 
     def barrier(self) -> None:
-        if self.group is not None and self.world > 1:
-            self._wait(dist.barrier(group=self.group, async_op=True), "a barrier")
+        if self.transport is not None:
+            self.transport.barrier()
 
     def gather(self, value: float) -> list[float]:
-        if self.group is None or self.world == 1:
+        if self.transport is None or self.world == 1:
             return [value]
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
-        out = [torch.empty_like(t) for _ in range(self.world)]
-        self._wait(dist.all_gather(out, t, group=self.group, async_op=True), "a gather of timings")
-        return [float(x) for x in out]
+        return [float(x) for x in self.transport.all_gather(t, "a gather of timings")]
 
     def median_over_ranks(self, value: float) -> float:
         return statistics.median(self.gather(value))
@@ -279,19 +279,18 @@ def measure_messages(ranks: _Ranks, grid: Grid, device: torch.device, advance: C
     out = []
     if ranks.world == 1:
         return out
-    timeout = datetime.timedelta(seconds=ranks.timeout)
     for link, (to, frm) in _peer_pairs(ranks.mesh, ranks.me).items():
         for nbytes in grid.message_bytes:
             send = torch.ones(nbytes, dtype=torch.uint8, device=device)
-            recv = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            what = f"calibration message ({link})"
 
-            def exchange(send=send, recv=recv, to=to, frm=frm):
-                works = [dist.isend(send, dst=ranks.ranks[to], group=ranks.group),
-                         dist.irecv(recv, src=ranks.ranks[frm], group=ranks.group)]
-                for w in works:
-                    if w.wait(timeout=timeout) is False:
-                        raise TimeoutError(f"ultraattn calibrate: rank {ranks.me} waited {ranks.timeout:g} s for "
-                                           f"a message")
+            def exchange(send=send, nbytes=nbytes, to=to, frm=frm, what=what):
+                tr = ranks.transport
+                tr.log = CommLog()
+                h = tr.post([Send(send, to, 0, ("calibrate", "message", -1, 0, ranks.me, to), what)],
+                            [Recv(nbytes, frm, 0, device, ("calibrate", "message", -1, 0, frm, ranks.me), what)])
+                tr.wait(h)
+                tr.settle(h)
 
             t = _timed(ranks, exchange, grid.reps + 2, device, grid.target)
             out.append({"link": link, "nbytes": nbytes, "seconds": t})
@@ -328,7 +327,6 @@ def measure_steps(ranks: _Ranks, grid: Grid, device: torch.device, cost: CostMod
     Returns the samples and their (plan, pattern) pairs for the model to replay."""
     if ranks.world == 1:
         return [], []
-    from .api import dispatch, dist_attention, plan_attention  # (api imports this module for cost="auto")
 
     h, d, s = max(grid.heads), grid.head_dims[0], grid.q_tokens * ranks.world
     dt = _DTYPES[grid.dtype]
@@ -514,9 +512,4 @@ def auto_profile(*, group=None, mesh=None, device=None, progress: bool = True, t
                      timeout=timeout, quick=quick)
 
 
-def resolve_cost(cost, *, group=None, mesh=None, device=None, timeout: float = 300.0) -> CostModel:
-    """A ``CostModel`` from what users pass as ``cost``: a model, a profile, a profile's path, or ``"auto"`` (the
-    cached calibration of this machine, measured now if missing; a collective when ranks are grouped)."""
-    if isinstance(cost, str) and cost == "auto":
-        return auto_profile(group=group, mesh=mesh, device=device, timeout=timeout).cost
-    return cost_model_of(cost)
+provide_auto(auto_profile)  # cost="auto" anywhere in the runtime resolves through this module (costs.py)

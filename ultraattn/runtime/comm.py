@@ -1,12 +1,10 @@
-"""Point-to-point messages over torch.distributed with byte accounting and bounded waits; the process group a
-plan runs on (``resolve_group``).
+"""What every message and process group of ultraattn shares: message buffers and their byte log, the process
+group a plan runs on (``resolve_group``), checks through the rendezvous store, and a clean exit. How bytes move is
+``transport.py``'s.
 
 Every message is ONE contiguous uint8 buffer holding the tensors of one planner unit
-(plan.py's byte table), so the bytes that move are exactly ``buffer.numel()`` and can be
-compared with the planner's ``Transfer.nbytes``. Each message carries the index of its
-transfer in the plan as its tag, so matching never depends on posting order (gloo honours
-tags; NCCL ignores them and matches in order, which both sides keep by walking the plan's
-transfer list in the same order).
+(plan.py's byte table: ``pack`` / ``unpack``), so the bytes that move are exactly ``buffer.numel()``
+and can be compared with the planner's ``Transfer.nbytes`` (``CommLog``).
 
 Every wait is bounded: a peer that died or never joins raises ``RankTimeoutError`` naming
 that peer and what was expected from it, instead of hanging.
@@ -19,7 +17,6 @@ that a PyTorch module still holds (``release_destroyed_groups``): a group that o
 from __future__ import annotations
 
 import atexit
-import datetime
 import os
 import sys
 import threading
@@ -110,56 +107,6 @@ class GroupRef:
 NO_GROUP = GroupRef(None)
 
 
-class Comm:
-    """Messages between plan ranks over a process group (or none at world size 1)."""
-
-    def __init__(self, *, rank: int, global_ranks: Sequence[int], group_ref: GroupRef, timeout: float) -> None:
-        self.rank = rank
-        self.global_ranks = list(global_ranks)
-        self.group_ref = group_ref
-        self.timeout = timeout
-        self.log = CommLog()
-
-    @property
-    def group(self):
-        return self.group_ref.get()
-
-    def isend(self, buf: Tensor, *, dst: int, tag: int, record: tuple) -> object:
-        self.log.records.append((record[0], "send", *record[1:], buf.numel(), tag))
-        try:
-            return dist.isend(buf, dst=self.global_ranks[dst], group=self.group, tag=tag)
-        except Exception as exc:  # noqa: BLE001 - a closed connection fails at post time
-            raise RankTimeoutError(f"rank {self.rank}: cannot send {record[1]} to rank {dst} (it died or timed "
-                                   f"out earlier): {exc}") from exc
-
-    def irecv(self, nbytes: int, *, src: int, tag: int, device: torch.device, record: tuple) -> tuple[Tensor, object]:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.log.records.append((record[0], "recv", *record[1:], nbytes, tag))
-        try:
-            return buf, dist.irecv(buf, src=self.global_ranks[src], group=self.group, tag=tag)
-        except Exception as exc:  # noqa: BLE001
-            raise RankTimeoutError(f"rank {self.rank}: cannot receive {record[1]} from rank {src} (it died or "
-                                   f"timed out earlier): {exc}") from exc
-
-    def wait(self, work, *, peer: int, what: str, timeout: float | None = None) -> None:
-        """Wait for one message with the timeout (or ``timeout``); name the peer on failure.
-
-        (Polling ``is_completed`` is no alternative: gloo's point-to-point works only complete
-        inside ``wait``. A gloo timeout closes the connections, so the plan check uses the
-        store instead, see ``store_exchange``.)
-        """
-        limit = self.timeout if timeout is None else max(timeout, 0.05)
-        try:
-            ok = work.wait(timeout=datetime.timedelta(seconds=limit))
-        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses with varied text
-            raise RankTimeoutError(
-                f"rank {self.rank}: no {what} from rank {peer} within {limit:g} s "
-                f"(rank {peer} died, never joined, or runs a different plan): {exc}"
-            ) from exc
-        if ok is False:
-            raise RankTimeoutError(f"rank {self.rank}: no {what} from rank {peer} within {limit:g} s")
-
-
 def ranks_differing(key: str, tensors, *, rank: int, world: int, timeout: float) -> list[int]:
     """Ranks whose ``tensors`` differ from rank 0's (a collective through the store: every rank calls it).
 
@@ -227,12 +174,6 @@ def _host_waits_for_readers(store, key: str, *, rank: int, world: int, deadline:
         waiting = [r for r in waiting if not store.check([f"{key}/read/{r}"])]
         time.sleep(nap if waiting else 0)
         nap = min(nap * 2, 0.05)
-
-
-def _all_gather_single(out: Tensor, inp: Tensor, *, group, async_op: bool):
-    """``all_gather_single`` (torch >= 2.13) or ``all_gather_into_tensor`` (older: the GPU machine's 2.11)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
 
 
 def resolve_group(mesh, group) -> tuple[Mesh, tuple[int, ...], object, int]:

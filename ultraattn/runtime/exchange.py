@@ -4,7 +4,7 @@ The explicit program of a site whose mask arrives at run time (``passes/explicit
 fixed skeleton; what its nodes do comes from an ``ExchangeRun`` made per mask:
 
     rows = layout_from_pattern(pattern, mask_mod, ..., q_blocks=rank_rows(plan, r, ...))  # r's rows only
-    run = make_run(rows, plan, rank=r, device=dev, comm=comm, seq=...)
+    run = make_run(rows, plan, rank=r, device=dev, transport=transport, seq=...)
     h = post_kv(run, k_l, v_l)                 # one message per rank pair: the K/V chunks it needs
     ... local tile (q_l x k_l, run.local) ...   # overlaps the messages
     kbuf, vbuf = wait_kv(run, h)               # other ranks' chunks by slot (zeros where not needed)
@@ -13,7 +13,7 @@ fixed skeleton; what its nodes do comes from an ``ExchangeRun`` made per mask:
     dk_in, dv_in = wait_dkv(run, h)            # summed at this rank's local positions
 
 Every message is one contiguous buffer; its bytes are logged (``CommLog``) and must equal the plan's
-(``ExchangePlan.bytes``). Every wait is bounded by the comm's timeout and names the peer.
+(``ExchangePlan.bytes``). Every wait is bounded by the transport's timeout and names the peer.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from torch import Tensor
 
 from ..kernels.layout import BlockSparseLayout, sub_layout, tile_grid
 from ..planner.exchange import ExchangePlan
-from .comm import Comm, CommLog, pack, unpack
+from .comm import CommLog, pack, unpack
 from .sequence import SequenceShards
+from .transport import Handle, Recv, Send, Transport
 
 KV_TAG = 1 << 20
 """Message tag of the forward K/V exchange (the backward's is ``KV_TAG + 1``); one message per rank pair."""
@@ -50,7 +51,7 @@ class ExchangeRun:
     """This rank's queries x the receive buffer (``plan.slots(rank)``)."""
     index: Tensor
     """int64 [local_len]: the global (padded) position of each local token (the dispatch)."""
-    comm: Comm | None
+    transport: Transport | None
     seq: SequenceShards
     """The plan's token layout on this rank's group (the gathers)."""
     log: dict = field(default_factory=dict)
@@ -67,8 +68,8 @@ class ExchangeRun:
         return {c: i for i, c in enumerate(self.plan.slots(self.rank))}
 
 
-def make_run(rows: BlockSparseLayout, plan: ExchangePlan, *, rank: int, device: torch.device, comm: Comm | None,
-             seq: SequenceShards) -> ExchangeRun:
+def make_run(rows: BlockSparseLayout, plan: ExchangePlan, *, rank: int, device: torch.device,
+             transport: Transport | None, seq: SequenceShards) -> ExchangeRun:
     """Cut ``rows`` (the layout of this rank's query rows, ``rank_rows``, against every key)
     into its local and remote tiles and place them on ``device``."""
     grid = tile_grid(rows)
@@ -82,7 +83,7 @@ def make_run(rows: BlockSparseLayout, plan: ExchangePlan, *, rank: int, device: 
     pos = torch.arange(chunk)
     index = torch.cat([c * chunk + pos for c in mine])
     return ExchangeRun(plan=plan, rank=rank, local=local.to(device), remote=remote.to(device),
-                       index=index.to(device), comm=comm, seq=seq)
+                       index=index.to(device), transport=transport, seq=seq)
 
 
 def rank_rows(plan: ExchangePlan, rank: int, q_block: int, num_q_blocks: int) -> Tensor:
@@ -95,40 +96,34 @@ def _chunk_slices(x: Tensor, positions: list[int], chunk: int) -> list[Tensor]:
     return [x[:, :, p * chunk:(p + 1) * chunk] for p in positions]
 
 
-def _post(run: ExchangeRun, phase: str, a: Tensor, b: Tensor, position: dict[int, int]) -> list:
-    """Post this rank's messages of the ``phase`` exchange (``ExchangePlan.routes``): per peer, the chunks of ``a``
-    then of ``b`` (chunk -> its position in them: ``position``), in one buffer; and its receives."""
-    comm, plan = run.comm, run.plan
-    comm.log = CommLog()
+def _post(run: ExchangeRun, phase: str, a: Tensor, b: Tensor, position: dict[int, int]) -> Handle:
+    """Post this rank's messages of the ``phase`` exchange (``ExchangePlan.routes``) through the transport: per peer,
+    the chunks of ``a`` then of ``b`` (chunk -> its position in them: ``position``), in one buffer; and its
+    receives."""
+    transport, plan = run.transport, run.plan
+    transport.log = CommLog()
     tag = KV_TAG + (phase == "bwd")
     chunk = plan.layout.chunk_size
     out, inc = plan.routes(phase, run.rank)
-    works = []
-    for dst, chunks in out:
-        pos = [position[c] for c in chunks]
-        buf = pack(_chunk_slices(a, pos, chunk) + _chunk_slices(b, pos, chunk))
-        works.append(("send", dst, buf, comm.isend(buf, dst=dst, tag=tag, record=(phase, "exchange", -1, 0,
-                                                                                  run.rank, dst))))
-    for src, chunks in inc:
-        buf, work = comm.irecv(len(chunks) * plan.chunk_bytes(phase), src=src, tag=tag, device=a.device,
-                               record=(phase, "exchange", -1, 0, src, run.rank))
-        works.append(("recv", src, buf, work))
-    return works
+    sends = [Send(pack(_chunk_slices(a, [position[c] for c in chunks], chunk) +
+                       _chunk_slices(b, [position[c] for c in chunks], chunk)),
+                  dst, tag, (phase, "exchange", -1, 0, run.rank, dst), f"{phase} exchange message")
+             for dst, chunks in out]
+    recvs = [Recv(len(chunks) * plan.chunk_bytes(phase), src, tag, a.device, (phase, "exchange", -1, 0, src, run.rank),
+                  f"{phase} exchange message") for src, chunks in inc]
+    return transport.post(sends, recvs)
 
 
-def _receive(run: ExchangeRun, phase: str, works: list, a: Tensor, b: Tensor, position: dict[int, int],
+def _receive(run: ExchangeRun, phase: str, handle: Handle, a: Tensor, b: Tensor, position: dict[int, int],
              add: bool) -> None:
     """Wait for the ``phase`` exchange (the receives, then the sends: every rank posted all of its messages before
     waiting) and write (``add``: add) each received chunk into ``a`` / ``b`` at ``position[chunk]``, peers in
     ascending order (sums come out the same on every run)."""
-    comm, plan = run.comm, run.plan
-    got = {}
-    for kind, peer, buf, work in sorted(works, key=lambda w: w[0] == "send"):
-        comm.wait(work, peer=peer, what=f"{phase} exchange message" if kind == "recv" else
-                  f"receipt of the {phase} exchange message")
-        if kind == "recv":
-            got[peer] = buf
-    run.log[phase] = comm.log
+    transport, plan = run.transport, run.plan
+    inc = plan.routes(phase, run.rank)[1]
+    got = dict(zip((src for src, _chunks in inc), transport.wait(handle), strict=True))
+    transport.settle(handle)
+    run.log[phase] = transport.log
     c = plan.layout.chunk_size
     B, Hk, _, D = a.shape
     for src, chunks in plan.routes(phase, run.rank)[1]:
@@ -143,12 +138,12 @@ def _receive(run: ExchangeRun, phase: str, works: list, a: Tensor, b: Tensor, po
                     dst[:, :, p * c:(p + 1) * c] = piece
 
 
-def post_kv(run: ExchangeRun, k: Tensor, v: Tensor) -> list:
+def post_kv(run: ExchangeRun, k: Tensor, v: Tensor) -> Handle:
     """Post the forward exchange: to every rank the K/V chunks of this rank it needs; its receives."""
     return _post(run, "fwd", k, v, run.local_position)
 
 
-def wait_kv(run: ExchangeRun, works: list, heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device
+def wait_kv(run: ExchangeRun, handle: Handle, heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device
             ) -> tuple[Tensor, Tensor]:
     """(K, V) receive buffers [B, Hk, slots * chunk, D] (``heads`` = (B, Hk, D)): received chunks in their slots,
     zeros in the others (never read: the remote tile has no cells there)."""
@@ -156,21 +151,21 @@ def wait_kv(run: ExchangeRun, works: list, heads: tuple[int, int, int], dtype: t
     slot = run.slot_position
     kbuf = torch.zeros(B, Hk, len(slot) * run.plan.layout.chunk_size, D, dtype=dtype, device=device)
     vbuf = torch.zeros_like(kbuf)
-    _receive(run, "fwd", works, kbuf, vbuf, slot, add=False)
+    _receive(run, "fwd", handle, kbuf, vbuf, slot, add=False)
     return kbuf, vbuf
 
 
-def post_dkv(run: ExchangeRun, dk: Tensor, dv: Tensor) -> list:
+def post_dkv(run: ExchangeRun, dk: Tensor, dv: Tensor) -> Handle:
     """Post the backward exchange: the fp32 dK/dV partials of the received chunks back to their owners."""
     return _post(run, "bwd", dk.float(), dv.float(), run.slot_position)
 
 
-def wait_dkv(run: ExchangeRun, works: list, heads: tuple[int, int, int], device: torch.device
+def wait_dkv(run: ExchangeRun, handle: Handle, heads: tuple[int, int, int], device: torch.device
              ) -> tuple[Tensor, Tensor]:
     """(dK, dV) fp32 [B, Hk, local_len, D] (``heads`` = (B, Hk, D)): the partials other ranks sent for this rank's
     chunks, summed."""
     B, Hk, D = heads
     dk = torch.zeros(B, Hk, run.plan.layout.local_len, D, dtype=torch.float32, device=device)
     dv = torch.zeros_like(dk)
-    _receive(run, "bwd", works, dk, dv, run.local_position, add=True)
+    _receive(run, "bwd", handle, dk, dv, run.local_position, add=True)
     return dk, dv

@@ -28,8 +28,9 @@ import torch
 from torch import Tensor
 
 from ..planner.plan import TilePlan, Transfer
-from .comm import Comm, CommLog, pack, spec_bytes, unpack
+from .comm import CommLog, pack, spec_bytes, unpack
 from .tiles import TileGeometry, merge_partial, row_backward, row_forward
+from .transport import Recv, Send, Transport
 
 INPUT_TENSORS = {"fwd": ("q", "kv"), "bwd": ("qdo", "do", "kv")}
 PARTIAL_TENSORS = {"fwd": ("o",), "bwd": ("dq", "dkv")}
@@ -228,6 +229,11 @@ def layout(tensor: str, geo: TileGeometry, dtype: torch.dtype) -> list[tuple[tup
     }[tensor]
 
 
+def _record(t: Transfer) -> tuple:
+    """A transfer's ``CommLog`` record: (phase, tensor, chunk, head group, src, dst)."""
+    return (t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst)
+
+
 class EagerIO:
     """The executor's message and tile primitives, run directly (``dist_attention`` and opaque sites).
 
@@ -237,15 +243,16 @@ class EagerIO:
 
     def __init__(self, ex: Executor):
         self.ex = ex
-        self.sends: list = []
+        self.posted: list = []
 
     def begin(self, phase: str) -> None:
-        if self.ex.comm is not None:
-            self.ex.comm.log = CommLog()
+        if self.ex.transport is not None:
+            self.ex.transport.log = CommLog()
 
     def start(self, phase: str, sends: list[tuple[int, Transfer, list[Tensor]]], recvs: list[Step], device):
-        """Post this stage's sends and receives (nothing waits)."""
+        """Post this stage's sends and receives through the transport (nothing waits)."""
         ex = self.ex
+        out = []
         for idx, t, pieces in sends:
             buf = pack(pieces)
             if buf.numel() != t.nbytes:
@@ -253,33 +260,31 @@ class EagerIO:
                     f"{t.phase} {t.tensor} chunk {t.chunk}: the message holds {buf.numel()} bytes, the plan says "
                     f"{t.nbytes}; plan and runtime disagree on the byte table"
                 )
-            work = ex.comm.isend(buf, dst=t.dst, tag=idx,
-                                 record=(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst))
-            self.sends.append((work, buf, t))
-        out = []
-        for idx, t in recvs:
-            spec = layout(t.tensor, ex.geo, ex.dtype)
-            buf, work = ex.comm.irecv(spec_bytes(spec), src=t.src, tag=idx, device=device,
-                                      record=(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst))
-            out.append((t, buf, work, spec))
-        return out
+            out.append(Send(buf, t.dst, idx, _record(t), f"{t.phase} {t.tensor} message for chunk {t.chunk}"))
+        specs = [(t, layout(t.tensor, ex.geo, ex.dtype)) for _idx, t in recvs]
+        expect = [Recv(spec_bytes(spec), t.src, idx, device, _record(t),
+                       f"{t.phase} {t.tensor} message for chunk {t.chunk} group {t.head_group}")
+                  for (idx, t), (_t, spec) in zip(recvs, specs, strict=True)]
+        if ex.transport is None:  # one rank: a plan with no messages
+            assert not out and not expect, "a one-rank plan with messages"
+            return None, []
+        handle = ex.transport.post(out, expect)
+        self.posted.append(handle)
+        return handle, specs
 
     def wait(self, handle) -> list[tuple[Transfer, list[Tensor]]]:
         """Wait for a stage's receives: (transfer, pieces) in posting order."""
-        got = []
-        for t, buf, work, spec in handle:
-            self.ex.comm.wait(work, peer=t.src,
-                              what=f"{t.phase} {t.tensor} message for chunk {t.chunk} group {t.head_group}")
-            got.append((t, unpack(buf, spec)))
-        return got
+        posted, specs = handle
+        bufs = self.ex.transport.wait(posted) if posted is not None else []
+        return [(t, unpack(buf, spec)) for (t, spec), buf in zip(specs, bufs, strict=True)]
 
     def finish(self, phase: str) -> None:
         """Wait for every send of the phase, then keep its message log."""
         ex = self.ex
-        for work, _buf, t in self.sends:
-            ex.comm.wait(work, peer=t.dst, what=f"receipt of {t.phase} {t.tensor} chunk {t.chunk}")
-        self.sends.clear()
-        ex.log[phase] = ex.comm.log if ex.comm is not None else CommLog()
+        for handle in self.posted:
+            ex.transport.settle(handle)
+        self.posted.clear()
+        ex.log[phase] = ex.transport.log if ex.transport is not None else CommLog()
 
     def tile_fwd(self, g: int, i: int, js: list[int], q: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float):
         return row_forward(self.ex.geo, g, i, js, q, kvs, scale)
@@ -296,11 +301,11 @@ class Executor:
     through ``self.io`` (``EagerIO``, or the graph-building IO of ``ultraattn.passes.explicit``).
     """
 
-    def __init__(self, plan: TilePlan, rank: int, geo: TileGeometry, comm: Comm | None, dtype: torch.dtype):
+    def __init__(self, plan: TilePlan, rank: int, geo: TileGeometry, transport: Transport | None, dtype: torch.dtype):
         self.plan = plan
         self.rank = rank
         self.geo = geo
-        self.comm = comm
+        self.transport = transport
         self.dtype = dtype
         self.program = build_program(plan, rank)
         self.local_chunks = plan.local_chunks(rank)

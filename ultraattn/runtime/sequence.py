@@ -19,15 +19,15 @@ Every collective waits at most ``timeout`` seconds and names what it waited for.
 
 from __future__ import annotations
 
-import datetime
+import functools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..planner.plan import TokenLayout
-from .comm import NO_GROUP, GroupRef, RankTimeoutError, _all_gather_single, ranks_differing
+from .comm import NO_GROUP, GroupRef, ranks_differing
+from .transport import Transport, transport_for
 
 
 def _split_dim(x: Tensor, dim: int, length: int, inner: int) -> tuple[Tensor, int]:
@@ -58,6 +58,12 @@ class SequenceShards:
     def group(self):
         """Process group (None: one process)."""
         return self.group_ref.get()
+
+    @functools.cached_property
+    def transport(self) -> Transport:
+        """How this rank's all-gathers and all-reduces move (``runtime/transport.py``)."""
+        return transport_for(rank=self.rank, global_ranks=self.global_ranks, group_ref=self.group_ref,
+                             timeout=self.timeout)
 
     @property
     def world(self) -> int:
@@ -120,20 +126,7 @@ class SequenceShards:
         v, outer = _split_dim(x_local, dim, lay.local_len, inner)
         d = dim + 1
         moved = v.movedim(d, 0).contiguous()  # [local_len, ...]
-        if self.world == 1:
-            pieces = [moved]
-        else:
-            buf = torch.empty((self.world * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-            work = _all_gather_single(buf, moved, group=self.group, async_op=True)
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-            except Exception as exc:  # noqa: BLE001 - a dead or absent peer: name the wait
-                raise RankTimeoutError(f"rank {self.rank}: the sequence all-gather did not complete within "
-                                       f"{self.timeout:g} s; a rank died or never joined: {exc}") from exc
-            order = ([dist.get_group_rank(self.group, g) for g in self.global_ranks]
-                     if self.group is not dist.group.WORLD else list(self.global_ranks))
-            n = moved.shape[0]
-            pieces = [buf[order[r] * n:(order[r] + 1) * n] for r in range(self.world)]
+        pieces = self.transport.all_gather(moved, "the sequence all-gather")
         c = lay.chunk_size
         slot = {}
         for r in range(self.world):
@@ -145,13 +138,4 @@ class SequenceShards:
 
     def all_reduce(self, x: Tensor) -> Tensor:
         """Sum of ``x`` over the ranks (a new tensor)."""
-        out = x.detach().clone().contiguous()
-        if self.world == 1:
-            return out
-        work = dist.all_reduce(out, group=self.group, async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except Exception as exc:  # noqa: BLE001
-            raise RankTimeoutError(f"rank {self.rank}: the sequence all-reduce did not complete within "
-                                   f"{self.timeout:g} s; a rank died or never joined: {exc}") from exc
-        return out
+        return self.transport.all_reduce(x, "the sequence all-reduce")

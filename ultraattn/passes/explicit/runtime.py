@@ -52,7 +52,7 @@ from ultraattn.passes.state import side_table
 from ultraattn.planner.baselines import striped_owner
 from ultraattn.planner.exchange import pattern_weights, plan_exchange
 from ultraattn.planner.plan import Mesh, padded_chunk
-from ultraattn.runtime.comm import Comm, GroupRef, resolve_group
+from ultraattn.runtime.comm import GroupRef, resolve_group
 from ultraattn.runtime.exchange import (
     ExchangeRun,
     make_run,
@@ -64,6 +64,7 @@ from ultraattn.runtime.exchange import (
 )
 from ultraattn.runtime.plan_cache import content_digest
 from ultraattn.runtime.sequence import SequenceShards
+from ultraattn.runtime.transport import Transport, transport_for
 
 ops = torch.ops.ultraattn
 
@@ -83,7 +84,7 @@ class RuntimeProgram:
     state: SiteState
     device: torch.device
     mesh: Mesh
-    comm: Comm
+    transport: Transport
     """This rank's messages (its rank, the group's ranks, the group)."""
     chunk: int
     num_chunks: int
@@ -109,7 +110,7 @@ class RuntimeProgram:
 
     @property
     def rank(self) -> int:
-        return self.comm.rank
+        return self.transport.rank
 
     @property
     def seq_len(self) -> int:
@@ -198,9 +199,9 @@ class RuntimeProgram:
                              dkv_chunk_bytes=2 * B * Hk * self.chunk * D * 4)
         rows = layout_from_pattern(pattern, mask_mod, batch=B, num_heads=H,
                                    q_blocks=rank_rows(plan, self.rank, pattern.q_block, pattern.grid[0]))
-        seq = SequenceShards(plan.layout, rank=self.rank, global_ranks=tuple(self.comm.global_ranks),
-                             group_ref=self.comm.group_ref, timeout=spec.options.timeout)
-        return make_run(rows, plan, rank=self.rank, device=self.device, comm=self.comm, seq=seq)
+        seq = SequenceShards(plan.layout, rank=self.rank, global_ranks=tuple(self.transport.global_ranks),
+                             group_ref=self.transport.group_ref, timeout=spec.options.timeout)
+        return make_run(rows, plan, rank=self.rank, device=self.device, transport=self.transport, seq=seq)
 
     def _event(self, run: ExchangeRun, seconds: float) -> PlanEvent:
         spec, plan = self.state.spec, run.plan
@@ -265,8 +266,8 @@ def runtime_program(state: SiteState, device: torch.device) -> RuntimeProgram:
             owner = tuple(striped_owner(mesh.world, per // 2))
         num = per * mesh.world
         chunk = padded_chunk(spec.q_shape[2], num, block)
-    comm = Comm(rank=me, global_ranks=ranks, group_ref=GroupRef(group), timeout=opts.timeout)
-    return RuntimeProgram(state=state, device=device, mesh=mesh, comm=comm, chunk=chunk, num_chunks=num,
+    transport = transport_for(rank=me, global_ranks=ranks, group_ref=GroupRef(group), timeout=opts.timeout)
+    return RuntimeProgram(state=state, device=device, mesh=mesh, transport=transport, chunk=chunk, num_chunks=num,
                           owner=owner)
 
 
