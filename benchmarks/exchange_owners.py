@@ -1,9 +1,9 @@
 """Owners of a run-time-mask site: chosen per batch, or fixed per graph? Exchange plans of document masks, modelled.
 
-An explicit site whose mask arrives each batch (``passes/explicit/runtime.py``) computes every cell where its
+An explicit site whose mask arrives each batch (``passes/explicit/dynamic.py``) computes every cell where its
 query rows live; who owns which chunk is either fixed for the graph (head-tail, balanced for causal masks) or
 chosen per mask by the balancer (``planner.balance.ownership``). On this 2-core CPU the end-to-end benchmark
-(``runtime_explicit.py --attention-only``) cannot tell them apart: four ranks share two cores, so a rank's idle
+(``dynamic_masks.py --attention-only``) cannot tell them apart: four ranks share two cores, so a rank's idle
 time goes to the others and only the total work counts, which ownership does not change. On a machine with a
 device per rank the slowest rank sets the step. This study plans the masks and models each rank's attention time
 with the cost model's cited H100 figures (``planner/cost.py``; not a GPU measurement):

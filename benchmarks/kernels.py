@@ -9,7 +9,8 @@ same inputs in the same process; ratios are taken within the run.
     # CPU smoke run (the eager reference op vs eager flex_attention and SDPA; not a GPU figure)
     python benchmarks/kernels.py --device cpu --seqlens 1024 --heads 4 --dtype fp32 --reps 2
 
-Writes JSON (every time, every ratio, the device name) and a PNG (TFLOP/s bars per mask).
+Writes JSON (every time, every ratio, the device name) and, with matplotlib, a PNG (TFLOP/s bars per
+mask).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _results import pyplot, write_json
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -163,12 +165,11 @@ def run(args) -> dict:
     }
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict, path: Path) -> bool:
+    """TFLOP/s bars per mask, fwd and bwd, one row per sequence length; False (no PNG) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
     rows = result["rows"]
     seqlens = sorted({r["seqlen"] for r in rows})
     fig, axes = plt.subplots(len(seqlens), 2, figsize=(12, 3.6 * len(seqlens)), squeeze=False)
@@ -195,6 +196,7 @@ def plot(result: dict, path: Path) -> None:
                  f"D={result['config']['head_dim']}, H={result['config']['heads']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def main(argv=None) -> int:
@@ -222,14 +224,13 @@ def main(argv=None) -> int:
         if S % 128:
             p.error(f"--seqlens {S}: must be a multiple of 128 (the BlockMask block)")
     out = args.out or Path(__file__).parent / "results" / f"kernels_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     res = run(args)
-    out.write_text(json.dumps(res, indent=1))
-    plot(res, out.with_suffix(".png"))
+    write_json(out, {**res, "meta": {"command": res["command"]}})  # its command line, argv given or not
+    png = plot(res, out.with_suffix(".png"))
     for r in res["rows"]:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r.items() if k.startswith(("fwd_vs", "bwd_vs")))
         print(f"S={r['seqlen']} {r['mask']:15s} density {r['density']:.3f}: {ratios}")
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if png else ""))
     return 0
 
 

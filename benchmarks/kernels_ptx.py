@@ -21,10 +21,14 @@ shared memory: the promise ``tests/test_kernels_aot.py`` holds CI to on a subset
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
 import time
+from pathlib import Path
+
+from _results import pyplot, write_json
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ultraattn.kernels import aot, config  # noqa: E402
@@ -103,12 +107,9 @@ def _print_table(rows: list[dict], builds: list[aot.Build]) -> None:
 
 
 def _plot(builds: list[aot.Build], path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """Registers against shared memory per build, one panel per target; False (no PNG) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     colors = {"fwd": "tab:blue", "dq": "tab:orange", "dkv": "tab:green"}
@@ -162,16 +163,16 @@ def main(argv=None) -> int:
     import triton
 
     rows = table_rows(builds)
-    meta = {"command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-            "triton": triton.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "jobs": a.jobs, "wall_seconds": wall, "date": time.strftime("%Y-%m-%d"), "table": rows}
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, a.name + ".json"), "w") as f:
-        f.write(aot.to_json(builds, **meta))
+    meta = {"triton": triton.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "jobs": a.jobs, "wall_seconds": wall, "table": rows}  # write_json adds the command, host and date
+    if argv is not None:  # called, not run: sys.argv is not this run's command line
+        meta["command"] = " ".join(["python benchmarks/kernels_ptx.py", *argv])
+    # aot.to_json lays out the file ({"meta", "summary", "builds"}); write_json stamps and writes it
+    write_json(Path(a.out) / (a.name + ".json"), json.loads(aot.to_json(builds, **meta)))
     _print_table(rows, builds)
     png = os.path.join(a.out, a.name + ".png")
     print(f"{len(builds)} builds in {wall:.0f} s ({a.jobs} jobs); wrote {os.path.join(a.out, a.name + '.json')}"
-          + (f" and {png}" if _plot(builds, png) else " (no matplotlib: no PNG)"))
+          + (f" and {png}" if _plot(builds, png) else ""))
     broken = [b for b in builds if not b.ok or not b.fits or (b.spills and promised(b))]
     return 1 if broken else 0
 

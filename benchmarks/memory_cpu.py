@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from _results import pyplot, write_json
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
@@ -170,12 +171,11 @@ def measure(args) -> dict:
     return result
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict, path: Path) -> bool:
+    """Peak activation memory and step time per mode; False (no PNG) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
     modes = [m for m in MODES if m in result["modes"]]
     c = result["config"]
     labels = {"single": "1 process", "attn_cp": f"attention-only\nCP ({c['world']} ranks)",
@@ -202,6 +202,7 @@ def plot(result: dict, path: Path) -> None:
                  f"CPU, {c['threads']} thread(s) per process")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def main() -> int:
@@ -232,11 +233,10 @@ def main() -> int:
     if not Path("/proc/self/clear_refs").exists():
         ap.error("this benchmark reads Linux's /proc/self/status and /proc/self/clear_refs")
     result = measure(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    plot(result, args.out.with_suffix(".png"))
+    write_json(args.out, result)
+    png = plot(result, args.out.with_suffix(".png"))
     print(json.dumps(result["ratios"], indent=2))
-    print(f"-> {args.out} and {args.out.with_suffix('.png')}")
+    print(f"-> {args.out}" + (f" and {args.out.with_suffix('.png')}" if png else ""))
     return 0
 
 

@@ -15,11 +15,13 @@ parameters are fixed public figures (ultraattn/planner/cost.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
+from pathlib import Path
+
+from _results import pyplot, write_json
 
 # UltraAttn's reported end-to-end speedups over the best ring-family baseline, heads 32, S = 512K
 PAPER = {"strided": 5.95, "global_local": 5.16, "full": 2.17, "causal": 2.09, "star": 2.86, "streaming": 1.91}
@@ -92,12 +94,11 @@ def run_one(c: dict) -> dict:
     return row
 
 
-def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict], path: str) -> bool:
+    """Modeled speedups and planning time per configuration; False (no PNG) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
     labels = [f"{r['mask']}\n{r['cp']}{' 2M' if r.get('scale') else ''}{'' if r['backward'] else ' fwd'}" for r in rows]
     x = range(len(rows))
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(8, len(rows) * 0.9), 7), constrained_layout=True)
@@ -119,6 +120,7 @@ def plot(rows: list[dict], path: str) -> None:
     a2.set_xticks(list(x), labels, fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def main(argv=None) -> int:
@@ -126,7 +128,6 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="four small configurations (smoke test)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     rows = []
     for c in configs(args.quick):
         r = run_one(c)
@@ -140,13 +141,13 @@ def main(argv=None) -> int:
               f"{'ok' if ok else 'MISSED: ' + ', '.join(k for k, v in r['targets'].items() if not v)}",
               flush=True)
     name = "plan_paper_configs_quick" if args.quick else "plan_paper_configs"
-    meta = {"command": "python " + " ".join(["benchmarks/plan_paper_configs.py"] + (argv or sys.argv[1:])),
-            "machine": f"{platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}",
-            "date": time.strftime("%Y-%m-%d")}
-    with open(os.path.join(args.out, name + ".json"), "w") as fh:
-        json.dump({"meta": meta, "paper_speedups": PAPER, "rows": rows}, fh, indent=2)
-    plot(rows, os.path.join(args.out, name + ".png"))
-    print("wrote", os.path.join(args.out, name + ".json"), "and .png")
+    # write_json adds the command, host and date
+    meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}"}
+    if argv is not None:  # called, not run: sys.argv is not this run's command line
+        meta["command"] = " ".join(["python benchmarks/plan_paper_configs.py", *argv])
+    write_json(Path(args.out) / (name + ".json"), {"meta": meta, "paper_speedups": PAPER, "rows": rows})
+    png = plot(rows, os.path.join(args.out, name + ".png"))
+    print("wrote " + os.path.join(args.out, name + ".json") + (" and .png" if png else ""))
     return 0
 
 

@@ -39,9 +39,11 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _results import pyplot, write_json  # noqa: E402
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -182,12 +184,11 @@ def run_config(seq_name: str, mesh_name: str, masks: list, ilp_masks: int) -> di
     return {"summary": summary, "masks": rows}
 
 
-def draw(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def draw(results: list[dict], path: str) -> bool:
+    """Planning time and modeled quality per configuration; False (no PNG) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     labels = [f"{r['summary']['seq']}\n{r['summary']['mesh']}" for r in results]
     x = np.arange(len(results))
@@ -219,6 +220,7 @@ def draw(results: list[dict], path: str) -> None:
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return True
 
 
 def main() -> int:
@@ -242,9 +244,14 @@ def main() -> int:
         if s not in SEQS or m not in MESHES:
             ap.error(f"--configs entries must be SEQ:MESH with SEQ in {list(SEQS)} and MESH in {list(MESHES)}, "
                      f"got {s}:{m}")
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.name}.json")
     results = []
+
+    def write() -> None:  # after every configuration, and once more in order at the end
+        write_json(Path(path), {"machine": platform.platform(), "cpu_count": os.cpu_count(),
+                                "torch": torch.__version__, "median_doc": MEDIAN_DOC, "sigma": SIGMA, "block": BLOCK,
+                                "configs": results})
+
     if args.merge and os.path.exists(path):
         with open(path) as fh:
             results = json.load(fh)["configs"]
@@ -261,14 +268,10 @@ def main() -> int:
                 print(f"{s} on {m}: {args.masks} masks ({args.ilp_masks} with the ILP planner)", flush=True)
                 res = run_config(s, m, masks, args.ilp_masks)
             results = [r for r in results if (r["summary"]["seq"], r["summary"]["mesh"]) != (s, m)] + [res]
-            with open(path, "w") as fh:
-                json.dump({"machine": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                           "median_doc": MEDIAN_DOC, "sigma": SIGMA, "block": BLOCK, "configs": results}, fh, indent=1)
+            write()
     order = {(s, m): n for n, (s, m) in enumerate((s, m) for s in SEQS for m in MESHES)}
     results.sort(key=lambda r: order[(r["summary"]["seq"], r["summary"]["mesh"])])
-    with open(path, "w") as fh:
-        json.dump({"machine": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                   "median_doc": MEDIAN_DOC, "sigma": SIGMA, "block": BLOCK, "configs": results}, fh, indent=1)
+    write()
     draw(results, os.path.join(args.out, f"{args.name}.png"))
     print(f"{'config':>12} {'fast med':>9} {'p95':>7} {'first':>7} {'ILP med':>8} {'/ILP med':>8} {'max':>6} "
           f"{'/base med':>9} {'max':>6} {'imb max':>7}")

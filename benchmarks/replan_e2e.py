@@ -34,8 +34,10 @@ import os
 import platform
 import statistics
 import sys
+from pathlib import Path
 
 import torch
+from _results import pyplot, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
@@ -86,12 +88,11 @@ def run_mode(name: str, base: argparse.Namespace) -> dict:
             "losses": r0["losses"]}
 
 
-def plot(out: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(out: dict, path: str) -> bool:
+    """Step time and planning time per step, per mode; False (no PNG) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for m in out["modes"]:
         steps = range(1, len(m["seconds"]) + 1)
@@ -109,6 +110,7 @@ def plot(out: dict, path: str) -> None:
                  f"the first {out['steps']} masks", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def main() -> int:
@@ -152,11 +154,9 @@ def main() -> int:
         out["steady_ratio_vs_same"] = {k: v["steady_median_s"] / by["same"]["steady_median_s"] for k, v in by.items()
                                        if k != "same"}
         print("steady median step time vs same mask:", json.dumps(out["steady_ratio_vs_same"]))
-    os.makedirs(os.path.dirname(base.out), exist_ok=True)
-    with open(base.out + ".json", "w") as fh:
-        json.dump(out, fh, indent=1)
-    plot(out, base.out + ".png")
-    print(f"wrote {base.out}.json and .png")
+    write_json(Path(base.out + ".json"), out)
+    png = plot(out, base.out + ".png")
+    print(f"wrote {base.out}.json" + (" and .png" if png else ""))
     return 0
 
 

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 import torch
+from _results import pyplot, write_json
 
 from ultraattn.planner.baselines import METHODS as ALL_METHODS
 
@@ -277,12 +278,11 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     return cov / (sa * sb) if sa and sb else None
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict, path: Path) -> bool:
+    """Seconds per step per mask and method, the model's predictions as ticks; False (no PNG) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
     rows = [r for r in result["rows"] if "seconds" in r]
     seqlens = sorted({r["seqlen"] for r in rows})
     methods = [m for m in result["config"]["methods"] if any(r["method"] == m for r in rows)]
@@ -311,6 +311,7 @@ def plot(result: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def replot(json_path: Path) -> None:
@@ -359,9 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                   "CPU, not a kernel comparison"],
         "wall_seconds": time.time() - t0,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    plot(result, args.out.with_suffix(".png"))
+    write_json(args.out, {**result, "meta": {"command": result["command"]}})  # its command line, argv given or not
+    png = plot(result, args.out.with_suffix(".png"))
     for r in result["summary"]:
         vs = ", ".join(f"{m} {x:.2f}x" for m, x in r["speedup_vs"].items())
         pm = ", ".join(f"{m} {x:.2f}" for m, x in r["predicted_over_measured"].items())
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{f['median_abs_err']:.1%}, worst {f['worst_abs_err']:.1%}, "
               f"rank correlation {f['rank_correlation']:.2f}")
     print("note: " + result["notes"][0])
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    print(f"wrote {args.out}" + (f" and {args.out.with_suffix('.png')}" if png else ""))
     return 0
 
 

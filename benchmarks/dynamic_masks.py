@@ -4,7 +4,7 @@ The model of ``examples/train_cp.py`` (Llama-style, GQA, RoPE) compiled with the
 ranks; every step packs new random documents (a new BlockMask). Configurations, side by side in ONE run
 (same processes, same data; each compiled once, then timed round-robin so drift hits all alike):
 
-* ``explicit``: the default: the sites are explicit programs (``passes/explicit/runtime.py``);
+* ``explicit``: the default: the sites are explicit programs (``passes/explicit/dynamic.py``);
 * ``opaque``: ``options={"explicit": False}``: one op per site, planned by the fast planner each step;
 * with ``--attention-only`` (the global view, where owners may follow each mask) also ``explicit-fixed``:
   explicit programs with owners fixed per graph (head-tail) instead of chosen per batch.
@@ -13,9 +13,9 @@ Each timed step is forward + backward + an optimizer step with a barrier before 
 median over ``--steps`` steps (after ``--warmup``), ``spread`` = (max - min) / median. Ratios are against
 ``opaque`` in the same run.
 
-    python benchmarks/runtime_explicit.py                     # sequence-sharded model (the example's default)
-    python benchmarks/runtime_explicit.py --attention-only    # + fixed vs per-batch owners
-    -> benchmarks/results/runtime_explicit[_attention_only].json and .png
+    python benchmarks/dynamic_masks.py                     # sequence-sharded model (the example's default)
+    python benchmarks/dynamic_masks.py --attention-only    # + fixed vs per-batch owners
+    -> benchmarks/results/dynamic_masks[_attention_only].json and .png
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def worker(rank: int, world: int, args: dict) -> dict:
     import torch.distributed as dist
     from train_cp import Llama, batches, document_masks
 
-    import ultraattn.passes.explicit.runtime as rt
+    import ultraattn.passes.explicit.dynamic as rt
 
     ns = argparse.Namespace(seed=0, steps=args["warmup"] + args["steps"], seqlen=args["seqlen"], same_mask=False)
     data = batches(ns)
@@ -109,7 +109,7 @@ def main() -> None:
     same = all(abs(x - y) <= 1e-4 for r in res for name in configs
                for x, y in zip(r["losses"][name], r["losses"]["opaque"]))
     print(f"losses of every configuration equal opaque's within 1e-4: {same}  ({time.time() - t0:.0f} s)")
-    out = Path(a.out) if a.out else HERE / "results" / ("runtime_explicit" + ("_attention_only" if a.attention_only
+    out = Path(a.out) if a.out else HERE / "results" / ("dynamic_masks" + ("_attention_only" if a.attention_only
                                                                                else "") + ".json")
     save(out, {"torch": torch.__version__, "threads": torch.get_num_threads(), **args, "nproc": a.nproc,
                "losses_match": same}, rows)
