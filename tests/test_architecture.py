@@ -51,3 +51,17 @@ def test_no_import_cycle_anywhere_in_the_package():
                     if graph.chain_exists(importer=b, imported=a))
     assert not cycles, "import cycles (module, a module it imports that leads back to it):\n" + "\n".join(
         f"{a} -> {b}" for a, b in cycles)
+
+
+def test_every_ultraattn_op_has_one_row_in_the_op_table():
+    """Op metadata lives in one table (``passes/opinfo.py``): every registered ``ultraattn::`` op has its row, and
+    every row names a registered op."""
+    import torch
+
+    import ultraattn.compiler  # noqa: F401 - registers every op (passes and kernels)
+    from ultraattn.passes.opinfo import OPS, ops_where
+
+    registered = {n for n in dir(torch.ops.ultraattn)
+                  if isinstance(getattr(torch.ops.ultraattn, n, None), torch._ops.OpOverloadPacket)}
+    assert registered == set(OPS), (sorted(registered - set(OPS)), sorted(set(OPS) - registered))
+    assert ops_where("wait") <= ops_where("comm") and ops_where("after") <= ops_where("comm")

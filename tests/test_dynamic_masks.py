@@ -53,15 +53,15 @@ def _check_run(res: list[dict], specs: list[dict], *, graphs: int = 1, local: bo
             assert g["expanded"], g["kind"]
             n = len(set(g["expanded"]))
             if g["kind"] == "backward":  # (with checkpointing it also recomputes each site's forward)
-                assert _count(code, "cp_rt_plan") == _count(code, "cp_rt_kv_wait") == (calls - 1) * n
+                assert _count(code, "cp_dyn_plan") == _count(code, "cp_dyn_kv_wait") == (calls - 1) * n
             if g["kind"] == "forward":
-                assert _count(code, "cp_rt_plan") == n and _count(code, "cp_rt_kv_start") == n
-                assert _count(code, "cp_rt_kv_wait") == n and _count(code, "cp_rt_tile_fwd") == 2 * n
-                assert _count(code, "cp_rt_gather") == (0 if local else 2 * n)
+                assert _count(code, "cp_dyn_plan") == n and _count(code, "cp_dyn_kv_start") == n
+                assert _count(code, "cp_dyn_kv_wait") == n and _count(code, "cp_dyn_tile_fwd") == 2 * n
+                assert _count(code, "cp_dyn_gather") == (0 if local else 2 * n)
             else:
-                assert _count(code, "cp_rt_dkv_start") == _count(code, "cp_rt_dkv_wait") == n
-                assert _count(code, "cp_rt_tile_bwd") == 2 * n
-                assert _count(code, "cp_rt_gather") == (0 if local else (3 + 2 * (calls - 1)) * n)
+                assert _count(code, "cp_dyn_dkv_start") == _count(code, "cp_dyn_dkv_wait") == n
+                assert _count(code, "cp_dyn_tile_bwd") == 2 * n
+                assert _count(code, "cp_dyn_gather") == (0 if local else (3 + 2 * (calls - 1)) * n)
         # one plan per mask content: a mask seen before is not planned again, and the later layers' sites (same
         # configuration, same mask; in this graph or the next) take the first one's plan
         made = [(e["graph"], e["site"]) for e in got["events"] if e["planner"] == "exchange"]  # (not seed plans)
@@ -94,7 +94,7 @@ def test_document_masks_over_five_batches_compile_once(world, shard, tmp_path):
     for kind in ("forward", "backward"):
         assert text.count(f"{kind} graph for Inductor: ") == 1, text
     assert "forward graph for Inductor: 2 communication stages, 4 tile nodes" in text, text
-    assert "cp_rt_kv_start" in text and "cp_rt_dkv_wait" in text and "fwd bytes / stage" in text
+    assert "cp_dyn_kv_start" in text and "cp_dyn_dkv_wait" in text and "fwd bytes / stage" in text
     if shard:  # the graph's layout: head-tail stripes, not the first mask's plan
         assert "head-tail stripes x2 (a new mask every batch)" in text, text
     rows = [ln for ln in text.splitlines() if ln.startswith("│") and " exchange " in ln and "flex#" in ln]

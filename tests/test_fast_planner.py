@@ -27,7 +27,7 @@ from ultraattn.planner.api import baseline_plan, evaluate, work_imbalance, workl
 from ultraattn.planner.baselines import BASELINES, NotApplicable
 from ultraattn.planner.cost import DEFAULT_COST
 from ultraattn.planner.fast import FastPlanner
-from ultraattn.planner.plan import AttnShape, Mesh, TokenLayout
+from ultraattn.planner.plan import AttnShape, Mesh, TokenSharding
 from ultraattn.runtime.online import ONLINE, OnlinePlanner
 from ultraattn.testing import run_ranks
 
@@ -226,7 +226,7 @@ def test_fast_plan_keeps_a_given_layout(owner, mesh):
     """A sequence-sharded model's layout: ownership kept exactly, only placement chosen; heavy rows still balance."""
     s = 1024
     pattern = cells_from_block_mask(block_mask_of("document", (("lengths", (700, 100, 224)),), s, 64)).to_pattern()
-    lay = TokenLayout(chunk_size=s // 8, owner=owner)
+    lay = TokenSharding(chunk_size=s // 8, owner=owner)
     tp = FastPlanner(shape=shape_for(s), mesh=mesh, layout=lay).plan(pattern)
     assert tp.layout == lay
     check_plan(tp, pattern)
@@ -238,7 +238,7 @@ def test_fast_planner_errors_name_the_fix():
     with pytest.raises(ValueError, match="`balance_tol` must lie in"):
         FastPlanner(shape=shape, mesh=Mesh(nodes=1, devices=2), balance_tol=1.5)
     with pytest.raises(ValueError, match="spreads tokens over 2 ranks but the mesh has 4"):
-        FastPlanner(shape=shape, mesh=Mesh(nodes=1, devices=4), layout=TokenLayout(chunk_size=512, owner=(0, 1)))
+        FastPlanner(shape=shape, mesh=Mesh(nodes=1, devices=4), layout=TokenSharding(chunk_size=512, owner=(0, 1)))
     pattern = cells_from_block_mask(block_mask_of("causal", (), 512, 64)).to_pattern()
     with pytest.raises(ValueError, match="build it for the attention's sequence length"):
         FastPlanner(shape=shape, mesh=Mesh(nodes=1, devices=2)).plan(pattern)

@@ -118,7 +118,7 @@ def _dense(lay) -> torch.Tensor:
 
 def test_layout_of_some_rows_equals_the_cut_of_the_whole():
     """A rank's rows (``q_blocks``, -1 for padding) evaluated alone give the layout cut from the whole mask."""
-    from ultraattn.kernels.layout import layout_from_pattern, sub_layout
+    from ultraattn.kernels.block_lists import layout_from_pattern, sub_layout
     from ultraattn.masks.convert import to_block_pattern
 
     case = Case(mask="head_mix", seqlen=200, heads=4, kv_heads=2, batch=2, block=32)

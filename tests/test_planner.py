@@ -14,7 +14,7 @@ from ultraattn.planner.api import baseline_plan, plan
 from ultraattn.planner.baselines import BASELINES, METHODS, REGISTRY, Method, NotApplicable, Ring, baseline_of, register
 from ultraattn.planner.partition import Level, heuristic, solve_ilp
 from ultraattn.planner.partition import evaluate as level_eval
-from ultraattn.planner.plan import AttnShape, Mesh, TilePlan, TokenLayout
+from ultraattn.planner.plan import AttnShape, Mesh, TilePlan, TokenSharding
 from ultraattn.planner.schedule import Graph, Task, simulate
 from ultraattn.planner.tiling import PlannerOptions
 
@@ -80,7 +80,7 @@ def test_plan_in_a_given_layout_keeps_it(mask, mesh, owner):
     is never adopted."""
     pat = grid_pattern(mask_grid(mask, 32), block=64, name=mask)
     shape = AttnShape(seq_len=pat.q_len, **SHAPE)
-    lay = TokenLayout(chunk_size=pat.q_len // 8, owner=owner)
+    lay = TokenSharding(chunk_size=pat.q_len // 8, owner=owner)
     res = plan(pat, shape, mesh, options=FAST, layout=lay)
     assert res.plan.layout == lay and res.plan.owner == owner
     check_plan(res.plan, pat)
@@ -93,13 +93,14 @@ def test_given_layout_must_fit():
     pat = grid_pattern(mask_grid("causal", 32), block=64)
     shape = AttnShape(seq_len=pat.q_len, **SHAPE)
     with pytest.raises(ValueError, match="spreads tokens over 2 ranks but the mesh has 4"):
-        plan(pat, shape, Mesh(nodes=1, devices=4), options=FAST, layout=TokenLayout(chunk_size=512, owner=(0, 1, 1, 0)))
+        plan(pat, shape, Mesh(nodes=1, devices=4), options=FAST,
+             layout=TokenSharding(chunk_size=512, owner=(0, 1, 1, 0)))
     with pytest.raises(ValueError, match="not a multiple of the mask's blocks"):
-        plan(pat, shape, Mesh(nodes=1, devices=2), options=FAST, layout=TokenLayout(chunk_size=1056, owner=(0, 1)))
+        plan(pat, shape, Mesh(nodes=1, devices=2), options=FAST, layout=TokenSharding(chunk_size=1056, owner=(0, 1)))
     with pytest.raises(ValueError, match="covers 1024 tokens, fewer than seq_len=2048"):
-        plan(pat, shape, Mesh(nodes=1, devices=2), options=FAST, layout=TokenLayout(chunk_size=512, owner=(0, 1)))
+        plan(pat, shape, Mesh(nodes=1, devices=2), options=FAST, layout=TokenSharding(chunk_size=512, owner=(0, 1)))
     with pytest.raises(ValueError, match="same number of chunks"):
-        TokenLayout(chunk_size=64, owner=(0, 0, 1))
+        TokenSharding(chunk_size=64, owner=(0, 0, 1))
 
 
 def test_plan_is_deterministic_and_hash_stable():

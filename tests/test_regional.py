@@ -34,10 +34,10 @@ def _one_rank_shard(x: torch.Tensor, length: int, requires_grad: bool = False):
     """A SeqShard of ``x`` (sequence on dim 1) in a one-rank layout of four 16-token chunks (the tail padded):
     (the shard, its local leaf, the layout)."""
     from ultraattn.passes.carrier import Carried, SeqShard
-    from ultraattn.planner.plan import TokenLayout
+    from ultraattn.planner.plan import TokenSharding
     from ultraattn.runtime.sequence import SequenceShards
 
-    seq = SequenceShards(TokenLayout(chunk_size=16, owner=(0, 0, 0, 0)), rank=0, global_ranks=(0,))
+    seq = SequenceShards(TokenSharding(chunk_size=16, owner=(0, 0, 0, 0)), rank=0, global_ranks=(0,))
     side_table().add_layout("test-layout", seq)
     local = seq.shard(x, 1, length).detach().requires_grad_(requires_grad)
     return SeqShard.from_local(local, Carried("test-layout", 1, length)), local, seq

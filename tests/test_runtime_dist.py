@@ -63,11 +63,26 @@ def test_world2_every_mask_gqa4():
     run_and_check(_lib(seqlen=200, heads=4, kv_heads=1), 2)
 
 
-def test_world3_every_mask_gqa8_tail():
+def test_world3_every_mask_gqa8_tail_on_the_batched_transport():
+    """Also the NCCL-style transport (one ``batch_isend_irecv`` per stage), here on gloo; the others run the tagged
+    one gloo gets by default. Bytes are checked message by message either way."""
     # S = 232 is not a multiple of the block (32) and past the documents' 200 tokens rows attend nothing
     cases = _lib(seqlen=232, heads=8, kv_heads=1)
     cases.append(Case(mask="document", kwargs=(("lengths", ((100, 132), (32, 200))),), seqlen=232, batch=2))
-    run_and_check(cases, 3)
+    run_and_check(cases, 3, env={"ULTRAATTN_TRANSPORT": "batched"})
+
+
+def test_the_transport_is_chosen_by_the_group_or_the_environment(monkeypatch):
+    from ultraattn.runtime.transport import BatchedTransport, TaggedTransport, transport_for
+
+    monkeypatch.delenv("ULTRAATTN_TRANSPORT", raising=False)
+    assert type(transport_for(rank=0, global_ranks=(0,))) is TaggedTransport  # no group: not NCCL
+    monkeypatch.setenv("ULTRAATTN_TRANSPORT", "batched")
+    assert type(transport_for(rank=0, global_ranks=(0,))) is BatchedTransport
+    assert type(transport_for(rank=0, global_ranks=(0,), kind="tagged")) is TaggedTransport
+    monkeypatch.setenv("ULTRAATTN_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(ValueError, match=r"ultraattn: transport 'carrier-pigeon'.*unset ULTRAATTN_TRANSPORT"):
+        transport_for(rank=0, global_ranks=(0,))
 
 
 def test_world4_every_mask_and_baselines():

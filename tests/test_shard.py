@@ -42,10 +42,10 @@ def test_reshapes_follow_the_sequence_through_merged_dims(src, dst, spec, want):
 def test_shard_and_gather_round_trip(length, outer, inner):
     """Every rank's shard of a [.., outer * length * inner, ..] tensor, reassembled, is the tensor; the tail
     padding repeats the last position (finite wherever the data is)."""
-    from ultraattn.planner.plan import TokenLayout
+    from ultraattn.planner.plan import TokenSharding
     from ultraattn.runtime.sequence import SequenceShards
 
-    lay = TokenLayout(chunk_size=32, owner=(0, 1, 2, 1, 0, 2))  # 3 ranks, 192 padded positions
+    lay = TokenSharding(chunk_size=32, owner=(0, 1, 2, 1, 0, 2))  # 3 ranks, 192 padded positions
     x = torch.randn(4, outer * length * inner, 3)
     shards = [SequenceShards(lay, rank=r, global_ranks=(0, 1, 2)).shard(x, 1, length, inner) for r in range(3)]
     assert all(s.shape == (4, outer * lay.local_len * inner, 3) for s in shards)

@@ -1,6 +1,6 @@
 """ultraattn: context-parallel block-sparse attention planned by hierarchical context tiling.
 
-The package is laid out along the data flow, imports going one way (docs/layout.md):
+The package is laid out along the data flow, imports going one way (docs/architecture.md):
 masks -> planner -> kernels/runtime -> passes -> report -> compiler/cli.
 
 ``torch.compile(model, backend="ultraattn")`` finds the backend through its entry point;

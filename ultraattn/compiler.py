@@ -21,12 +21,11 @@ import torch.fx as fx
 from rich.console import Console
 
 from ultraattn.kernels.ops import forget_layouts
-from ultraattn.passes.backend import capture, compile_graph
+from ultraattn.passes.backend import compile_graph, find_and_rewrite
 from ultraattn.passes.flex_shim import install_flex_cpu_shim
 from ultraattn.passes.fx_util import meta_value, placeholders, refresh_fake_values
 from ultraattn.passes.options import BackendOptions, parse_options
 from ultraattn.passes.records import AotGraphRecord, GraphRecord, NullObserver, PlanEvent, ShardSummary, SiteStats
-from ultraattn.passes.rewrite import rewrite_sites
 from ultraattn.passes.shard import analyse, inline_checkpoints, summarize
 from ultraattn.passes.site import plan_offline
 from ultraattn.passes.state import SideTable, private_side_table, side_table
@@ -145,7 +144,7 @@ class Explanation:
     records: list[GraphRecord] = field(default_factory=list)
     """One record per graph Dynamo produced."""
     plans: dict = field(default_factory=dict)
-    """"graph<i>/<site>" -> PlanResult (world > 1), BlockSparseLayout (world 1) or a string saying why not planned."""
+    """"graph<i>/<site>" -> PlanResult (world > 1), BlockLists (world 1) or a string saying why not planned."""
     sharding: dict[int, ShardSummary] = field(default_factory=dict)
     """graph index -> what sequence sharding would do (world > 1)."""
     stats: list[SiteStats] = field(default_factory=list)
@@ -175,10 +174,7 @@ def _print_sharding(console: Console, index: int, sh: ShardSummary, world: int) 
 def _explain_graph(gm, example_inputs, *, opts, table, result: Explanation, console: Console, nodes: int) -> None:
     """Capture, rewrite, analyse and plan one graph (nothing compiles, nothing runs)."""
     world = opts.world_size
-    index = table.next_graph_index()
-    before = gm.code
-    sites = capture(gm, example_inputs, world)
-    states = rewrite_sites(gm, sites, opts, graph_index=index, table=table, observer=NullObserver())
+    index, before, sites, states = find_and_rewrite(gm, example_inputs, opts, table=table, observer=NullObserver())
     rec = GraphRecord(index=index, world_size=world, sites=tuple(s.record() for s in sites),
                       site_keys=tuple(s.spec.key for s in states), code_before=before, code_after=gm.code)
     result.records.append(rec)

@@ -1,15 +1,15 @@
 """Tile kernels: block-sparse attention forward/backward with LSE (Triton on GPU, eager reference elsewhere).
 
 ``block_sparse_attention`` is the public entry; ``make_layout`` builds the kernels' block-sparse
-description (``BlockSparseLayout``) once per mask; the ops ``torch.ops.ultraattn.bsa_fwd`` /
+description (``BlockLists``) once per mask; the ops ``torch.ops.ultraattn.bsa_fwd`` /
 ``bsa_bwd`` are what compiled graphs contain. Triton itself is imported only when a kernel runs.
 """
 
-from ultraattn.kernels.layout import BlockSparseLayout, make_layout, pack_bits, unpack_bits
+from ultraattn.kernels.block_lists import BlockLists, make_layout, pack_bits, unpack_bits
 from ultraattn.kernels.ops import block_sparse_attention, bsa_bwd, bsa_fwd, get_layout, uses_triton
 
 __all__ = [
-    "BlockSparseLayout",
+    "BlockLists",
     "block_sparse_attention",
     "bsa_bwd",
     "bsa_fwd",

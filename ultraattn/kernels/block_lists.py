@@ -1,4 +1,4 @@
-"""``BlockSparseLayout``: the block-sparse description the tile kernels read.
+"""``BlockLists``: the block-sparse description the tile kernels read.
 
 The planner's ``BlockPattern`` says, per (batch, head group), which Q-block x KV-block cells
 are EMPTY, FULL or PARTIAL. A kernel needs two more things, built here once per mask and
@@ -48,7 +48,7 @@ _EVAL_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True, eq=False)
-class BlockSparseLayout:
+class BlockLists:
     """Kernel-side block-sparse description (see module docstring). Tensors live on ``device``."""
 
     q_len: int
@@ -95,12 +95,12 @@ class BlockSparseLayout:
         return self.fwd_tensors() + (self.full_q_cnt, self.full_q_idx, self.part_q_cnt, self.part_q_idx,
                                      self.part_q_tile)
 
-    def to(self, device: torch.device | str) -> BlockSparseLayout:
+    def to(self, device: torch.device | str) -> BlockLists:
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         for k, v in kw.items():
             if isinstance(v, Tensor):
                 kw[k] = v.to(device)
-        return BlockSparseLayout(**kw)
+        return BlockLists(**kw)
 
     @property
     def device(self) -> torch.device:
@@ -127,7 +127,7 @@ class BlockSparseLayout:
 
     def __repr__(self) -> str:
         nq, nk = self.grid
-        return (f"BlockSparseLayout({self.name}, q_len={self.q_len}, kv_len={self.kv_len}, "
+        return (f"BlockLists({self.name}, q_len={self.q_len}, kv_len={self.kv_len}, "
                 f"blocks={self.q_block}x{self.kv_block}, grid={nq}x{nk}, patterns={self.num_patterns}, "
                 f"partial_tiles={self.bits.shape[0]}, B={self.batch}, H={self.num_heads})")
 
@@ -197,7 +197,7 @@ def make_layout(
     mask_mod: Callable | None = None,
     block_size: int | tuple[int, int] = 128,
     device: torch.device | str = "cpu",
-) -> BlockSparseLayout:
+) -> BlockLists:
     """Build the kernels' layout for ``mask`` at the given batch and head count.
 
     Args:
@@ -220,7 +220,7 @@ def make_layout(
 
 
 def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, batch: int, num_heads: int,
-                        device: torch.device | str = "cpu", q_blocks: Tensor | None = None) -> BlockSparseLayout:
+                        device: torch.device | str = "cpu", q_blocks: Tensor | None = None) -> BlockLists:
     """Layout from a pattern plus the mask_mod that resolves its PARTIAL cells (see ``make_layout``).
 
     ``q_blocks`` (int64; -1: a block of padding, EMPTY): the layout of these Q blocks only, in this order, against
@@ -274,7 +274,7 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
     return lay.to(device) if torch.device(device).type != "cpu" else lay
 
 
-def _assemble(kind_u: Tensor, tile_grid: Tensor, bits: Tensor, pattern_of: Tensor, **sizes) -> BlockSparseLayout:
+def _assemble(kind_u: Tensor, tile_grid: Tensor, bits: Tensor, pattern_of: Tensor, **sizes) -> BlockLists:
     """The layout of unique cell grids ``kind_u`` [U, NQ, NK] whose PARTIAL cells have tile ids ``tile_grid``."""
     full_cnt, full_idx = _sorted_lists(kind_u == FULL)
     part_cnt, part_idx = _sorted_lists(kind_u == PARTIAL)
@@ -289,7 +289,7 @@ def _assemble(kind_u: Tensor, tile_grid: Tensor, bits: Tensor, pattern_of: Tenso
     # transposed lists come out of sort/gather with the transpose's strides otherwise).
     full_q_cnt, full_q_idx, part_q_cnt, part_q_idx, part_q_tile = (
         t.contiguous() for t in (full_q_cnt, full_q_idx, part_q_cnt, part_q_idx, part_q_tile))
-    return BlockSparseLayout(
+    return BlockLists(
         **sizes, pattern_of=pattern_of, kind=kind_u,
         full_cnt=full_cnt, full_idx=full_idx, part_cnt=part_cnt, part_idx=part_idx, part_tile=part_tile,
         full_q_cnt=full_q_cnt, full_q_idx=full_q_idx, part_q_cnt=part_q_cnt, part_q_idx=part_q_idx,
@@ -297,7 +297,7 @@ def _assemble(kind_u: Tensor, tile_grid: Tensor, bits: Tensor, pattern_of: Tenso
     )
 
 
-def tile_grid(layout: BlockSparseLayout) -> Tensor:
+def tile_grid(layout: BlockLists) -> Tensor:
     """int32 [U, NQ, NK]: the bit-tile id of every PARTIAL cell (-1 elsewhere), from the layout's lists."""
     kind, idx, cnt, tile = (t.cpu() for t in (layout.kind, layout.part_idx, layout.part_cnt, layout.part_tile))
     grid = torch.full(kind.shape, -1, dtype=torch.int32)
@@ -307,8 +307,8 @@ def tile_grid(layout: BlockSparseLayout) -> Tensor:
     return grid
 
 
-def sub_layout(layout: BlockSparseLayout, q_blocks: Tensor, kv_blocks: Tensor, grid: Tensor | None = None
-               ) -> BlockSparseLayout:
+def sub_layout(layout: BlockLists, q_blocks: Tensor, kv_blocks: Tensor, grid: Tensor | None = None
+               ) -> BlockLists:
     """The layout of a tile that computes ``layout``'s Q blocks ``q_blocks`` against its KV blocks ``kv_blocks``
     (int64, in the tile's order; -1: a block of padding, EMPTY), with the same bit tiles: how a rank's share of a
     mask becomes a kernel call on its local queries and a buffer of keys (``runtime/exchange.py``). Every block of

@@ -25,8 +25,8 @@ from torch.library import custom_op, triton_op, wrap_triton
 
 from ultraattn.cache import LRU
 from ultraattn.kernels import config
-from ultraattn.kernels.layout import BlockSparseLayout, make_layout
-from ultraattn.kernels.reference import reference_bwd, reference_fwd
+from ultraattn.kernels.block_lists import BlockLists, make_layout
+from ultraattn.kernels.reference import reference_bwd, reference_fwd, softmax_delta
 
 _LOG2E = 1.4426950408889634
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -186,7 +186,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *lay = ctx.saved_tensors
-    delta = (dout.float() * out.float()).sum(-1)
+    delta = softmax_delta(out, dout)
     # A zero dlse (lse unused) would be materialised by autograd anyway; pass it on unchanged.
     dq, dk, dv = bsa_bwd(q, k, v, dout, lse, delta, dlse, *lay, ctx.q_block, ctx.kv_block, ctx.scale)
     return (dq, dk, dv) + (None,) * (_N_LAYOUT + 4)
@@ -206,9 +206,9 @@ def forget_layouts() -> None:
 
 
 def get_layout(mask, *, q_len: int, kv_len: int, batch: int, num_heads: int, device: torch.device,
-               mask_mod: Callable | None = None, block_size: int = 128) -> BlockSparseLayout:
+               mask_mod: Callable | None = None, block_size: int = 128) -> BlockLists:
     """``make_layout`` with a small cache keyed on the mask object's identity (kept alive by the cache)."""
-    if isinstance(mask, BlockSparseLayout):
+    if isinstance(mask, BlockLists):
         lay = mask
     else:
         key = (id(mask) if not isinstance(mask, str) else mask, id(mask_mod), q_len, kv_len, batch, num_heads,
@@ -256,7 +256,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask="full", *, scal
     Args:
         q: ``[B, H, Sq, D]``; k, v: ``[B, Hk, Sk, D]`` with ``H % Hk == 0`` (GQA, K/V never expanded).
         mask: a ``BlockMask``, a ``BlockPattern`` (give ``mask_mod=`` if it has PARTIAL blocks), a
-            ``BlockSparseLayout``, a mask_mod, or ``"causal"`` / ``"full"`` (SDPA semantics).
+            ``BlockLists``, a mask_mod, or ``"causal"`` / ``"full"`` (SDPA semantics).
         scale: softmax scale, default ``1/sqrt(D)``.
         return_lse: also return the log-sum-exp ``[B, H, Sq]`` (fp32, -inf for rows that attend nowhere).
         mask_mod, block_size: for masks that don't carry them (see ``make_layout``).

@@ -1,4 +1,4 @@
-"""Eager block-sparse attention over a ``BlockSparseLayout``: the CPU path of the kernel ops.
+"""Eager block-sparse attention over a ``BlockLists``: the CPU path of the kernel ops.
 
 Same contract as the Triton kernels (``triton_kernels.py``): forward returns (out, lse) with
 lse in fp32 and -inf for fully masked rows (their output is 0); backward takes the GLOBAL lse
@@ -16,7 +16,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ultraattn.kernels.layout import unpack_bits
+from ultraattn.kernels.block_lists import unpack_bits
+
+
+def softmax_delta(out: Tensor, dout: Tensor, dlse: Tensor | None = None) -> Tensor:
+    """``delta = rowsum(dO * O) - dLSE`` in fp32 [..., rows]: what every attention backward subtracts from ``dP``
+    (dS = P * (dP - delta)). With the GLOBAL output and LSE it makes each tile's backward exact on its own, which
+    is why partial tiles on different ranks can be differentiated apart. The one place it is computed."""
+    delta = (dout.float() * out.float()).sum(-1)
+    return delta if dlse is None else delta - dlse.float()
 
 
 def _row_blocks(full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, u, i, q_block, kv_block, rows, kv_len):

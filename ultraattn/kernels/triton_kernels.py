@@ -5,7 +5,7 @@ whether kernels run compiled or under ``TRITON_INTERPRET=1`` (the CPU test path)
 
 Block-sparse walk. A forward program owns ``BLOCK_M`` query rows of one (batch, head); it
 reads its pattern's list of FULL KV blocks and runs them with no mask code at all, then its
-list of PARTIAL KV blocks, each gated by a packed bit tile (``layout.py``). A pattern block
+list of PARTIAL KV blocks, each gated by a packed bit tile (``block_lists.py``). A pattern block
 (``kv_block`` wide) is walked in ``BLOCK_N`` sub-tiles, so the autotuner can pick tile shapes
 independently of the mask's granularity. The dK/dV program owns ``BLOCK_N`` keys of one KV
 head and loops over the query heads of its GQA group and the Q blocks in the transposed

@@ -28,9 +28,9 @@ from torch._dynamo.backends.common import aot_autograd
 
 from ultraattn.passes.capture import Site, estimate_density, find_sites
 from ultraattn.passes.carrier import Carried, SeqShard
+from ultraattn.passes.explicit.dynamic import RUNTIME_MASK_STRIPES
 from ultraattn.passes.explicit.expand import expand_sites, explicit_reason, prepare, schedule_rows
 from ultraattn.passes.explicit.order import order_comm
-from ultraattn.passes.explicit.runtime import RUNTIME_MASK_STRIPES
 from ultraattn.passes.fx_util import placeholders, refresh_fake_values, tensor_value, ultraattn_op
 from ultraattn.passes.kept import keep_flex_eager
 from ultraattn.passes.options import BackendOptions
@@ -41,7 +41,7 @@ from ultraattn.passes.site import SiteState, seed_plan
 from ultraattn.passes.state import SideTable
 from ultraattn.planner.api import padded_chunk
 from ultraattn.planner.baselines import striped_owner, zigzag_owner
-from ultraattn.planner.plan import TokenLayout
+from ultraattn.planner.plan import TokenSharding
 from ultraattn.runtime.comm import GroupRef, resolve_group
 from ultraattn.runtime.sequence import SequenceShards
 
@@ -70,11 +70,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
     """Run the pipeline on ``gm`` (module docstring) and compile it with ``opts.compiler``; returns the callable
     Dynamo keeps. Every rank must call this with the same graphs in the same order (planning is collective)."""
     observer = _Recorded(table, observer)
-    index = table.next_graph_index()
-    before = gm.code
     carried = carried_inputs(gm, example_inputs)
-    sites = capture(gm, example_inputs, opts.world_size)
-    states = rewrite_sites(gm, sites, opts, graph_index=index, table=table, observer=observer)
+    index, before, sites, states = find_and_rewrite(gm, example_inputs, opts, table=table, observer=observer)
     kept = keep_flex_eager([s for s in sites if _cpu(s)], table)
     shard = None
     if opts.world_size > 1 and (states or carried) and opts.shard:
@@ -92,6 +89,17 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
                         carried, taken, shard)
     table.forget_with(compiled, rec.site_keys + tuple(kept.values()))
     return compiled
+
+
+def find_and_rewrite(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, table: SideTable,
+                     observer: Observer) -> tuple[int, str, list[Site], list[SiteState]]:
+    """The pipeline's first steps, shared by ``compile_graph`` and ``ultraattn.explain``: number the graph, keep its
+    code, capture its sites and rewrite the rewritable ones. Returns (graph index, code before, sites, states)."""
+    index = table.next_graph_index()
+    before = gm.code
+    sites = capture(gm, example_inputs, opts.world_size)
+    states = rewrite_sites(gm, sites, opts, graph_index=index, table=table, observer=observer)
+    return index, before, sites, states
 
 
 # ----------------------------------------------------------------------------- capture
@@ -178,12 +186,12 @@ def shard_sequence(gm: fx.GraphModule, states: list[SiteState], opts: BackendOpt
     return dataclasses.replace(summary, inlined_checkpoints=inlined)
 
 
-def layout_key(layout: TokenLayout, ranks: tuple[int, ...]) -> str:
+def layout_key(layout: TokenSharding, ranks: tuple[int, ...]) -> str:
     """A layout's name in the side table: its chunks and the global ranks that hold them."""
     return f"{layout.to_string()} @ {','.join(map(str, ranks))}"
 
 
-def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendOptions) -> tuple[TokenLayout, str]:
+def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendOptions) -> tuple[TokenSharding, str]:
     """The token layout of the run's first graph at a sequence length: fine head-tail stripes where the first
     attention is an explicit site whose mask arrives every batch; else its own plan (planned now, without a given
     layout, where its mask is known at compile time: a static mask or mask tensors among the example inputs), else
@@ -198,13 +206,13 @@ def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendO
     world = opts.world_size
     if not spec.static_mask and explicit_reason(state) is None:
         # a new mask every batch, computed where its query rows live: no single mask's plan fits the next one;
-        # fine head-tail stripes balance document masks within ~1.1 (passes/explicit/runtime.py's [Note]): the
+        # fine head-tail stripes balance document masks within ~1.1 (passes/explicit/dynamic.py's [Note]): the
         # most stripes (up to RUNTIME_MASK_STRIPES) that pad the sequence no more than the fewest would
         chunks = {s: padded_chunk(an.seq_len, 2 * world * s, block) for s in range(1, RUNTIME_MASK_STRIPES + 1)}
         least = min(2 * world * s * c for s, c in chunks.items())
         stripes = max(s for s, c in chunks.items() if 2 * world * s * c == least)
         chunk = chunks[stripes]
-        return TokenLayout(chunk_size=chunk, owner=tuple(striped_owner(world, stripes))), \
+        return TokenSharding(chunk_size=chunk, owner=tuple(striped_owner(world, stripes))), \
             f"head-tail stripes x{stripes} (a new mask every batch)"
     tensors = [values.get(m) for m in first.args[3]]
     real = tensors and all(isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor)
@@ -214,7 +222,7 @@ def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendO
         plan = seed_plan(state, q.dtype, q.device, [] if spec.static_mask else tensors)
         return plan.layout, f"the plan of {spec.name}"
     chunk = padded_chunk(an.seq_len, 2 * world, block)
-    return TokenLayout(chunk_size=chunk, owner=tuple(zigzag_owner(world))), \
+    return TokenSharding(chunk_size=chunk, owner=tuple(zigzag_owner(world))), \
         "head-tail (the first mask is built in the graph)"
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from ultraattn.passes.opinfo import TILE_OPS
+
 REPORT_VERSION = 3
 """Saved report files carry this; ``CompileReport.from_json`` refuses other versions with the fix."""
 
@@ -171,8 +173,6 @@ class ScheduleRow:
         return cls(**d)
 
 
-TILE_OPS = ("cp_tile_fwd", "cp_tile_bwd", "bsa_fwd", "bsa_bwd", "cp_rt_tile_fwd", "cp_rt_tile_bwd")
-"""Ops of a schedule that compute attention tiles."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,7 +190,7 @@ class AotGraphRecord:
 
     @property
     def stages(self) -> int:
-        return sum(r.op in ("cp_start", "cp_rt_kv_start", "cp_rt_dkv_start") for r in self.schedule)
+        return sum(r.op in ("cp_start", "cp_dyn_kv_start", "cp_dyn_dkv_start") for r in self.schedule)
 
     @property
     def tiles(self) -> int:

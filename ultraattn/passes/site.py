@@ -25,8 +25,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from ultraattn.cache import LRU
-from ultraattn.kernels import BlockSparseLayout, make_layout
-from ultraattn.kernels.layout import MASK_DEPENDS
+from ultraattn.kernels import BlockLists, make_layout
+from ultraattn.kernels.block_lists import MASK_DEPENDS
 from ultraattn.masks.convert import pattern_from_mask_mod, to_block_pattern
 from ultraattn.passes.records import NullObserver, Observer, PlanEvent, SiteStats
 from ultraattn.planner.api import PlanResult, choose_planner, method_summaries, plan
@@ -37,13 +37,13 @@ from ultraattn.runtime.plan_cache import PlanCache, content_digest
 
 if TYPE_CHECKING:
     from ultraattn.passes.options import BackendOptions
-    from ultraattn.planner.plan import TokenLayout
+    from ultraattn.planner.plan import TokenSharding
 
 MAX_PENDING = 8
 """Forwards of one site that may await their backward (gradient accumulation, checkpointing); read when a
 graph is compiled."""
 
-Runner = AttentionPlan | BlockSparseLayout
+Runner = AttentionPlan | BlockLists
 """What a site runs: a plan across ranks, or (world size 1) the block-sparse kernels' layout."""
 
 
@@ -98,7 +98,7 @@ class SiteState:
     """The side table's id counter (tickets of forward state)."""
     observer: Observer = field(default_factory=NullObserver)
     """Shows this site's plan events (installed by the backend's caller)."""
-    layout: TokenLayout | None = None
+    layout: TokenSharding | None = None
     """The graph's token layout when the sequence-sharding pass runs the site on local tokens: every plan
     of the site keeps it (None: the planner chooses)."""
     device: torch.device | None = None
@@ -184,7 +184,7 @@ def mask_from_content(spec: SiteSpec, tensors: Sequence[Tensor], batch: int, hea
 
 
 # ----------------------------------------------------------------------------- planning
-def make_runner(spec: SiteSpec, layout: TokenLayout | None, q_shape: tuple, kv_shape: tuple, dtype: torch.dtype,
+def make_runner(spec: SiteSpec, layout: TokenSharding | None, q_shape: tuple, kv_shape: tuple, dtype: torch.dtype,
                 device, tensors: Sequence[Tensor]) -> Runner:
     """Plan the site for this mask content (a collective across the site's ranks), or build its kernel layout."""
     B, H, S, D = q_shape
@@ -200,7 +200,7 @@ def make_runner(spec: SiteSpec, layout: TokenLayout | None, q_shape: tuple, kv_s
 
 
 def plan_offline(spec: SiteSpec, tensors: Sequence[Tensor], *, nodes: int, devices: int
-                 ) -> PlanResult | BlockSparseLayout:
+                 ) -> PlanResult | BlockLists:
     """Plan the site for ``nodes x devices`` ranks with the pure planner (no process group: ``ultraattn.explain``),
     or build its kernel layout for one rank."""
     B, H, S, D = spec.q_shape

@@ -65,7 +65,7 @@ class SideTable:
         self.meshes: dict = {}
         self.exchange_runs: LRU = LRU(64)
         """Run-time programs' plans by configuration and mask content: sites that see the same mask (every layer of
-        a model) plan it once (``explicit/runtime.py``)."""
+        a model) plan it once (``explicit/dynamic.py``)."""
         self._ids = itertools.count(1)
         self._graph_count = 0
         self._key_uses: Counter = Counter()

@@ -26,16 +26,16 @@ from .build import make_plan
 from .cost import DEFAULT_COST, CostModel
 from .fast import FastPlanner
 from .ilp import SolveInfo, have_pulp, require_pulp
-from .plan import AttnShape, Mesh, TilePlan, TokenLayout, padded_chunk
+from .plan import AttnShape, Mesh, TilePlan, TokenSharding, padded_chunk
 from .schedule import Schedule, Workload, build_graph, simulate, workload
 from .schedule_ilp import refine_schedule
 from .tiling import PlannerOptions, TilingResult, tile
 
 
-def check_layout(layout: TokenLayout, pattern: BlockPattern, shape: AttnShape, mesh: Mesh) -> None:
+def check_layout(layout: TokenSharding, pattern: BlockPattern, shape: AttnShape, mesh: Mesh) -> None:
     """A given token layout must fit the mesh, cover the sequence and cut it on block boundaries."""
-    if not isinstance(layout, TokenLayout):
-        raise TypeError(f"`layout` must be a TokenLayout, got {type(layout).__name__}")
+    if not isinstance(layout, TokenSharding):
+        raise TypeError(f"`layout` must be a TokenSharding, got {type(layout).__name__}")
     if layout.world != mesh.world:
         raise ValueError(f"the layout spreads tokens over {layout.world} ranks but the mesh has {mesh.world}")
     if layout.padded_len < shape.seq_len:
@@ -189,7 +189,7 @@ def choose_planner(requested: str, *, known_up_front: bool) -> Literal["ilp", "f
 
 def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel = DEFAULT_COST,
          options: PlannerOptions = PlannerOptions(), backward: bool = True, baselines=BASELINES,
-         progress=None, layout: TokenLayout | None = None, planner: Literal["ilp", "fast"] = "ilp") -> PlanResult:
+         progress=None, layout: TokenSharding | None = None, planner: Literal["ilp", "fast"] = "ilp") -> PlanResult:
     """Plan one attention on ``mesh`` and compare it with the baselines (module docstring).
 
     ``layout``: a given token layout (the sequence-sharding pass keeps every attention of a
@@ -270,7 +270,7 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
 
 
 def _tiled_plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel, options: PlannerOptions,
-                backward: bool, progress, layout: TokenLayout | None) -> tuple[Evaluation, TilingResult]:
+                backward: bool, progress, layout: TokenSharding | None) -> tuple[Evaluation, TilingResult]:
     """The hierarchical tiling's plan (``tiling.tile``) at ``options.chunks_per_rank`` chunks per rank, refined
     while it misses the balance tolerance; its evaluation and the tiling that made it."""
     w = mesh.world
@@ -310,7 +310,7 @@ def as_ours(src: TilePlan) -> TilePlan:
 
 
 def _plan_fast(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel, options: PlannerOptions,
-               backward: bool, baselines, layout: TokenLayout | None) -> PlanResult:
+               backward: bool, baselines, layout: TokenSharding | None) -> PlanResult:
     """``plan`` with the fast planner: its plan, then every baseline simulated for the comparison."""
     t0 = time.perf_counter()
     fp = FastPlanner(shape=shape, mesh=mesh, cost=cost, layout=layout, balance_tol=options.balance_tol,

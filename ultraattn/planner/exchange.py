@@ -1,7 +1,7 @@
 """Exchange plans: the run-time plan of an explicit site whose mask is known only at run time.
 
 A compiled graph cannot change shape per batch, so a site whose mask is new every batch (packed
-documents) runs a fixed program skeleton (``passes/explicit/runtime.py``) whose data comes from this
+documents) runs a fixed program skeleton (``passes/explicit/dynamic.py``) whose data comes from this
 plan, made per mask in milliseconds:
 
 * every rank owns ``chunks_per_rank`` chunks of ``chunk`` tokens (static local shapes). The owners are
@@ -29,7 +29,7 @@ import numpy as np
 
 from ..masks.pattern import EMPTY, FULL, BlockPattern
 from .balance import ownership
-from .plan import Mesh, TokenLayout
+from .plan import Mesh, TokenSharding
 
 Route = tuple[int, tuple[int, ...]]
 """(peer rank, chunks): one message of an exchange."""
@@ -41,7 +41,7 @@ OWNERSHIP = ("per-batch", "fixed")
 class ExchangePlan:
     """Owners, the chunks each rank needs from each other rank, bytes and balance (module docstring)."""
 
-    layout: TokenLayout
+    layout: TokenSharding
     """Who owns (and computes the query rows of) which chunk."""
     need: tuple[tuple[tuple[int, ...], ...], ...]
     """need[dst][src]: chunks of ``src`` whose K/V ``dst`` needs (ascending; empty for src == dst)."""
@@ -173,6 +173,6 @@ def plan_exchange(weight_PP: np.ndarray, *, mesh: Mesh, chunk: int, owner: tuple
     need = [[[] for _ in range(w)] for _ in range(w)]
     for d, c in zip((pairs // p).tolist(), (pairs % p).tolist()):
         need[d][int(own[c])].append(c)
-    return ExchangePlan(layout=TokenLayout(chunk_size=chunk, owner=tuple(own.tolist())),
+    return ExchangePlan(layout=TokenSharding(chunk_size=chunk, owner=tuple(own.tolist())),
                         need=tuple(tuple(tuple(x) for x in row) for row in need), work=tuple(work.tolist()),
                         kv_chunk_bytes=kv_chunk_bytes, dkv_chunk_bytes=dkv_chunk_bytes, ownership=how)

@@ -56,7 +56,7 @@ from .balance import ownership, place
 from .baselines import BASELINES, REGISTRY, Baseline, NotApplicable
 from .build import kernel_groups
 from .cost import DEFAULT_COST, CostModel
-from .plan import AttnShape, Mesh, TilePlan, TokenLayout, padded_chunk
+from .plan import AttnShape, Mesh, TilePlan, TokenSharding, padded_chunk
 from .price import Draft, Grid, Kernels, assemble, busy_bound, compute_bound, price, route
 from .schedule import build_graph, simulate, workload
 
@@ -118,7 +118,7 @@ class FastPlanner:
     """Nodes x devices."""
     cost: CostModel = DEFAULT_COST
     """Prices candidates (the model the simulator replays)."""
-    layout: TokenLayout | None = None
+    layout: TokenSharding | None = None
     """A given token layout (a sequence-sharded model's): ownership is kept, only placement is chosen."""
     balance_tol: float = 0.05
     """Allowed compute imbalance of our structure: max rank load <= (1 + tol) x mean."""
@@ -140,8 +140,8 @@ class FastPlanner:
         if bad:
             raise ValueError(f"`baselines` must be among {', '.join(BASELINES)}, got {bad}")
         if self.layout is not None:
-            if not isinstance(self.layout, TokenLayout):
-                raise TypeError(f"`layout` must be a TokenLayout or None, got {type(self.layout).__name__}")
+            if not isinstance(self.layout, TokenSharding):
+                raise TypeError(f"`layout` must be a TokenSharding or None, got {type(self.layout).__name__}")
             if self.layout.world != self.mesh.world:
                 raise ValueError(f"`layout` spreads tokens over {self.layout.world} ranks but the mesh has "
                                  f"{self.mesh.world}; pass the layout of this mesh")
@@ -343,7 +343,7 @@ def evaluate_plan(plan: TilePlan, cells: BlockCells, cost: CostModel, *, backwar
     return sum(simulate(build_graph(plan, work, cost, ph)).makespan for ph in phases)
 
 
-def planner_key(shape: AttnShape, mesh: Mesh, cost: CostModel, layout: TokenLayout | None, balance_tol: float,
+def planner_key(shape: AttnShape, mesh: Mesh, cost: CostModel, layout: TokenSharding | None, balance_tol: float,
                 backward: bool, baselines: tuple[str, ...]) -> tuple:
     """``FastPlanner.key`` from its arguments (to find a cached planner before making one)."""
     s = shape

@@ -172,7 +172,7 @@ class Kernel:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TokenLayout:
+class TokenSharding:
     """Which rank holds which token chunks: the part of a plan the rest of a sharded model shares.
 
     The sequence (padded to ``num_chunks * chunk_size``) is cut into chunks; rank r holds
@@ -235,7 +235,7 @@ class TokenLayout:
         return "".join(digits[r] if r < 36 else "+" for r in self.owner) + f" x {self.chunk_size}"
 
     def __repr__(self) -> str:
-        return f"TokenLayout({self.to_string()})"
+        return f"TokenSharding({self.to_string()})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -291,9 +291,9 @@ class TilePlan:
         return [i for i, r in enumerate(self.owner) if r == rank]
 
     @property
-    def layout(self) -> TokenLayout:
+    def layout(self) -> TokenSharding:
         """Which rank holds which tokens (what a sharded model shares between its attentions)."""
-        return TokenLayout(chunk_size=self.chunk_size, owner=tuple(self.owner))
+        return TokenSharding(chunk_size=self.chunk_size, owner=tuple(self.owner))
 
     def transfers_for(self, phase: Phase) -> list[Transfer]:
         return [t for t in self.transfers if t.phase == phase]

@@ -16,7 +16,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ultraattn.passes.records import TILE_OPS, AotGraphRecord, CompileReport, GraphRecord, PlanEvent, SiteStats
+from ultraattn.passes.opinfo import TILE_OPS
+from ultraattn.passes.records import AotGraphRecord, CompileReport, GraphRecord, PlanEvent, SiteStats
 from ultraattn.report.plan_report import print_plan_result
 from ultraattn.report.tables import comparison_table
 

@@ -41,7 +41,7 @@ from ..planner.api import plan as run_planner
 from ..planner.baselines import BASELINES, METHODS, REGISTRY, HeadsIndivisible, NotApplicable
 from ..planner.cost import DEFAULT_COST, CostModel
 from ..planner.fast import FastPlanner, planner_key
-from ..planner.plan import AttnShape, Mesh, TilePlan, TokenLayout
+from ..planner.plan import AttnShape, Mesh, TilePlan, TokenSharding
 from ..planner.profile import CostProfile, cost_model_of
 from ..planner.tiling import PlannerOptions
 from .comm import GroupRef, resolve_group, store_exchange
@@ -121,7 +121,7 @@ class AttentionPlan:
         return self.tile_plan.chunks_per_rank * self.tile_plan.chunk_size
 
     @property
-    def layout(self) -> TokenLayout:
+    def layout(self) -> TokenSharding:
         """Which rank holds which tokens (``dispatch``/``undispatch`` follow it)."""
         return self.tile_plan.layout
 
@@ -244,7 +244,7 @@ def plan_attention(
     options: PlannerOptions | None = None,
     cost: CostModel | CostProfile | str | os.PathLike = DEFAULT_COST,
     timeout: float = 300.0,
-    layout: TokenLayout | None = None,
+    layout: TokenSharding | None = None,
     planner: Planner = "auto",
     debug: bool = False,
 ) -> AttentionPlan:
@@ -268,7 +268,7 @@ def plan_attention(
             first (a collective, about a minute) when there is none (``runtime/calibrate.py``). A path or
             ``"auto"`` is resolved once per process and configuration.
         timeout: seconds any rank waits for a peer before failing with the peer's name.
-        layout: a given ``TokenLayout`` (which rank holds which token chunks): the plan keeps it and
+        layout: a given ``TokenSharding`` (which rank holds which token chunks): the plan keeps it and
             chooses only where tiles run and what moves. A sequence-sharded model passes its
             activations' layout, so attention needs no re-distribution. A baseline ``method`` has a
             layout of its own: it must be the same.
@@ -344,7 +344,7 @@ def _check_method(method: str, shape: AttnShape, pmesh: Mesh) -> None:
 
 def _plan_ilp(mask, *, which: str, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: int, dtype: torch.dtype,
               block_size: int, mask_mod, method: str, options: PlannerOptions | None, cost: CostModel, timeout: float,
-              layout: TokenLayout | None) -> AttentionPlan:
+              layout: TokenSharding | None) -> AttentionPlan:
     """Rank 0 plans with the ILP planner (or builds the baseline ``method``) and broadcasts the plan."""
     seqlen, batch, num_heads = shape.seq_len, shape.batch, shape.num_heads
     pattern, mm = _resolve_mask(mask, seqlen=seqlen, batch=batch, num_heads=num_heads, block_size=block_size,
@@ -390,7 +390,7 @@ def _plan_ilp(mask, *, which: str, shape: AttnShape, pmesh: Mesh, ranks, comm_gr
 
 def _plan_fast(mask, *, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: int, dtype: torch.dtype,
                block_size: int, mask_mod, options: PlannerOptions, cost: CostModel, timeout: float,
-               layout: TokenLayout | None, debug: bool) -> AttentionPlan:
+               layout: TokenSharding | None, debug: bool) -> AttentionPlan:
     """Every rank plans for itself with the fast planner (no broadcast: the plan is a pure function)."""
     t0 = time.perf_counter()
     cells, mm = _resolve_cells(mask, seqlen=shape.seq_len, batch=shape.batch, num_heads=shape.num_heads,
@@ -481,10 +481,11 @@ _CHECK_COUNT: dict[tuple[int, ...], int] = {}
 
 
 def forget_runtime_state() -> None:
-    """Forget the online planners, plans and handed-over masks, and the consistency-check counts
-    (``ultraattn.reset``; every rank calls it, so the counts stay in step)."""
+    """Forget the online planners, plans and handed-over masks (``ultraattn.reset``).
+
+    ``_CHECK_COUNT`` stays: it numbers the keys the consistency check writes in the process group's store, which
+    outlive any reset, so counting again from 0 would read another check's values."""
     ONLINE.clear()
-    _CHECK_COUNT.clear()
 
 
 # ----------------------------------------------------------------------------- data movement

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..kernels.reference import softmax_delta
 from ..masks.pattern import EMPTY, FULL, PARTIAL
 from ..planner.api import evaluate
 from ..planner.cost import DEFAULT_COST, CostModel, block_flops
@@ -241,7 +242,7 @@ def measure_tiles(ranks: _Ranks, grid: Grid, device: torch.device, advance: Call
     for case in tile_cases(grid):
         geo, q, kvs, cols, do, fields = _tile_case(grid, **case, device=device)
         o, lse = row_forward(geo, 0, 0, cols, q, kvs, scale)
-        delta = (o * do.float()).sum(-1)
+        delta = softmax_delta(o, do)
 
         def fwd(geo=geo, q=q, kvs=kvs, cols=cols):
             return row_forward(geo, 0, 0, cols, q, kvs, scale)

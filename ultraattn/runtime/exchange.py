@@ -1,6 +1,6 @@
 """Run an ``ExchangePlan`` on one rank: its tiles' layouts, its dispatch index, its two exchanges.
 
-The explicit program of a site whose mask arrives at run time (``passes/explicit/runtime.py``) is a
+The explicit program of a site whose mask arrives at run time (``passes/explicit/dynamic.py``) is a
 fixed skeleton; what its nodes do comes from an ``ExchangeRun`` made per mask:
 
     rows = layout_from_pattern(pattern, mask_mod, ..., q_blocks=rank_rows(plan, r, ...))  # r's rows only
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..kernels.layout import BlockSparseLayout, sub_layout, tile_grid
+from ..kernels.block_lists import BlockLists, sub_layout, tile_grid
 from ..planner.exchange import ExchangePlan
 from .comm import CommLog, pack, unpack
 from .sequence import SequenceShards
@@ -45,9 +45,9 @@ class ExchangeRun:
 
     plan: ExchangePlan
     rank: int
-    local: BlockSparseLayout
+    local: BlockLists
     """This rank's queries x its own keys."""
-    remote: BlockSparseLayout
+    remote: BlockLists
     """This rank's queries x the receive buffer (``plan.slots(rank)``)."""
     index: Tensor
     """int64 [local_len]: the global (padded) position of each local token (the dispatch)."""
@@ -68,7 +68,7 @@ class ExchangeRun:
         return {c: i for i, c in enumerate(self.plan.slots(self.rank))}
 
 
-def make_run(rows: BlockSparseLayout, plan: ExchangePlan, *, rank: int, device: torch.device,
+def make_run(rows: BlockLists, plan: ExchangePlan, *, rank: int, device: torch.device,
              transport: Transport | None, seq: SequenceShards) -> ExchangeRun:
     """Cut ``rows`` (the layout of this rank's query rows, ``rank_rows``, against every key)
     into its local and remote tiles and place them on ``device``."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..kernels.reference import softmax_delta
 from ..planner.plan import TilePlan, Transfer
 from .comm import CommLog, pack, spec_bytes, unpack
 from .tiles import TileGeometry, merge_partial, row_backward, row_forward
@@ -434,9 +435,7 @@ class Executor:
         geo, prog, r, io = self.geo, self.program, self.rank, self.io
         hq, hk, g_count = geo.hq, geo.hk, geo.head_groups
         io.begin("bwd")
-        delta_all = (dout.float() * out).sum(-1)
-        if dlse is not None:
-            delta_all = delta_all - dlse.float()
+        delta_all = softmax_delta(out, dout, dlse)
         rows: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         cols: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         for c in self.local_chunks:

@@ -1,4 +1,4 @@
-"""Sequence shards of any tensor: a ``TokenLayout`` bound to this rank and its process group.
+"""Sequence shards of any tensor: a ``TokenSharding`` bound to this rank and its process group.
 
     seq = SequenceShards(layout, rank=r, global_ranks=ranks, group_ref=GroupRef(pg), timeout=300)
     x_local = seq.shard(x, dim=1, length=S)       # this rank's tokens (the tail zero-padded)
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..planner.plan import TokenLayout
+from ..planner.plan import TokenSharding
 from .comm import NO_GROUP, GroupRef, ranks_differing
 from .transport import Transport, transport_for
 
@@ -43,7 +43,7 @@ def _split_dim(x: Tensor, dim: int, length: int, inner: int) -> tuple[Tensor, in
 class SequenceShards:
     """Where a sharded sequence lives (``layout``) and how this rank talks to the others."""
 
-    layout: TokenLayout
+    layout: TokenSharding
     rank: int
     """This process's rank in the layout (its position in ``global_ranks``)."""
     global_ranks: tuple[int, ...]

@@ -219,7 +219,7 @@ def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: to
     hit = geo.mask_cache.get(key)
     if hit is not None:
         return hit
-    from ..kernels.layout import layout_from_pattern
+    from ..kernels.block_lists import layout_from_pattern
 
     c, bq, bk, s = geo.chunk, geo.q_block, geo.kv_block, geo.seq_len
     nqb, nbk = c // bq, c // bk

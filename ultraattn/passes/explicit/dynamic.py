@@ -4,16 +4,16 @@ A packed-sequence model brings a new document mask every batch. The graph Induct
 site is fixed by shapes, mesh and options alone; the mask becomes a plan (``planner.exchange``) inside
 the graph, in its first node, and every later node reads that plan by its id::
 
-    token, plan = cp_rt_plan(token, [mask tensors], site)       # milliseconds; cached per mask content
-    q_l = index_select(pad(q), 2, cp_rt_index(plan, site))      # dispatch (global view only)
-    h = cp_rt_kv_start(token, plan, k_l, v_l, site)             # stage: the K/V chunks each rank needs
-    o0, l0 = cp_rt_tile_fwd(q_l, k_l, v_l, plan, site, 0)       # own keys, while messages fly
-    token, k_in, v_in = cp_rt_kv_wait(h, plan, site)
-    o1, l1 = cp_rt_tile_fwd(q_l, k_in, v_in, plan, site, 1)     # received keys
-    out, lse = LSE merge (aten), cp_rt_gather(...)               # global view: gather
+    token, plan = cp_dyn_plan(token, [mask tensors], site)       # milliseconds; cached per mask content
+    q_l = index_select(pad(q), 2, cp_dyn_index(plan, site))      # dispatch (global view only)
+    h = cp_dyn_kv_start(token, plan, k_l, v_l, site)             # stage: the K/V chunks each rank needs
+    o0, l0 = cp_dyn_tile_fwd(q_l, k_l, v_l, plan, site, 0)       # own keys, while messages fly
+    token, k_in, v_in = cp_dyn_kv_wait(h, plan, site)
+    o1, l1 = cp_dyn_tile_fwd(q_l, k_in, v_in, plan, site, 1)     # received keys
+    out, lse = LSE merge (aten), cp_dyn_gather(...)               # global view: gather
 
-and the backward: remote tile, ``cp_rt_dkv_start`` (partials home), own tile while they fly,
-``cp_rt_dkv_wait``, sums. A new mask: no recompile, no new guard, the same graph.
+and the backward: remote tile, ``cp_dyn_dkv_start`` (partials home), own tile while they fly,
+``cp_dyn_dkv_wait``, sums. A new mask: no recompile, no new guard, the same graph.
 
 [Note] Owners: fixed per graph or chosen per batch? Owner computes (only K/V move), so the owners ARE the
 balance. ``benchmarks/exchange_owners.py`` plans document masks (the example's packing and a pretraining-like
@@ -30,7 +30,7 @@ the finer chunks' messages no longer hide behind the little compute). So:
   layout is fine stripes (``RUNTIME_MASK_STRIPES`` per rank and direction, ``passes/backend.choose_layout``)
   rather than one mask's plan, which says nothing about the next mask's.
 
-On the CPU test machine the end-to-end benchmark (``runtime_explicit.py --attention-only``) could not separate
+On the CPU test machine the end-to-end benchmark (``dynamic_masks.py --attention-only``) could not separate
 them (four ranks share two cores: idle time goes to the others, only total work counts).
 """
 
@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from ultraattn.cache import LRU
-from ultraattn.kernels.layout import layout_from_pattern
+from ultraattn.kernels.block_lists import layout_from_pattern
+from ultraattn.kernels.reference import softmax_delta
 from ultraattn.masks.convert import to_block_pattern
 from ultraattn.passes.ops.program import new_token
 from ultraattn.passes.records import PlanEvent
@@ -64,6 +66,7 @@ from ultraattn.runtime.exchange import (
 )
 from ultraattn.runtime.plan_cache import content_digest
 from ultraattn.runtime.sequence import SequenceShards
+from ultraattn.runtime.tiles import merge_partial
 from ultraattn.runtime.transport import Transport, transport_for
 
 ops = torch.ops.ultraattn
@@ -78,8 +81,10 @@ OWNERS_PER_BATCH = True
 
 
 @dataclass(eq=False)
-class RuntimeProgram:
+class DynamicProgram:
     """A run-time-mask site's static geometry and its plans (``SiteState.program``)."""
+
+    dynamic: ClassVar[bool] = True
 
     state: SiteState
     device: torch.device
@@ -250,7 +255,7 @@ class RuntimeProgram:
         return self.run_of(plan).seq.gather(x, 2, self.seq_len)
 
 
-def runtime_program(state: SiteState, device: torch.device) -> RuntimeProgram:
+def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:
     """The site's program: its chunking (the graph's layout, or ``CHUNKS_PER_RANK`` per rank) and its ranks."""
     spec, opts = state.spec, state.spec.options
     mesh, ranks, group, me = resolve_group(opts.mesh, None)
@@ -267,7 +272,7 @@ def runtime_program(state: SiteState, device: torch.device) -> RuntimeProgram:
         num = per * mesh.world
         chunk = padded_chunk(spec.q_shape[2], num, block)
     transport = transport_for(rank=me, global_ranks=ranks, group_ref=GroupRef(group), timeout=opts.timeout)
-    return RuntimeProgram(state=state, device=device, mesh=mesh, transport=transport, chunk=chunk, num_chunks=num,
+    return DynamicProgram(state=state, device=device, mesh=mesh, transport=transport, chunk=chunk, num_chunks=num,
                           owner=owner)
 
 
@@ -279,60 +284,53 @@ def _dispatch(x: Tensor, index: Tensor, padded: int) -> Tensor:
     return x.index_select(2, index)
 
 
-def _merge(o0: Tensor, l0: Tensor, o1: Tensor, l1: Tensor) -> tuple[Tensor, Tensor]:
-    """LSE merge of two partial attentions (rows without keys in both: o = 0, lse = -inf)."""
-    lse = torch.logaddexp(l0, l1)
-    base = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    return o0 * torch.exp(l0 - base).unsqueeze(-1) + o1 * torch.exp(l1 - base).unsqueeze(-1), lse
-
-
-def runtime_forward(prog: RuntimeProgram, local: bool):
+def dynamic_forward(prog: DynamicProgram, local: bool):
     """fn(q, k, v, *mask tensors) -> (out, lse fp32, ticket) (``local``: q, k, v, out, lse on this rank's tokens)."""
 
     def fn(q, k, v, *mask):
         key = prog.key
-        token, plan = ops.cp_rt_plan(new_token(), list(mask), key)
+        token, plan = ops.cp_dyn_plan(new_token(), list(mask), key)
         if local:
             ql, kl, vl = q, k, v
         else:
-            index = ops.cp_rt_index(plan, key)
+            index = ops.cp_dyn_index(plan, key)
             ql, kl, vl = (_dispatch(x, index, prog.padded_len) for x in (q, k, v))
-        handle = ops.cp_rt_kv_start(token, plan, kl, vl, key)
-        o0, l0 = ops.cp_rt_tile_fwd(ql, kl, vl, plan, key, 0)
-        token, k_in, v_in = ops.cp_rt_kv_wait(handle, plan, key)
-        o1, l1 = ops.cp_rt_tile_fwd(ql, k_in, v_in, plan, key, 1)
-        out, lse = _merge(o0, l0, o1, l1)
+        handle = ops.cp_dyn_kv_start(token, plan, kl, vl, key)
+        o0, l0 = ops.cp_dyn_tile_fwd(ql, kl, vl, plan, key, 0)
+        token, k_in, v_in = ops.cp_dyn_kv_wait(handle, plan, key)
+        o1, l1 = ops.cp_dyn_tile_fwd(ql, k_in, v_in, plan, key, 1)
+        out, lse = merge_partial((o0, l0), (o1, l1))
         out = out.to(q.dtype)
         if not local:
-            token, out = ops.cp_rt_gather(token, out, plan, key)
-            token, lse = ops.cp_rt_gather(token, lse, plan, key)
-        ticket = ops.cp_rt_stash(token, plan, [k_in, v_in], key)
+            token, out = ops.cp_dyn_gather(token, out, plan, key)
+            token, lse = ops.cp_dyn_gather(token, lse, plan, key)
+        ticket = ops.cp_dyn_stash(token, plan, [k_in, v_in], key)
         return out, lse, ticket
 
     return fn
 
 
-def runtime_backward(prog: RuntimeProgram, local: bool):
+def dynamic_backward(prog: DynamicProgram, local: bool):
     """fn(q, k, v, out, lse, dout, dlse, ticket) -> (dq, dk, dv)."""
 
     def fn(q, k, v, out, lse, dout, dlse, ticket):
         key = prog.key
-        plan, k_in, v_in = ops.cp_rt_unstash(ticket, key)
+        plan, k_in, v_in = ops.cp_dyn_unstash(ticket, key)
         xs = (q, k, v, out, lse, dout.to(out.dtype), dlse.float())
         if not local:
-            index = ops.cp_rt_index(plan, key)
+            index = ops.cp_dyn_index(plan, key)
             xs = tuple(_dispatch(x, index, prog.padded_len) for x in xs)
         ql, kl, vl, ol, ll, dol, dll = xs
-        delta = (dol.float() * ol.float()).sum(-1)
-        dq1, dk_in, dv_in = ops.cp_rt_tile_bwd(ql, k_in, v_in, dol, ll, delta, dll, plan, key, 1)
-        handle = ops.cp_rt_dkv_start(new_token(), plan, dk_in, dv_in, key)
-        dq0, dk0, dv0 = ops.cp_rt_tile_bwd(ql, kl, vl, dol, ll, delta, dll, plan, key, 0)
-        token, dk_home, dv_home = ops.cp_rt_dkv_wait(handle, plan, key)
+        delta = softmax_delta(ol, dol)
+        dq1, dk_in, dv_in = ops.cp_dyn_tile_bwd(ql, k_in, v_in, dol, ll, delta, dll, plan, key, 1)
+        handle = ops.cp_dyn_dkv_start(new_token(), plan, dk_in, dv_in, key)
+        dq0, dk0, dv0 = ops.cp_dyn_tile_bwd(ql, kl, vl, dol, ll, delta, dll, plan, key, 0)
+        token, dk_home, dv_home = ops.cp_dyn_dkv_wait(handle, plan, key)
         grads = (dq0 + dq1, dk0 + dk_home, dv0 + dv_home)
         if not local:
             gathered = []
             for g in grads:
-                token, g = ops.cp_rt_gather(token, g, plan, key)
+                token, g = ops.cp_dyn_gather(token, g, plan, key)
                 gathered.append(g)
             grads = tuple(gathered)
         return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))

@@ -33,6 +33,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ultraattn.passes.explicit.dynamic import DynamicProgram, dynamic_backward, dynamic_forward, dynamic_program
 from ultraattn.passes.explicit.program import (
     ExplicitProgram,
     backward_program,
@@ -40,10 +41,8 @@ from ultraattn.passes.explicit.program import (
     kernel_backward_program,
     kernel_forward_program,
 )
-from ultraattn.passes.explicit.runtime import RuntimeProgram, runtime_backward, runtime_forward, runtime_program
 from ultraattn.passes.fx_util import splice, ultraattn_op
-from ultraattn.passes.ops.program import COMM_OPS, TILE_ROW_OPS
-from ultraattn.passes.ops.runtime import RT_COMM_OPS
+from ultraattn.passes.opinfo import COMM_OPS, TILE_ROW_OPS
 from ultraattn.passes.ops.site import LOCAL_OPS, SITE_BWD_OPS, SITE_OPS
 from ultraattn.passes.records import ScheduleRow
 from ultraattn.passes.site import SiteState, runner_for
@@ -75,7 +74,7 @@ def prepare(state: SiteState, device: torch.device) -> None:
     state.device = device
     spec = state.spec
     if not spec.static_mask:  # the plan is run-time data: only the skeleton's geometry is fixed now
-        state.program = runtime_program(state, device)
+        state.program = dynamic_program(state, device)
         return
     runner = runner_for(state, spec.q_shape, spec.kv_shape, spec.dtype, device, [])
     if isinstance(runner, AttentionPlan):
@@ -105,8 +104,8 @@ def _program_of(state: SiteState, backward: bool, local: bool):
     if prog is None:
         what = "backward of site" if backward else "site"
         raise RuntimeError(f"ultraattn: {what} {state.spec.name} reached the compiler without its compile-time plan")
-    if isinstance(prog, RuntimeProgram):
-        return runtime_backward(prog, local) if backward else runtime_forward(prog, local)
+    if isinstance(prog, DynamicProgram):
+        return dynamic_backward(prog, local) if backward else dynamic_forward(prog, local)
     if state.spec.options.world_size == 1:
         return kernel_backward_program(prog) if backward else kernel_forward_program(prog)
     return backward_program(prog, local) if backward else forward_program(prog, local)
@@ -137,15 +136,15 @@ def expand_sites(gm: fx.GraphModule, table: SideTable) -> list[str]:
 
 
 _RUNTIME_WORDS = {
-    "cp_rt_plan": "plan this call's mask (run-time data: bytes per step in the planning table)",
-    "cp_rt_index": "this rank's token positions under the plan",
-    "cp_rt_kv_start": "stage: post the K/V chunks each rank needs, one message per rank pair",
-    "cp_rt_kv_wait": "stage received: other ranks' K/V chunks by slot",
-    "cp_rt_dkv_start": "stage: post the dK/dV partials of received chunks to their owners",
-    "cp_rt_dkv_wait": "stage received: partials for this rank's chunks, summed",
-    "cp_rt_gather": "all-gather to the global view (the plan's owners)",
-    "cp_rt_stash": "keep the plan and the received K/V for the backward",
-    "cp_rt_unstash": "the forward's plan and received K/V",
+    "cp_dyn_plan": "plan this call's mask (run-time data: bytes per step in the planning table)",
+    "cp_dyn_index": "this rank's token positions under the plan",
+    "cp_dyn_kv_start": "stage: post the K/V chunks each rank needs, one message per rank pair",
+    "cp_dyn_kv_wait": "stage received: other ranks' K/V chunks by slot",
+    "cp_dyn_dkv_start": "stage: post the dK/dV partials of received chunks to their owners",
+    "cp_dyn_dkv_wait": "stage received: partials for this rank's chunks, summed",
+    "cp_dyn_gather": "all-gather to the global view (the plan's owners)",
+    "cp_dyn_stash": "keep the plan and the received K/V for the backward",
+    "cp_dyn_unstash": "the forward's plan and received K/V",
 }
 
 
@@ -158,7 +157,7 @@ def _describe(n: fx.Node, op: str, prog: ExplicitProgram | None) -> tuple[str, i
         return what, sum(t.nbytes for _, t, _ in st.sends)
     if prog is not None and op == "cp_wait":
         return f"stage {n.args[2]}", 0
-    if isinstance(prog, RuntimeProgram):
+    if isinstance(prog, DynamicProgram):
         return _RUNTIME_WORDS.get(op, ""), 0
     if prog is not None and op in TILE_ROW_OPS:
         row = prog.tiles[n.args[-1]]
@@ -178,6 +177,6 @@ def schedule_rows(gm: fx.GraphModule, table: SideTable) -> tuple[ScheduleRow, ..
         prog = state.program if state is not None else None
         what, nbytes = _describe(n, op, prog)
         rows.append(ScheduleRow(node=n.name, op=op, site=state.spec.name if state is not None else "",
-                                comm=op in COMM_OPS or op in RT_COMM_OPS, what=what, bytes=nbytes))
+                                comm=op in COMM_OPS, what=what, bytes=nbytes))
     return tuple(rows)
 

@@ -21,14 +21,7 @@ import torch
 import torch.fx as fx
 
 from ultraattn.passes.fx_util import set_input, set_value, ultraattn_op
-from ultraattn.passes.ops.program import TOKEN_OPS
-from ultraattn.passes.ops.runtime import RT_TOKEN_OPS
-
-AFTER_OPS = ("sp_gather", "sp_all_reduce", "sp_weight_grad", "site_attention", "site_attention_bwd",
-             "site_attention_local", "site_attention_local_bwd")
-"""Communicating ops that take an ``after`` argument (their position in the order)."""
-WAIT_OPS = ("cp_wait", "cp_rt_kv_wait", "cp_rt_dkv_wait")
-"""Ops that end a communication stage (their element 0 is the program's next token)."""
+from ultraattn.passes.opinfo import AFTER_OPS, TOKEN_OPS, WAIT_OPS
 
 
 def _chained(tok) -> bool:
@@ -63,7 +56,7 @@ def order_comm(gm: fx.GraphModule) -> int:
         if op in AFTER_OPS:
             if prev is not None:
                 set_input(n, "after", prev)
-        elif op in TOKEN_OPS or op in RT_TOKEN_OPS:
+        elif op in TOKEN_OPS:
             if not _chained(n.args[0]) and prev is not None:
                 set_input(n, 0, prev)
         elif op not in WAIT_OPS:

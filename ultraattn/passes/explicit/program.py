@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -55,6 +56,9 @@ class TileRow:
 @dataclass(eq=False)
 class ExplicitProgram:
     """What the expanded nodes of one site look up at run time (``SiteState.program``)."""
+
+    dynamic: ClassVar[bool] = False
+    """A site whose mask arrives at run time has a ``DynamicProgram`` (``dynamic`` True) instead."""
 
     state: SiteState
     runner: Runner

@@ -203,11 +203,3 @@ def cp_layout(site: str) -> list[Tensor]:
 @cp_layout.register_fake
 def _(site):
     return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in _program(site).runner.bwd_tensors()]
-
-
-COMM_OPS = ("cp_start", "cp_wait", "cp_finish", "cp_gather", "cp_check_inputs")
-"""Ops that communicate (reports highlight them)."""
-TOKEN_OPS = ("cp_start", "cp_finish", "cp_gather", "cp_check_inputs", "cp_stash")
-"""Ops of a program whose first argument is the program's communication token."""
-TILE_ROW_OPS = ("cp_tile_fwd", "cp_tile_bwd", "cp_tile_layout")
-"""Ops whose last argument indexes the program's tile table."""

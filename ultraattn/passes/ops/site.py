@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from ultraattn.kernels import BlockSparseLayout
+from ultraattn.kernels import BlockLists
+from ultraattn.kernels.reference import softmax_delta
 from ultraattn.passes.site import check_same_inputs, global_shapes, runner_for
 from ultraattn.passes.state import side_table
 from ultraattn.runtime.api import check_consistent, dispatch, gather_tokens
@@ -36,7 +37,7 @@ def kernel_site_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
                          layout: list[Tensor] | tuple[Tensor, ...], q_block: int, kv_block: int, scale: float):
     """World-1 gradients on the block-sparse kernel op (delta from out and dout; the op folds dLSE in)."""
     dout = dout.to(out.dtype)
-    delta = (dout.float() * out.float()).sum(-1)
+    delta = softmax_delta(out, dout)
     return torch.ops.ultraattn.bsa_bwd(q, k, v, dout, lse, delta, dlse.float(), *layout, q_block, kv_block, scale)
 
 
@@ -56,7 +57,7 @@ def site_attention(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor], 
     if spec.options.debug and spec.options.world_size > 1:
         check_same_inputs(state, (q, k, v, *mask_tensors))
     runner = runner_for(state, tuple(q.shape), tuple(k.shape), q.dtype, q.device, mask_tensors)
-    if isinstance(runner, BlockSparseLayout):
+    if isinstance(runner, BlockLists):
         out, lse = torch.ops.ultraattn.bsa_fwd(q, k, v, *runner.bwd_tensors(), runner.q_block, runner.kv_block,
                                                spec.scale)
         # q, k, v, out, lse belong to the compiled graph (Inductor may reuse their buffers once it thinks they

@@ -1,0 +1,64 @@
+"""What each ``ultraattn::`` op is, in one table: every classification the passes and the reports make reads it.
+
+A new op gets one row here (the ops themselves live in ``passes/ops/`` and ``kernels/ops.py``). The flags:
+
+* ``comm``: it communicates (reports highlight it; ``explicit/order.py`` puts it in the one order every rank runs);
+* ``token``: its first argument is its program's communication token (the chain of a site's program);
+* ``after``: it takes an ``after`` argument, its place in that order (an op outside a site's program);
+* ``wait``: it ends a communication stage (its element 0 is the program's next token);
+* ``tile``: it computes attention tiles (reports count and colour them);
+* ``tile_row``: its last argument indexes its program's table of tile rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    comm: bool = False
+    token: bool = False
+    after: bool = False
+    wait: bool = False
+    tile: bool = False
+    tile_row: bool = False
+
+
+_COMM_TOKEN = OpInfo(comm=True, token=True)
+_AFTER = OpInfo(comm=True, after=True)
+_WAIT = OpInfo(comm=True, wait=True)
+
+OPS: dict[str, OpInfo] = {
+    # a site as one op (passes/ops/site.py) and the sequence ops (passes/ops/seq.py)
+    "site_attention": _AFTER, "site_attention_bwd": _AFTER,
+    "site_attention_local": _AFTER, "site_attention_local_bwd": _AFTER,
+    "sp_gather": _AFTER, "sp_all_reduce": _AFTER, "sp_weight_grad": _AFTER,
+    "sp_dispatch": OpInfo(), "sp_dispatch_grad": OpInfo(), "sp_valid": OpInfo(),
+    # a site's explicit program, planned at compile time (passes/ops/program.py)
+    "cp_start": _COMM_TOKEN, "cp_wait": _WAIT, "cp_finish": _COMM_TOKEN, "cp_gather": _COMM_TOKEN,
+    "cp_check_inputs": _COMM_TOKEN, "cp_stash": OpInfo(token=True), "cp_unstash": OpInfo(),
+    "cp_tile_fwd": OpInfo(tile=True, tile_row=True), "cp_tile_bwd": OpInfo(tile=True, tile_row=True),
+    "cp_tile_layout": OpInfo(tile_row=True), "cp_layout": OpInfo(),
+    # a site's explicit program for masks that arrive at run time (passes/ops/dynamic.py)
+    "cp_dyn_plan": _COMM_TOKEN, "cp_dyn_index": OpInfo(), "cp_dyn_kv_start": _COMM_TOKEN, "cp_dyn_kv_wait": _WAIT,
+    "cp_dyn_dkv_start": _COMM_TOKEN, "cp_dyn_dkv_wait": _WAIT, "cp_dyn_gather": _COMM_TOKEN,
+    "cp_dyn_stash": OpInfo(token=True), "cp_dyn_unstash": OpInfo(),
+    "cp_dyn_tile_fwd": OpInfo(tile=True), "cp_dyn_tile_bwd": OpInfo(tile=True),
+    # kernels (kernels/ops.py) and kept flex_attention sites (passes/ops/kept.py)
+    "bsa_fwd": OpInfo(tile=True), "bsa_bwd": OpInfo(tile=True),
+    "bsa_fwd_ref": OpInfo(), "bsa_bwd_ref": OpInfo(), "kept_flex": OpInfo(), "kept_flex_bwd": OpInfo(),
+}
+
+
+def ops_where(flag: str) -> frozenset[str]:
+    """The names of the ops with ``flag`` set."""
+    return frozenset(name for name, info in OPS.items() if getattr(info, flag))
+
+
+COMM_OPS = ops_where("comm")
+TOKEN_OPS = ops_where("token")
+AFTER_OPS = ops_where("after")
+WAIT_OPS = ops_where("wait")
+TILE_OPS = ops_where("tile")
+TILE_ROW_OPS = ops_where("tile_row")
