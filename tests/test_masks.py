@@ -480,9 +480,9 @@ def test_tokens_past_documents_attend_nothing():
     assert isinstance(pattern_from_mask_mod(m, 12, block_size=4), BlockPattern)
 
 
-def test_factories_main_prints(capsys):
-    from ultraattn.masks import factories
+def test_mask_listing_main_prints(capsys):
+    from ultraattn.masks import spec
 
-    factories.main()
+    spec.main()
     out = capsys.readouterr().out
     assert "strided(block=2,stride=4,band=2,causal=False)" in out and "#" in out

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from ultraattn.masks import factories as F
 from ultraattn.masks.factories import MaskKind, MaskMod
 from ultraattn.masks.registry import MASKS, ParamKind
 
@@ -158,9 +159,23 @@ def _ascii(mask_mod: MaskMod, q_len: int, kv_len: int, b: int = 0) -> str:
 
 
 def main() -> None:
-    """Print every registered mask at its defaults, at a small size (32 tokens; '#' attends, '.' masked)."""
+    """Print every registered mask at a small size (32 tokens; '#' attends, '.' masked): a few at hand-picked
+    sizes, the rest at their spec defaults."""
     s = 32
-    masks = [parse_mask_spec(name, s) for name in MASKS]
+    masks = [
+        F.generate_full(),
+        F.generate_causal(),
+        F.generate_sliding_window(window=s // 8),
+        F.generate_sliding_window(window=s // 8, causal=False),
+        F.generate_strided(block=s // 16),
+        F.generate_global_local(num_global=s // 16, window=s // 16),
+        F.generate_star(block=s // 4),
+        F.generate_streaming(sink=s // 8, window=2, block=s // 8),
+        F.generate_document([5, 12, 9], causal=True),
+        F.generate_prefix_lm(prefix=s // 4),
+    ]
+    shown = {m.__name__.partition("(")[0] for m in masks}
+    masks += [parse_mask_spec(name, s) for name in MASKS if name not in shown]  # every other registered mask
     for m in masks:
         total = int(m.count_pairs(0, s, 0, s))
         print(f"{m.__name__}: {total}/{s * s} pairs ({total / (s * s):.1%})")
