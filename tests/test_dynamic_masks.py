@@ -9,6 +9,7 @@ must move exactly the bytes its plan says, and Dynamo must not compile again.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -23,8 +24,13 @@ FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 60.0}
 DOCS = ([50, 70, 40], [160], [10, 90, 30, 30], [80, 80], [33, 33, 33, 61])
 
 
-def _count(code: str, op: str) -> int:
-    return code.count(f"torch.ops.ultraattn.{op}.default(")
+def _count(code: str, op: str, stage: int | None = None) -> int:
+    """Calls of ``op`` in the graph's code (``stage``: of the stage ops, those of that stage only: KV_STAGE 0 is
+    the forward's K/V exchange, DKV_STAGE 1 the backward's dK/dV return)."""
+    if stage is None:
+        return code.count(f"torch.ops.ultraattn.{op}.default(")
+    calls = re.findall(rf"torch\.ops\.ultraattn\.{op}\.default\(.*?'[^']*', (\d+), ", code)
+    return sum(int(c) == stage for c in calls)
 
 
 def _check_run(res: list[dict], specs: list[dict], *, graphs: int = 1, local: bool = False,
@@ -53,15 +59,16 @@ def _check_run(res: list[dict], specs: list[dict], *, graphs: int = 1, local: bo
             assert g["expanded"], g["kind"]
             n = len(set(g["expanded"]))
             if g["kind"] == "backward":  # (with checkpointing it also recomputes each site's forward)
-                assert _count(code, "cp_dyn_plan") == _count(code, "cp_dyn_kv_wait") == (calls - 1) * n
+                assert _count(code, "cp_dyn_plan") == _count(code, "cp_wait", 0) == (calls - 1) * n
             if g["kind"] == "forward":
-                assert _count(code, "cp_dyn_plan") == n and _count(code, "cp_dyn_kv_start") == n
-                assert _count(code, "cp_dyn_kv_wait") == n and _count(code, "cp_dyn_tile_fwd") == 2 * n
-                assert _count(code, "cp_dyn_gather") == (0 if local else 2 * n)
+                assert _count(code, "cp_dyn_plan") == n and _count(code, "cp_start", 0) == n
+                assert _count(code, "cp_wait", 0) == n and _count(code, "cp_dyn_tile_fwd") == 2 * n
+                assert _count(code, "cp_start", 1) == _count(code, "cp_wait", 1) == 0
+                assert _count(code, "cp_gather") == (0 if local else 2 * n)
             else:
-                assert _count(code, "cp_dyn_dkv_start") == _count(code, "cp_dyn_dkv_wait") == n
+                assert _count(code, "cp_start", 1) == _count(code, "cp_wait", 1) == n
                 assert _count(code, "cp_dyn_tile_bwd") == 2 * n
-                assert _count(code, "cp_dyn_gather") == (0 if local else (3 + 2 * (calls - 1)) * n)
+                assert _count(code, "cp_gather") == (0 if local else (3 + 2 * (calls - 1)) * n)
         # one plan per mask content: a mask seen before is not planned again, and the later layers' sites (same
         # configuration, same mask; in this graph or the next) take the first one's plan
         made = [(e["graph"], e["site"]) for e in got["events"] if e["planner"] == "exchange"]  # (not seed plans)
@@ -94,7 +101,8 @@ def test_document_masks_over_five_batches_compile_once(world, shard, tmp_path):
     for kind in ("forward", "backward"):
         assert text.count(f"{kind} graph for Inductor: ") == 1, text
     assert "forward graph for Inductor: 2 communication stages, 4 tile nodes" in text, text
-    assert "cp_dyn_kv_start" in text and "cp_dyn_dkv_wait" in text and "fwd bytes / stage" in text
+    assert "cp_start" in text and "cp_wait" in text and "fwd bytes / stage" in text
+    assert "post the K/V chunks each rank needs" in text and "partials for this rank's chunks, summed" in text
     if shard:  # the graph's layout: head-tail stripes, not the first mask's plan
         assert "head-tail stripes x2 (a new mask every batch)" in text, text
     rows = [ln for ln in text.splitlines() if ln.startswith("│") and " exchange " in ln and "flex#" in ln]

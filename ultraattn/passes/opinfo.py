@@ -35,15 +35,14 @@ OPS: dict[str, OpInfo] = {
     "site_attention_local": _AFTER, "site_attention_local_bwd": _AFTER,
     "sp_gather": _AFTER, "sp_all_reduce": _AFTER, "sp_weight_grad": _AFTER,
     "sp_dispatch": OpInfo(), "sp_dispatch_grad": OpInfo(), "sp_valid": OpInfo(),
-    # a site's explicit program, planned at compile time (passes/ops/program.py)
+    # a site's explicit program (passes/ops/program.py): its plan traced at compile time, or run-time data
     "cp_start": _COMM_TOKEN, "cp_wait": _WAIT, "cp_finish": _COMM_TOKEN, "cp_gather": _COMM_TOKEN,
     "cp_check_inputs": _COMM_TOKEN, "cp_stash": OpInfo(token=True), "cp_unstash": OpInfo(),
     "cp_tile_fwd": OpInfo(tile=True, tile_row=True), "cp_tile_bwd": OpInfo(tile=True, tile_row=True),
     "cp_tile_layout": OpInfo(tile_row=True), "cp_layout": OpInfo(),
     # a site's explicit program for masks that arrive at run time (passes/ops/dynamic.py)
-    "cp_dyn_plan": _COMM_TOKEN, "cp_dyn_index": OpInfo(), "cp_dyn_kv_start": _COMM_TOKEN, "cp_dyn_kv_wait": _WAIT,
-    "cp_dyn_dkv_start": _COMM_TOKEN, "cp_dyn_dkv_wait": _WAIT, "cp_dyn_gather": _COMM_TOKEN,
-    "cp_dyn_stash": OpInfo(token=True), "cp_dyn_unstash": OpInfo(),
+    # (its stages, gathers and stash are the ops above, with the plan as data)
+    "cp_dyn_plan": _COMM_TOKEN, "cp_dyn_index": OpInfo(),
     "cp_dyn_tile_fwd": OpInfo(tile=True), "cp_dyn_tile_bwd": OpInfo(tile=True),
     # kernels (kernels/ops.py) and kept flex_attention sites (passes/ops/kept.py)
     "bsa_fwd": OpInfo(tile=True), "bsa_bwd": OpInfo(tile=True),

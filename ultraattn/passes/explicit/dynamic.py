@@ -6,14 +6,16 @@ the graph, in its first node, and every later node reads that plan by its id::
 
     token, plan = cp_dyn_plan(token, [mask tensors], site)       # milliseconds; cached per mask content
     q_l = index_select(pad(q), 2, cp_dyn_index(plan, site))      # dispatch (global view only)
-    h = cp_dyn_kv_start(token, plan, k_l, v_l, site)             # stage: the K/V chunks each rank needs
+    h = cp_start(token, [k_l, v_l], site, KV_STAGE, plan)        # stage: the K/V chunks each rank needs
     o0, l0 = cp_dyn_tile_fwd(q_l, k_l, v_l, plan, site, 0)       # own keys, while messages fly
-    token, k_in, v_in = cp_dyn_kv_wait(h, plan, site)
+    token, k_in, v_in = cp_wait(h, site, KV_STAGE, plan)
     o1, l1 = cp_dyn_tile_fwd(q_l, k_in, v_in, plan, site, 1)     # received keys
-    out, lse = LSE merge (aten), cp_dyn_gather(...)               # global view: gather
+    out, lse = merge_partial(...), cp_gather(..., plan)           # global view: gather
 
-and the backward: remote tile, ``cp_dyn_dkv_start`` (partials home), own tile while they fly,
-``cp_dyn_dkv_wait``, sums. A new mask: no recompile, no new guard, the same graph.
+and the backward: remote tile, ``cp_start(..., DKV_STAGE, plan)`` (partials home), own tile while they fly,
+``cp_wait``, sums. A new mask: no recompile, no new guard, the same graph. The stage, gather and stash ops are a
+static program's (``passes/ops/program.py``) with the plan as data; only planning, the dispatch index and the
+tiles (one block-sparse kernel over this rank's rows per part) are this path's own ops.
 
 [Note] Owners: fixed per graph or chosen per batch? Owner computes (only K/V move), so the owners ARE the
 balance. ``benchmarks/exchange_owners.py`` plans document masks (the example's packing and a pretraining-like
@@ -78,6 +80,10 @@ RUNTIME_MASK_STRIPES = 8
 (fewer where chunks would be smaller than a block); see the [Note] above."""
 OWNERS_PER_BATCH = True
 """Global-view sites choose owners per mask (see the [Note] in the module docstring)."""
+
+
+KV_STAGE, DKV_STAGE = 0, 1
+"""A dynamic program's two stages: the forward's K/V exchange and the backward's dK/dV return."""
 
 
 @dataclass(eq=False)
@@ -217,26 +223,46 @@ class DynamicProgram:
                                  "imbalance": plan.imbalance(), "ownership": plan.ownership})
 
     # ------------------------------------------------------------------ what the ops do
-    def post_kv(self, plan: Tensor, k: Tensor, v: Tensor) -> int:
-        run = self.run_of(plan)
+    # The stage ops (``cp_start``, ``cp_wait``, ``cp_gather``, ``cp_stash``, ``cp_unstash``) are a static
+    # program's, with this call's plan as data (``plan``): stage ``KV_STAGE`` is the forward exchange (the K/V
+    # chunks each rank needs), ``DKV_STAGE`` the backward's (the dK/dV partials of received chunks, home).
+    def start(self, stage: int, pieces: list[Tensor], plan: Tensor) -> int:
+        a, b = pieces
         hid = self.state.next_id()
-        self.handles[hid] = post_kv(run, k, v)
+        self.handles[hid] = (post_kv if stage == KV_STAGE else post_dkv)(self.run_of(plan), a, b)
         return hid
 
     def _heads(self) -> tuple[int, int, int]:
         B, Hk, _, D = self.state.spec.kv_shape
         return B, Hk, D
 
-    def wait_kv(self, handle: Tensor, plan: Tensor) -> tuple[Tensor, Tensor]:
-        return wait_kv(self.run_of(plan), self.handles.pop(int(handle)), self._heads(), self.dtype, self.device)
+    def wait(self, hid: int, stage: int, plan: Tensor) -> list[Tensor]:
+        """KV_STAGE: [K buffer, V buffer], other ranks' chunks by slot; DKV_STAGE: [dK, dV] fp32 on this rank's
+        tokens, the partials other ranks sent, summed."""
+        run, handle = self.run_of(plan), self.handles.pop(hid)
+        if stage == KV_STAGE:
+            return list(wait_kv(run, handle, self._heads(), self.dtype, self.device))
+        return list(wait_dkv(run, handle, self._heads(), self.device))
 
-    def post_dkv(self, plan: Tensor, dk: Tensor, dv: Tensor) -> int:
-        hid = self.state.next_id()
-        self.handles[hid] = post_dkv(self.run_of(plan), dk, dv)
-        return hid
+    def received(self, stage: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        if stage == KV_STAGE:
+            return [(self.buffer_shape, self.dtype)] * 2
+        return [(self.local_kv_shape, torch.float32)] * 2
 
-    def wait_dkv(self, handle: Tensor, plan: Tensor) -> tuple[Tensor, Tensor]:
-        return wait_dkv(self.run_of(plan), self.handles.pop(int(handle)), self._heads(), self.device)
+    def gather(self, x: Tensor, plan: Tensor) -> Tensor:
+        return self.run_of(plan).seq.gather(x, 2, self.seq_len)
+
+    def stash(self, tensors: list[Tensor], plan: Tensor) -> int:
+        return self.state.put_state((self.run_of(plan), tensors))
+
+    def unstash(self, ticket: int) -> list[Tensor]:
+        """[plan id, K buffer, V buffer] of the forward that stashed them."""
+        run, tensors = self.state.take_state(ticket)
+        return [torch.tensor(self.keep(run), dtype=torch.int64), *tensors]
+
+    def stashed(self) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
+        cpu = torch.device("cpu")
+        return [((), torch.int64, cpu)] + [(self.buffer_shape, self.dtype, self.device)] * 2
 
     def tile_fwd(self, q, k, v, plan, part: int) -> tuple[Tensor, Tensor]:
         run = self.run_of(plan)
@@ -250,9 +276,6 @@ class DynamicProgram:
         grads = ops.bsa_bwd(q, k, v, do, lse, delta, dlse, *lay.bwd_tensors(), lay.q_block, lay.kv_block,
                             self.state.spec.scale, True)
         return tuple(g.contiguous() for g in grads)
-
-    def gather(self, x: Tensor, plan: Tensor) -> Tensor:
-        return self.run_of(plan).seq.gather(x, 2, self.seq_len)
 
 
 def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:
@@ -295,16 +318,16 @@ def dynamic_forward(prog: DynamicProgram, local: bool):
         else:
             index = ops.cp_dyn_index(plan, key)
             ql, kl, vl = (_dispatch(x, index, prog.padded_len) for x in (q, k, v))
-        handle = ops.cp_dyn_kv_start(token, plan, kl, vl, key)
+        handle = ops.cp_start(token, [kl, vl], key, KV_STAGE, plan)
         o0, l0 = ops.cp_dyn_tile_fwd(ql, kl, vl, plan, key, 0)
-        token, k_in, v_in = ops.cp_dyn_kv_wait(handle, plan, key)
+        token, k_in, v_in = ops.cp_wait(handle, key, KV_STAGE, plan)
         o1, l1 = ops.cp_dyn_tile_fwd(ql, k_in, v_in, plan, key, 1)
         out, lse = merge_partial((o0, l0), (o1, l1))
         out = out.to(q.dtype)
         if not local:
-            token, out = ops.cp_dyn_gather(token, out, plan, key)
-            token, lse = ops.cp_dyn_gather(token, lse, plan, key)
-        ticket = ops.cp_dyn_stash(token, plan, [k_in, v_in], key)
+            token, out = ops.cp_gather(token, out, key, plan)
+            token, lse = ops.cp_gather(token, lse, key, plan)
+        ticket = ops.cp_stash(token, [k_in, v_in], key, plan)
         return out, lse, ticket
 
     return fn
@@ -315,7 +338,7 @@ def dynamic_backward(prog: DynamicProgram, local: bool):
 
     def fn(q, k, v, out, lse, dout, dlse, ticket):
         key = prog.key
-        plan, k_in, v_in = ops.cp_dyn_unstash(ticket, key)
+        plan, k_in, v_in = ops.cp_unstash(ticket, key)
         xs = (q, k, v, out, lse, dout.to(out.dtype), dlse.float())
         if not local:
             index = ops.cp_dyn_index(plan, key)
@@ -323,14 +346,14 @@ def dynamic_backward(prog: DynamicProgram, local: bool):
         ql, kl, vl, ol, ll, dol, dll = xs
         delta = softmax_delta(ol, dol)
         dq1, dk_in, dv_in = ops.cp_dyn_tile_bwd(ql, k_in, v_in, dol, ll, delta, dll, plan, key, 1)
-        handle = ops.cp_dyn_dkv_start(new_token(), plan, dk_in, dv_in, key)
+        handle = ops.cp_start(new_token(), [dk_in, dv_in], key, DKV_STAGE, plan)
         dq0, dk0, dv0 = ops.cp_dyn_tile_bwd(ql, kl, vl, dol, ll, delta, dll, plan, key, 0)
-        token, dk_home, dv_home = ops.cp_dyn_dkv_wait(handle, plan, key)
+        token, dk_home, dv_home = ops.cp_wait(handle, key, DKV_STAGE, plan)
         grads = (dq0 + dq1, dk0 + dk_home, dv0 + dv_home)
         if not local:
             gathered = []
             for g in grads:
-                token, g = ops.cp_dyn_gather(token, g, plan, key)
+                token, g = ops.cp_gather(token, g, key, plan)
                 gathered.append(g)
             grads = tuple(gathered)
         return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))

@@ -33,7 +33,14 @@ from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ultraattn.passes.explicit.dynamic import DynamicProgram, dynamic_backward, dynamic_forward, dynamic_program
+from ultraattn.passes.explicit.dynamic import (
+    DKV_STAGE,
+    KV_STAGE,
+    DynamicProgram,
+    dynamic_backward,
+    dynamic_forward,
+    dynamic_program,
+)
 from ultraattn.passes.explicit.program import (
     ExplicitProgram,
     backward_program,
@@ -135,21 +142,28 @@ def expand_sites(gm: fx.GraphModule, table: SideTable) -> list[str]:
     return done
 
 
-_RUNTIME_WORDS = {
+_DYNAMIC_WORDS = {
     "cp_dyn_plan": "plan this call's mask (run-time data: bytes per step in the planning table)",
     "cp_dyn_index": "this rank's token positions under the plan",
-    "cp_dyn_kv_start": "stage: post the K/V chunks each rank needs, one message per rank pair",
-    "cp_dyn_kv_wait": "stage received: other ranks' K/V chunks by slot",
-    "cp_dyn_dkv_start": "stage: post the dK/dV partials of received chunks to their owners",
-    "cp_dyn_dkv_wait": "stage received: partials for this rank's chunks, summed",
-    "cp_dyn_gather": "all-gather to the global view (the plan's owners)",
-    "cp_dyn_stash": "keep the plan and the received K/V for the backward",
-    "cp_dyn_unstash": "the forward's plan and received K/V",
+    ("cp_start", KV_STAGE): "stage: post the K/V chunks each rank needs, one message per rank pair",
+    ("cp_wait", KV_STAGE): "stage received: other ranks' K/V chunks by slot",
+    ("cp_start", DKV_STAGE): "stage: post the dK/dV partials of received chunks to their owners",
+    ("cp_wait", DKV_STAGE): "stage received: partials for this rank's chunks, summed",
+    "cp_gather": "all-gather to the global view (the plan's owners)",
+    "cp_stash": "keep the plan and the received K/V for the backward",
+    "cp_unstash": "the forward's plan and received K/V",
 }
+
+
+def _stage_of(n: fx.Node, op: str) -> int:
+    return n.args[3] if op == "cp_start" else n.args[2]
 
 
 def _describe(n: fx.Node, op: str, prog: ExplicitProgram | None) -> tuple[str, int]:
     """(what the node does, bytes it sends) for reports."""
+    if isinstance(prog, DynamicProgram):
+        key = (op, _stage_of(n, op)) if op in ("cp_start", "cp_wait") else op
+        return _DYNAMIC_WORDS.get(key, ""), 0
     if prog is not None and op == "cp_start":
         st = prog.stages[n.args[3]]
         what = "; ".join([f"send {t.tensor} c{t.chunk}g{t.head_group}→r{t.dst}" for _, t, _ in st.sends] +
@@ -157,8 +171,6 @@ def _describe(n: fx.Node, op: str, prog: ExplicitProgram | None) -> tuple[str, i
         return what, sum(t.nbytes for _, t, _ in st.sends)
     if prog is not None and op == "cp_wait":
         return f"stage {n.args[2]}", 0
-    if isinstance(prog, DynamicProgram):
-        return _RUNTIME_WORDS.get(op, ""), 0
     if prog is not None and op in TILE_ROW_OPS:
         row = prog.tiles[n.args[-1]]
         return f"q chunk {row.q_chunk}, group {row.group} × kv chunks {list(row.kv_chunks)}", 0

@@ -21,6 +21,7 @@ from ultraattn.kernels import config, uses_triton
 from ultraattn.passes.ops.program import new_token
 from ultraattn.passes.ops.site import kernel_site_backward
 from ultraattn.passes.site import Runner, SiteState
+from ultraattn.runtime.api import gather_tokens
 from ultraattn.runtime.executor import layout as unit_layout
 from ultraattn.runtime.tiles import kernel_row_backward, kernel_row_forward
 
@@ -81,13 +82,48 @@ class ExplicitProgram:
     def executor(self):
         return self.runner.executor
 
-    def post(self, handle) -> int:
+    @property
+    def seq_len(self) -> int:
+        return self.runner.seq_len
+
+    # ------------------------------------------------------------------ what the stage ops do (ops/program.py)
+    # A ``DynamicProgram`` (explicit/dynamic.py) answers the same calls with its plan as data: the ``plan``
+    # argument, which a static program has none of.
+    def start(self, stage: int, pieces: list[Tensor], plan: Tensor | None = None) -> int:
+        """Post stage ``stage`` of the traced schedule (``pieces``: its messages' tensors in order); a handle id."""
+        st = self.stages[stage]
+        io = self.executor.io
+        if st.first:
+            io.begin(st.phase)
+            if st.phase == "fwd":
+                self.state.calls += 1
+        it = iter(pieces)
+        msgs = [(tag, t, [next(it) for _ in range(n)]) for tag, t, n in st.sends]
         hid = self.state.next_id()
-        self.handles[hid] = handle
+        self.handles[hid] = io.start(st.phase, msgs, st.recvs, self.device)
         return hid
 
-    def collect(self, hid: int):
-        return self.handles.pop(hid)
+    def wait(self, hid: int, stage: int, plan: Tensor | None = None) -> list[Tensor]:
+        """The stage's received tensors, in order."""
+        got = self.executor.io.wait(self.handles.pop(hid))
+        return [p.clone() for _t, pieces in got for p in pieces]
+
+    def received(self, stage: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of what ``wait`` returns for ``stage`` (fake kernels)."""
+        return list(self.stages[stage].recv_specs)
+
+    def gather(self, x: Tensor, plan: Tensor | None = None) -> Tensor:
+        return gather_tokens(x, self.runner)
+
+    def stash(self, tensors: list[Tensor], plan: Tensor | None = None) -> int:
+        return self.state.put_state(tensors)
+
+    def unstash(self, ticket: int) -> list[Tensor]:
+        return self.state.take_state(ticket)
+
+    def stashed(self) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
+        """(shape, dtype, device) of what ``unstash`` returns (fake kernels)."""
+        return [(shape, dt, self.device) for _kind, _u, specs in self.saved_layout for shape, dt in specs]
 
 
 # ----------------------------------------------------------------------------- the graph-building IO

@@ -20,7 +20,6 @@ from torch.library import custom_op
 
 from ultraattn.passes.site import check_same_inputs
 from ultraattn.passes.state import side_table
-from ultraattn.runtime.api import gather_tokens
 from ultraattn.runtime.tiles import kernel_layout, row_backward, row_forward
 
 
@@ -41,38 +40,27 @@ def _fake_token() -> Tensor:
 
 
 @custom_op("ultraattn::cp_start", mutates_args=())
-def cp_start(token: Tensor, pieces: list[Tensor], site: str, stage: int) -> Tensor:
-    """Post one schedule stage's sends (``pieces``, message after message) and receives; returns a handle."""
-    prog = _program(site)
-    st = prog.stages[stage]
-    io = prog.executor.io
-    if st.first:
-        io.begin(st.phase)
-        if st.phase == "fwd":
-            prog.state.calls += 1
-    it = iter(pieces)
-    msgs = [(tag, t, [next(it) for _ in range(n)]) for tag, t, n in st.sends]
-    return torch.tensor(prog.post(io.start(st.phase, msgs, st.recvs, prog.device)), dtype=torch.int64)
+def cp_start(token: Tensor, pieces: list[Tensor], site: str, stage: int, plan: Tensor | None = None) -> Tensor:
+    """Post one stage's sends (``pieces``, message after message) and receives; returns a handle. ``plan``: the
+    call's plan id, for a program whose plan is run-time data (``DynamicProgram``); None for a static one."""
+    return torch.tensor(_program(site).start(stage, pieces, plan), dtype=torch.int64)
 
 
 @cp_start.register_fake
-def _(token, pieces, site, stage):
+def _(token, pieces, site, stage, plan=None):
     return _fake_token()
 
 
 @custom_op("ultraattn::cp_wait", mutates_args=())
-def cp_wait(handle: Tensor, site: str, stage: int) -> list[Tensor]:
-    """Wait for a stage's receives: [token, pieces of each received message in order]."""
-    prog = _program(site)
-    got = prog.executor.io.wait(prog.collect(int(handle)))
-    return [new_token()] + [p.clone() for _t, pieces in got for p in pieces]
+def cp_wait(handle: Tensor, site: str, stage: int, plan: Tensor | None = None) -> list[Tensor]:
+    """Wait for a stage's receives: [token, the received tensors in order]."""
+    return [new_token()] + _program(site).wait(int(handle), stage, plan)
 
 
 @cp_wait.register_fake
-def _(handle, site, stage):
+def _(handle, site, stage, plan=None):
     prog = _program(site)
-    return [_fake_token()] + [torch.empty(shape, dtype=dt, device=prog.device)
-                              for shape, dt in prog.stages[stage].recv_specs]
+    return [_fake_token()] + [torch.empty(shape, dtype=dt, device=prog.device) for shape, dt in prog.received(stage)]
 
 
 @custom_op("ultraattn::cp_finish", mutates_args=())
@@ -153,41 +141,41 @@ def _(q, do, lse, delta, ks, vs, site, tile):
 
 
 @custom_op("ultraattn::cp_gather", mutates_args=())
-def cp_gather(token: Tensor, x: Tensor, site: str) -> list[Tensor]:
+def cp_gather(token: Tensor, x: Tensor, site: str, plan: Tensor | None = None) -> list[Tensor]:
     """All-gather this rank's tokens (dim 2) into the global tensor: [token, global x]."""
-    return [new_token(), gather_tokens(x, _program(site).runner).contiguous()]
+    return [new_token(), _program(site).gather(x, plan).contiguous()]
 
 
 @cp_gather.register_fake
-def _(token, x, site):
+def _(token, x, site, plan=None):
     shape = list(x.shape)
-    shape[2] = _program(site).runner.seq_len
+    shape[2] = _program(site).seq_len
     return [_fake_token(), x.new_empty(shape)]
 
 
 @custom_op("ultraattn::cp_stash", mutates_args=())
-def cp_stash(token: Tensor, tensors: list[Tensor], site: str) -> Tensor:
-    """Keep the units the backward reuses (received in the forward); returns their ticket."""
+def cp_stash(token: Tensor, tensors: list[Tensor], site: str, plan: Tensor | None = None) -> Tensor:
+    """Keep what the backward reuses (the units received in the forward; a dynamic program's plan too); returns
+    their ticket."""
     # copies: the tensors are the graph's buffers, which Inductor reuses once the graph no longer reads them
-    ticket = _program(site).state.put_state([t.clone() for t in tensors])
-    return torch.tensor(ticket, dtype=torch.int64)
+    return torch.tensor(_program(site).stash([t.clone() for t in tensors], plan), dtype=torch.int64)
 
 
 @cp_stash.register_fake
-def _(token, tensors, site):
+def _(token, tensors, site, plan=None):
     return _fake_token()
 
 
 @custom_op("ultraattn::cp_unstash", mutates_args=())
 def cp_unstash(ticket: Tensor, site: str) -> list[Tensor]:
-    return _program(site).state.take_state(int(ticket))
+    """What the forward that returned ``ticket`` stashed (a dynamic program's plan id first)."""
+    return _program(site).unstash(int(ticket))
 
 
 @cp_unstash.register_fake
 def _(ticket, site):
     prog = _program(site)
-    return [torch.empty(shape, dtype=dt, device=prog.device) for _kind, _u, specs in prog.saved_layout
-            for shape, dt in specs]
+    return [torch.empty(shape, dtype=dt, device=dev) for shape, dt, dev in prog.stashed()]
 
 
 @custom_op("ultraattn::cp_layout", mutates_args=())
