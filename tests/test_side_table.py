@@ -174,3 +174,28 @@ def test_site_keys_are_derived_from_the_graph_so_a_restart_compiles_the_same_tex
     assert numbered == first[0] + ".1"
     (apart,) = keys_of(other, q)
     assert apart.split("-")[0] == first[0].split("-")[0] and apart not in (first[0], numbered)
+
+
+def test_ultraattn_reset_clears_every_place_process_state_lives():
+    """The side table, the online planner of run-time masks and the kernels' layout cache: all empty after
+    ``ultraattn.reset()``, and a graph compiled before it recompiles instead of failing."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ultraattn.kernels import block_sparse_attention
+    from ultraattn.kernels import ops as kernel_ops
+    from ultraattn.runtime.online import ONLINE
+
+    f = torch.compile(_sdpa, backend="ultraattn")
+    q = torch.randn(1, 2, 64, 16)
+    f(q)
+    block_sparse_attention(q, q, q, "causal", block_size=32)
+    bm = create_block_mask(lambda b, h, i, j: i >= j, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    plan = ultraattn.plan_attention(bm, seqlen=64, num_heads=2, head_dim=16, dtype=torch.float32)
+    assert plan.planner == "fast"
+    table = side_table()
+    assert table.sites and table.graphs and len(kernel_ops._LAYOUTS) and len(ONLINE._planners)
+    ultraattn.reset()
+    assert not table.sites and not table.graphs and not counters["ultraattn"]
+    assert not len(kernel_ops._LAYOUTS) and not len(ONLINE._planners)
+    torch.testing.assert_close(f(q), _sdpa(q))  # Dynamo forgot the graph too: it compiles again
+    assert len(table.graphs) == 1
