@@ -21,12 +21,12 @@ import torch.fx as fx
 from rich.console import Console
 
 from ultraattn.kernels.ops import forget_layouts
-from ultraattn.passes.backend import compile_graph, find_and_rewrite
+from ultraattn.passes.backend import analyse_sharding, compile_graph, find_and_rewrite
 from ultraattn.passes.flex_shim import install_flex_cpu_shim
-from ultraattn.passes.fx_util import meta_value, placeholders, refresh_fake_values
+from ultraattn.passes.fx_util import meta_value, placeholders
 from ultraattn.passes.options import BackendOptions, parse_options
 from ultraattn.passes.records import AotGraphRecord, GraphRecord, NullObserver, PlanEvent, ShardSummary, SiteStats
-from ultraattn.passes.shard import analyse, inline_checkpoints, summarize
+from ultraattn.passes.shard import summarize
 from ultraattn.passes.site import plan_offline
 from ultraattn.passes.state import SideTable, private_side_table, side_table
 from ultraattn.report.compile_report import (
@@ -180,9 +180,7 @@ def _explain_graph(gm, example_inputs, *, opts, table, result: Explanation, cons
     result.records.append(rec)
     console.print(render_graph(rec, full=True))
     if world > 1 and opts.shard and states:
-        inline_checkpoints(gm, table.next_id)
-        refresh_fake_values(gm, placeholders(gm), example_inputs)
-        an = analyse(gm)
+        _inlined, an = analyse_sharding(gm, example_inputs, table)
         if an is not None:
             result.sharding[index] = summarize(gm, an)
             _print_sharding(console, index, result.sharding[index], world)

@@ -140,6 +140,16 @@ def _has_site(gm: fx.GraphModule) -> bool:
         any(_has_site(m) for m in gm.children() if isinstance(m, fx.GraphModule))
 
 
+def analyse_sharding(gm: fx.GraphModule, example_inputs, table: SideTable, taken: dict[fx.Node, Carried] | None = None):
+    """Inline checkpointed regions, refresh the fake values and analyse which values carry the sequence (pure):
+    ``shard_sequence``'s first steps, and all ``ultraattn.explain`` shows of sharding. Returns (checkpoints
+    inlined, the analysis or None)."""
+    inlined = inline_checkpoints(gm, table.next_id)
+    refresh_fake_values(gm, placeholders(gm), example_inputs)
+    seeds = {ph: Seq(c.dim, c.length, c.inner) for ph, c in (taken or {}).items()}
+    return inlined, analyse(gm, seeds)
+
+
 def shard_sequence(gm: fx.GraphModule, states: list[SiteState], opts: BackendOptions, example_inputs,
                    table: SideTable, carried: dict[int, Carried]) -> ShardSummary | None:
     """Sequence-shard ``gm`` in place for this rank; None when it has no site to shard around.
@@ -152,9 +162,7 @@ def shard_sequence(gm: fx.GraphModule, states: list[SiteState], opts: BackendOpt
     taken = _takeable(phs, carried, table, ranks)
     if not _has_site(gm) and not taken:
         return None
-    inlined = inline_checkpoints(gm, table.next_id)
-    refresh_fake_values(gm, phs, example_inputs)
-    an = analyse(gm, {ph: Seq(c.dim, c.length, c.inner) for ph, c in taken.items()})  # pure
+    inlined, an = analyse_sharding(gm, example_inputs, table, taken)
     if an is None or not (an.sites or an.carried):
         return None
     if any(not isinstance(d, int) for n in an.sites for d in tensor_value(n.args[0]).shape):
