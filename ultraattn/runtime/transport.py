@@ -178,7 +178,11 @@ class TaggedTransport(Transport):
 
 
 class BatchedTransport(Transport):
-    """A stage's messages as one ``batch_isend_irecv`` (NCCL: one fused group call)."""
+    """A stage's messages as one ``batch_isend_irecv`` (NCCL: one fused group call).
+
+    Not yet run on NCCL (no GPU so far): PyTorch documents that when this is the first collective of a group, every
+    rank of the group must take part, and a rank with nothing to send in a stage skips the call here. Warm the
+    group first (any collective, e.g. the plan's broadcast) until a GPU run says otherwise."""
 
     kind = "batched"
 
