@@ -72,7 +72,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
     observer = _Recorded(table, observer)
     carried = carried_inputs(gm, example_inputs)
     index, before, sites, states = find_and_rewrite(gm, example_inputs, opts, table=table, observer=observer)
-    kept = keep_flex_eager([s for s in sites if _cpu(s)], table)
+    kept = keep_flex_eager([s for s in sites if _cpu(s)], table, before)
     shard = None
     if opts.world_size > 1 and (states or carried) and opts.shard:
         shard = shard_sequence(gm, states, opts, example_inputs, table, carried)

@@ -116,12 +116,12 @@ def kept_flex_call(site: Site) -> tuple[KeptFlex, list[fx.Node]] | None:
     return kept, tensors
 
 
-def keep_flex_eager(sites: list[Site], table) -> dict[str, str]:
+def keep_flex_eager(sites: list[Site], table, code: str) -> dict[str, str]:
     """Each kept flex site of ``sites`` as an ``ultraattn::kept_flex`` call (module docstring), in place; returns
-    site name -> the key under which ``table`` (the side table) holds its ``KeptFlex``."""
+    site name -> the key under which ``table`` (the side table) holds its ``KeptFlex``, derived from ``code`` (the
+    graph's code as Dynamo gave it, which the rewritten sites' keys digest too: ``SideTable.site_key``)."""
     keys = {}
     touched = {}
-    code = sites[0].node.graph.owning_module.code if sites else ""
     for s in sites:
         if s.rewritable or s.op != "flex":
             continue

@@ -22,8 +22,8 @@ The custom ops look their state up in ``side_table()``, the active table. The ba
 here; the rest of ultraattn's process state is the online planner of masks that arrive at run time
 (``runtime/online.py``) and the kernels' layout cache (``kernels/ops.py``). ``ultraattn.reset()``
 clears all three together with Dynamo's graphs (graphs compiled before a reset hold keys into this
-table and could no longer run); the tests' fixture calls it. A site's state is also dropped when the compiled graph that
-holds it is garbage collected (``forget_with``), so recompiles do not grow the table.
+table and could no longer run); the tests' fixture calls it. A site's state is also dropped when the
+compiled graph that holds it is garbage collected (``forget_with``), so recompiles do not grow the table.
 """
 
 from __future__ import annotations

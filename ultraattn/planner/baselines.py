@@ -51,11 +51,7 @@ class NotApplicable(ValueError):
 
 class HeadsIndivisible(NotApplicable):
     """A head-parallel baseline needs the world size to divide both head counts (front ends word their own
-    message from the fields)."""
-
-    def __init__(self, message: str, *, world: int, num_heads: int, kv_heads: int) -> None:
-        super().__init__(message)
-        self.world, self.num_heads, self.kv_heads = world, num_heads, kv_heads
+    message from the mesh and shape they hold)."""
 
 
 def zigzag_owner(world: int, copies: int = 1) -> list[int]:
@@ -488,8 +484,7 @@ class Ulysses(HeadParallel):
         u = ulysses_degree(mesh, shape, within_node=False)
         if not u:
             raise HeadsIndivisible(f"ulysses needs world size {mesh.world} to divide num_heads={shape.num_heads} and "
-                                   f"num_kv_heads={shape.kv_heads}", world=mesh.world, num_heads=shape.num_heads,
-                                   kv_heads=shape.kv_heads)
+                                   f"num_kv_heads={shape.kv_heads}")
         return mesh.world, u
 
 

@@ -105,10 +105,11 @@ def _post(run: ExchangeRun, phase: str, a: Tensor, b: Tensor, position: dict[int
     tag = KV_TAG + (phase == "bwd")
     chunk = plan.layout.chunk_size
     out, inc = plan.routes(phase, run.rank)
-    sends = [Send(pack(_chunk_slices(a, [position[c] for c in chunks], chunk) +
-                       _chunk_slices(b, [position[c] for c in chunks], chunk)),
-                  dst, tag, (phase, "exchange", -1, 0, run.rank, dst), f"{phase} exchange message")
-             for dst, chunks in out]
+    sends = []
+    for dst, chunks in out:
+        pos = [position[c] for c in chunks]
+        sends.append(Send(pack(_chunk_slices(a, pos, chunk) + _chunk_slices(b, pos, chunk)), dst, tag,
+                          (phase, "exchange", -1, 0, run.rank, dst), f"{phase} exchange message"))
     recvs = [Recv(len(chunks) * plan.chunk_bytes(phase), src, tag, a.device, (phase, "exchange", -1, 0, src, run.rank),
                   f"{phase} exchange message") for src, chunks in inc]
     return transport.post(sends, recvs)
@@ -126,7 +127,7 @@ def _receive(run: ExchangeRun, phase: str, handle: Handle, a: Tensor, b: Tensor,
     run.log[phase] = transport.log
     c = plan.layout.chunk_size
     B, Hk, _, D = a.shape
-    for src, chunks in plan.routes(phase, run.rank)[1]:
+    for src, chunks in inc:
         n = len(chunks)
         pieces = unpack(got[src], [((B, Hk, c, D), a.dtype)] * (2 * n))
         for i, ch in enumerate(chunks):

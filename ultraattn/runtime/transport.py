@@ -73,8 +73,6 @@ class Transport:
 
     ``rank`` is this process's plan rank; ``peer`` arguments are plan ranks too."""
 
-    kind = "base"
-
     def __init__(self, *, rank: int, global_ranks: Sequence[int], group_ref: GroupRef = NO_GROUP,
                  timeout: float = 300.0) -> None:
         self.rank = rank
@@ -131,8 +129,8 @@ class Transport:
         x = x.contiguous()
         buf = torch.empty((self.world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13: the latter)
-        self._finish(fn(buf, x, group=self.group, async_op=True), f"{what} did not complete")
         group = self.group
+        self._finish(fn(buf, x, group=group, async_op=True), f"{what} did not complete")
         order = ([dist.get_group_rank(group, g) for g in self.global_ranks] if group is not dist.group.WORLD
                  else list(self.global_ranks))
         n = x.shape[0]
@@ -167,8 +165,6 @@ class Transport:
 class TaggedTransport(Transport):
     """One tagged ``isend`` / ``irecv`` per message (gloo)."""
 
-    kind = "tagged"
-
     def _post(self, sends, recvs, bufs):
         group = self.group
         send_works = [dist.isend(s.buf, dst=self.global_ranks[s.peer], group=group, tag=s.tag) for s in sends]
@@ -184,8 +180,6 @@ class BatchedTransport(Transport):
     rank of the group must take part, and a rank with nothing to send in a stage skips the call here. Warm the
     group first (any collective, e.g. the plan's broadcast) until a GPU run says otherwise."""
 
-    kind = "batched"
-
     def _post(self, sends, recvs, bufs):
         if not sends and not recvs:
             return [], []
@@ -198,9 +192,15 @@ class BatchedTransport(Transport):
             works = [works[-1]] * len(ops)
         return works[:len(sends)], works[len(sends):]
 
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        group = self.group
+        self._stream_waits = group is not None and dist.get_backend(group) == "nccl"
+        """NCCL: a wait makes the stream wait, and NCCL's watchdog bounds it (the group's timeout)."""
+
     def _finish(self, work, what: str) -> None:
-        if self.group is not None and dist.get_backend(self.group) == "nccl":
-            work.wait()  # the stream waits; NCCL's watchdog bounds it (the group's timeout)
+        if self._stream_waits:
+            work.wait()
         else:
             super()._finish(work, what)
 

@@ -156,6 +156,7 @@ _DYNAMIC_WORDS = {
 
 
 def _stage_of(n: fx.Node, op: str) -> int:
+    """The stage index of a ``cp_start`` / ``cp_wait`` node (``ops/program.py``'s signatures)."""
     return n.args[3] if op == "cp_start" else n.args[2]
 
 
@@ -165,12 +166,12 @@ def _describe(n: fx.Node, op: str, prog: ExplicitProgram | None) -> tuple[str, i
         key = (op, _stage_of(n, op)) if op in ("cp_start", "cp_wait") else op
         return _DYNAMIC_WORDS.get(key, ""), 0
     if prog is not None and op == "cp_start":
-        st = prog.stages[n.args[3]]
+        st = prog.stages[_stage_of(n, op)]
         what = "; ".join([f"send {t.tensor} c{t.chunk}g{t.head_group}→r{t.dst}" for _, t, _ in st.sends] +
                          [f"recv {t.tensor} c{t.chunk}g{t.head_group}←r{t.src}" for _, t in st.recvs]) or "(none)"
         return what, sum(t.nbytes for _, t, _ in st.sends)
     if prog is not None and op == "cp_wait":
-        return f"stage {n.args[2]}", 0
+        return f"stage {_stage_of(n, op)}", 0
     if prog is not None and op in TILE_ROW_OPS:
         row = prog.tiles[n.args[-1]]
         return f"q chunk {row.q_chunk}, group {row.group} × kv chunks {list(row.kv_chunks)}", 0
