@@ -209,10 +209,10 @@ def explicit_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
         e = st.program
         if e is None:
             continue
-        if hasattr(e, "run_of"):  # a run-time program: the latest call's plan and messages
+        if e.dynamic:  # a run-time program: the latest call's plan and messages
             run = e.last
             res["sites"][st.spec.name] = {
-                "moved": {ph: run.log[ph].totals().get(ph, {"sent": 0, "recv": 0}) for ph in ("fwd", "bwd")},
+                "moved": {ph: e.executor.log[ph].totals().get(ph, {"sent": 0, "recv": 0}) for ph in ("fwd", "bwd")},
                 "planned": {ph: run.plan.bytes(ph, run.rank) for ph in ("fwd", "bwd")},
                 "plan": run.plan.content_hash(), "ownership": run.plan.ownership}
             continue
@@ -268,12 +268,16 @@ def runtime_mask_worker(rank: int, world: int, specs: list[dict], options: dict,
         sites = {}
         for st in side_table().sites.values():
             e = st.program
-            if e is not None and hasattr(e, "run_of"):
+            if e is not None and e.dynamic:
                 run = e.last
                 sites[st.spec.name] = {
-                    "moved": {ph: run.log[ph].totals().get(ph, {"sent": 0, "recv": 0}) for ph in ("fwd", "bwd")},
+                    "moved": {ph: e.executor.log[ph].totals().get(ph, {"sent": 0, "recv": 0})
+                              for ph in ("fwd", "bwd")},
                     "planned": {ph: run.plan.bytes(ph, run.rank) for ph in ("fwd", "bwd")},
-                    "plan": run.plan.content_hash(), "ownership": run.plan.ownership, "calls": st.calls}
+                    "plan": run.plan.content_hash(), "ownership": run.plan.ownership, "calls": st.calls,
+                    "chunks_per_rank": e.num_chunks // e.world,
+                    # tile rows that ran the block-sparse Triton kernels (their kernel layouts, cached per mask)
+                    "kernel_rows": sum(k[0] == "kernel" for k in run.geo.mask_cache)}
         steps.append({"loss": loss.detach().double(), "sites": sites,
                       "grads": {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}})
         frames.append((counters["ultraattn"]["graphs"], counters["stats"]["unique_graphs"]))

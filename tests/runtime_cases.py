@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from fuzz_case import check_2x
-from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop_mask
 
 import ultraattn
 from ultraattn.masks import convert
@@ -62,6 +62,7 @@ LIB = [
     ("document", (("lengths", (50, 90, 60)),)),
     ("prefix_lm", (("prefix", 60),)),
     ("random", ()),
+    ("block_select", ()),
 ]
 
 
@@ -87,6 +88,16 @@ def random_dense(seed: int, seqlen: int, block: int) -> torch.Tensor:
     return dense
 
 
+def block_table(case: Case) -> torch.Tensor:
+    """bool [heads, nb, nb]: the KV blocks each Q block of each head attends (about half, always its own), as in
+    attn-gym's VSA masks, whose BlockMask says it all and whose mask_mod is ``noop_mask``."""
+    g = torch.Generator().manual_seed(case.seed)
+    nb = -(-case.seqlen // case.block)
+    table = torch.rand(case.heads, nb, nb, generator=g) < 0.5
+    table[:, torch.arange(nb), torch.arange(nb)] = True
+    return table
+
+
 def mask_mod_of(case: Case):
     """The case's mask_mod (and, for random masks, the dense table it reads)."""
     kw = dict(case.kwargs)
@@ -99,6 +110,13 @@ def mask_mod_of(case: Case):
             return dense[q_idx, kv_idx]
 
         return random_mask
+    if case.mask == "block_select":  # what its BlockMask (``plan_mask``) means, as a mask_mod
+        table, blk = block_table(case), case.block
+
+        def block_select(b, h, q_idx, kv_idx):
+            return table[h, q_idx // blk, kv_idx // blk]
+
+        return block_select
     if case.mask == "head_mix":  # heads of one GQA group with different masks; batch entry 1 differs from 0
 
         def head_mix(b, h, q_idx, kv_idx):
@@ -111,7 +129,14 @@ def mask_mod_of(case: Case):
 
 def plan_mask(case: Case):
     """What the rank passes to plan_attention: a BlockMask for random masks and for the fast planner (the
-    FlexAttention path), the string for causal/full, else the mask_mod."""
+    FlexAttention path), the string for causal/full, else the mask_mod. ``block_select``: a BlockMask of per-head
+    KV block lists whose mask_mod is ``noop_mask`` (the blocks alone carry the mask)."""
+    if case.mask == "block_select":
+        table = block_table(case)
+        order = torch.sort(table.to(torch.int8), dim=-1, descending=True, stable=True).indices
+        return BlockMask.from_kv_blocks(table.sum(-1)[None].to(torch.int32), order[None].to(torch.int32),
+                                        BLOCK_SIZE=case.block, mask_mod=noop_mask,
+                                        seq_lengths=(case.seqlen, case.seqlen))
     if case.mask == "random" or case.planner == "fast":
         mm = mask_mod_of(case)
         per_batch = case.batch if getattr(mm, "num_batch", 1) > 1 else None

@@ -116,25 +116,6 @@ def _dense(lay) -> torch.Tensor:
     return out.view(lay.batch, lay.num_heads, nq * qb, nk * kb)
 
 
-def test_layout_of_some_rows_equals_the_cut_of_the_whole():
-    """A rank's rows (``q_blocks``, -1 for padding) evaluated alone give the layout cut from the whole mask."""
-    from ultraattn.kernels.block_lists import layout_from_pattern, sub_layout
-    from ultraattn.masks.convert import to_block_pattern
-
-    case = Case(mask="head_mix", seqlen=200, heads=4, kv_heads=2, batch=2, block=32)
-    mm = mask_mod_of(case)
-    pattern = to_block_pattern(mm, q_len=200, kv_len=200, block_size=32, batch=2, num_heads=4)
-    whole = K.make_layout(pattern, batch=2, num_heads=4, mask_mod=mm)
-    rows = torch.tensor([6, 0, -1, 3, 5])
-    part = layout_from_pattern(pattern, mm, batch=2, num_heads=4, q_blocks=rows)
-    cut = sub_layout(whole, rows, torch.arange(whole.grid[1]))
-    assert part.grid == cut.grid == (5, 7) and part.bits.shape[0] < whole.bits.shape[0]
-    assert torch.equal(_dense(part), _dense(cut))
-    assert _dense(part)[..., 64:96, :].sum() == 0 and _dense(part)[..., :32, :].any()  # padding row, real rows
-    with pytest.raises(ValueError, match="q_blocks"):
-        layout_from_pattern(pattern, mm, batch=2, num_heads=4, q_blocks=torch.tensor([7]))
-
-
 @pytest.mark.parametrize("kb", [16, 64, 96])
 def test_pack_unpack_roundtrip(kb):
     m = torch.rand(5, 16, kb) < 0.3

@@ -220,12 +220,8 @@ def make_layout(
 
 
 def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, batch: int, num_heads: int,
-                        device: torch.device | str = "cpu", q_blocks: Tensor | None = None) -> BlockLists:
-    """Layout from a pattern plus the mask_mod that resolves its PARTIAL cells (see ``make_layout``).
-
-    ``q_blocks`` (int64; -1: a block of padding, EMPTY): the layout of these Q blocks only, in this order, against
-    every KV block (what ``sub_layout(full, q_blocks, all KV blocks)`` returns), evaluating the mask_mod on their
-    PARTIAL cells only: a rank's share of a mask costs its share of the evaluation."""
+                        device: torch.device | str = "cpu") -> BlockLists:
+    """Layout from a pattern plus the mask_mod that resolves its PARTIAL cells (see ``make_layout``)."""
     qb, kb = pattern.q_block, pattern.kv_block
     _check_block("q_block", qb)
     _check_block("kv_block", kb)
@@ -236,18 +232,12 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
     if groups is not None and len(groups) != num_heads:
         raise ValueError(f"the mask has {len(groups)} heads but num_heads={num_heads}; build it for {num_heads} "
                          f"heads or 1")
-    nq, nk = pattern.grid
+    nk = pattern.grid[1]
     q_len, kv_len = pattern.q_len, pattern.kv_len
     kind_all = pattern.kind_BGQK.clone()
     if kv_len % kb:
         tail = kind_all[..., nk - 1]
         tail[tail == FULL] = PARTIAL
-    q_map = None
-    if q_blocks is not None:  # rows of these blocks (an EMPTY row for -1)
-        q_map = q_blocks.long().cpu()
-        if bool((q_map >= nq).any()) or bool((q_map < -1).any()):
-            raise ValueError(f"q_blocks must be in [-1, {nq}), got {q_map.tolist()}")
-        kind_all = torch.nn.functional.pad(kind_all, (0, 0, 0, 1))[..., q_map, :]
     has_partial = bool((kind_all == PARTIAL).any())
     if has_partial and mask_mod is None:
         raise ValueError(
@@ -263,12 +253,10 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
             kind = kind_all[b % bp, g]
             key = (b if dep_b else -1, h if dep_h else -1, b % bp, g)
             if key not in seen:
-                seen[key] = _partial_bits(mask_mod, kind, b, h, qb, kb, q_len, kv_len, q_map)
+                seen[key] = _partial_bits(mask_mod, kind, b, h, qb, kb, q_len, kv_len)
             kinds.append(kind)
             bit_sets.append(seen[key])
     pattern_of, kind_u, bits_all, tile_grid = _dedupe(kinds, bit_sets, qb, kb)
-    if q_map is not None:
-        q_len = len(q_map) * qb
     lay = _assemble(kind_u, tile_grid, bits_all, torch.tensor(pattern_of, dtype=torch.int32), q_len=q_len,
                     kv_len=kv_len, q_block=qb, kv_block=kb, batch=batch, num_heads=num_heads, name=pattern.name)
     return lay.to(device) if torch.device(device).type != "cpu" else lay
@@ -297,49 +285,13 @@ def _assemble(kind_u: Tensor, tile_grid: Tensor, bits: Tensor, pattern_of: Tenso
     )
 
 
-def tile_grid(layout: BlockLists) -> Tensor:
-    """int32 [U, NQ, NK]: the bit-tile id of every PARTIAL cell (-1 elsewhere), from the layout's lists."""
-    kind, idx, cnt, tile = (t.cpu() for t in (layout.kind, layout.part_idx, layout.part_cnt, layout.part_tile))
-    grid = torch.full(kind.shape, -1, dtype=torch.int32)
-    listed = torch.arange(idx.shape[2])[None, None, :] < cnt[..., None]
-    u, i, j = listed.nonzero(as_tuple=True)
-    grid[u, i, idx[u, i, j].long()] = tile[u, i, j]
-    return grid
-
-
-def sub_layout(layout: BlockLists, q_blocks: Tensor, kv_blocks: Tensor, grid: Tensor | None = None
-               ) -> BlockLists:
-    """The layout of a tile that computes ``layout``'s Q blocks ``q_blocks`` against its KV blocks ``kv_blocks``
-    (int64, in the tile's order; -1: a block of padding, EMPTY), with the same bit tiles: how a rank's share of a
-    mask becomes a kernel call on its local queries and a buffer of keys (``runtime/exchange.py``). Every block of
-    the tile is whole (``layout``'s KV tail is already PARTIAL, so padding keys are never attended).
-
-    ``grid``: ``tile_grid(layout)``, when the caller cuts several tiles from one layout."""
-    kind = layout.kind.cpu()
-    grid = tile_grid(layout) if grid is None else grid
-    u = kind.shape[0]
-    # one EMPTY row and column at the end stand for padding blocks (index -1)
-    kind = torch.nn.functional.pad(kind, (0, 1, 0, 1))
-    grid = torch.nn.functional.pad(grid, (0, 1, 0, 1), value=-1)
-    qi, ki = q_blocks.long().cpu(), kv_blocks.long().cpu()
-    sel = (slice(None), qi[:, None], ki[None, :])
-    kind_s, grid_s = kind[sel].reshape(u, len(qi), len(ki)), grid[sel].reshape(u, len(qi), len(ki))
-    lay = _assemble(kind_s.contiguous(), grid_s.contiguous(), layout.bits.cpu(), layout.pattern_of.cpu(),
-                    q_len=len(qi) * layout.q_block, kv_len=len(ki) * layout.kv_block, q_block=layout.q_block,
-                    kv_block=layout.kv_block, batch=layout.batch, num_heads=layout.num_heads, name=layout.name)
-    return lay
-
-
 def _partial_bits(mask_mod: Callable | None, kind: Tensor, b: int, h: int, qb: int, kb: int, q_len: int,
-                  kv_len: int, q_map: Tensor | None = None) -> Tensor:
+                  kv_len: int) -> Tensor:
     """int32 [cells, qb, ceil(kb / 32)]: the packed element mask of each PARTIAL cell of one (batch, head) grid, in
-    row-major cell order, evaluated ``_EVAL_CHUNK`` elements at a time (``q_map``: the Q block of each row of
-    ``kind``, when it holds some rows of the mask only)."""
+    row-major cell order, evaluated ``_EVAL_CHUNK`` elements at a time."""
     cells = (kind == PARTIAL).nonzero()
     if not len(cells):
         return torch.zeros(0, qb, (kb + 31) // 32, dtype=torch.int32)
-    if q_map is not None:
-        cells = torch.stack([q_map[cells[:, 0]], cells[:, 1]], 1)
     rows, cols = torch.arange(qb), torch.arange(kb)
     chunk = max(1, _EVAL_CHUNK // (qb * kb))
     parts = []

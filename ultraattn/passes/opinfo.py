@@ -43,7 +43,6 @@ OPS: dict[str, OpInfo] = {
     # a site's explicit program for masks that arrive at run time (passes/ops/dynamic.py)
     # (its stages, gathers and stash are the ops above, with the plan as data)
     "cp_dyn_plan": _COMM_TOKEN, "cp_dyn_index": OpInfo(),
-    "cp_dyn_tile_fwd": OpInfo(tile=True), "cp_dyn_tile_bwd": OpInfo(tile=True),
     # kernels (kernels/ops.py) and kept flex_attention sites (passes/ops/kept.py)
     "bsa_fwd": OpInfo(tile=True), "bsa_bwd": OpInfo(tile=True),
     "bsa_fwd_ref": OpInfo(), "bsa_bwd_ref": OpInfo(), "kept_flex": OpInfo(), "kept_flex_bwd": OpInfo(),

@@ -1,8 +1,10 @@
 """Exchange plans: the run-time plan of an explicit site whose mask is known only at run time.
 
 A compiled graph cannot change shape per batch, so a site whose mask is new every batch (packed
-documents) runs a fixed program skeleton (``passes/explicit/dynamic.py``) whose data comes from this
-plan, made per mask in milliseconds:
+documents) runs one fixed ``TilePlan`` for every mask, ``owner_computes_plan``: every rank computes the
+rows of its own chunks against every chunk, and each chunk's K/V may go to every other rank (and its
+dK/dV partials come back). The executor runs and traces that plan like any other; this module's
+``ExchangePlan``, made per mask in milliseconds, is the data that specialises it:
 
 * every rank owns ``chunks_per_rank`` chunks of ``chunk`` tokens (static local shapes). The owners are
   either fixed per graph (the layout of a sequence-sharded graph) or chosen per mask by the online
@@ -12,9 +14,13 @@ plan, made per mask in milliseconds:
 * so the forward has ONE exchange stage (each rank sends each other rank the K/V chunks it needs, all in
   one message per pair) and the backward one (the dK/dV partials of the same chunks, fp32).
 
-``need[dst][src]``: the chunks of ``src`` that ``dst`` needs, ascending. The runtime receives them into
-a buffer laid out by source rank (``slots``), whose capacity is every other rank's chunks: a bound that
-always holds (it is all-gather CP's footprint), while the bytes that move are only the needed chunks'.
+``need[dst][src]``: the chunks of ``src`` that ``dst`` needs, ascending: the fixed plan's messages that
+carry data for this mask (``live``); the others are never posted, so the bytes that move are the needed
+chunks' only, while the memory held for received chunks is every other rank's (all-gather CP's
+footprint: a bound that holds for every mask).
+
+The fixed plan is written in VIRTUAL chunks: rank r's i-th local chunk is virtual chunk ``r * n + i``
+(``n`` chunks per rank), whichever global chunk the mask's owners give it (``global_chunks``).
 
 Pure numpy over a chunk-level work matrix; deterministic (stable sorts, ties to the lower index), so
 every rank computes the identical plan from the identical mask.
@@ -26,10 +32,11 @@ import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from ..masks.pattern import EMPTY, FULL, BlockPattern
 from .balance import ownership
-from .plan import Mesh, TokenSharding
+from .plan import AttnShape, Kernel, Mesh, TilePlan, TokenSharding, Transfer
 
 Route = tuple[int, tuple[int, ...]]
 """(peer rank, chunks): one message of an exchange."""
@@ -61,10 +68,21 @@ class ExchangePlan:
     def world(self) -> int:
         return len(self.need)
 
-    def slots(self, rank: int) -> list[int]:
-        """The chunk in each slot of ``rank``'s receive buffer: every other rank's chunks, by source rank then
-        local order ((world - 1) * chunks_per_rank slots)."""
-        return [c for s in range(self.world) if s != rank for c in self.layout.local_chunks(s)]
+    def global_chunks(self) -> tuple[int, ...]:
+        """The global chunk of every virtual chunk of ``owner_computes_plan`` (rank r's i-th chunk is r * n + i)."""
+        return tuple(c for r in range(self.world) for c in self.layout.local_chunks(r))
+
+    def live(self) -> frozenset[tuple[str, int, int, int]]:
+        """(tensor, virtual chunk, src, dst) of the messages of ``owner_computes_plan`` that carry data under this
+        mask: the K/V of a chunk a rank needs, and the dK/dV partials of the same chunk coming back."""
+        virtual = {c: v for v, c in enumerate(self.global_chunks())}
+        out = set()
+        for d in range(self.world):
+            for s in range(self.world):
+                for c in self.need[d][s]:
+                    out.add(("kv", virtual[c], s, d))
+                    out.add(("dkv", virtual[c], d, s))
+        return frozenset(out)
 
     def imbalance(self) -> float:
         """Busiest rank's work over the mean (1.0: perfect)."""
@@ -176,3 +194,31 @@ def plan_exchange(weight_PP: np.ndarray, *, mesh: Mesh, chunk: int, owner: tuple
     return ExchangePlan(layout=TokenSharding(chunk_size=chunk, owner=tuple(own.tolist())),
                         need=tuple(tuple(tuple(x) for x in row) for row in need), work=tuple(work.tolist()),
                         kv_chunk_bytes=kv_chunk_bytes, dkv_chunk_bytes=dkv_chunk_bytes, ownership=how)
+
+
+def owner_computes_plan(*, mesh: Mesh, shape: AttnShape, chunk: int, chunks_per_rank: int) -> TilePlan:
+    """The one ``TilePlan`` of every mask of a run-time-mask site, in virtual chunks (module docstring).
+
+    Rank r owns virtual chunks ``r * n .. r * n + n - 1`` and computes their rows against every chunk: its own
+    chunks in one kernel (stage 0: no input to wait for) and every other rank's in another (stage 1). Every
+    chunk's K/V goes to every other rank in the forward, and the dK/dV partials of the same chunk come back in
+    the backward; the mask's ``ExchangePlan.live`` says which of these messages carry data.
+    """
+    w, n = mesh.world, chunks_per_rank
+    p = w * n
+    owner = tuple(v // n for v in range(p))
+    kernels = []
+    for r in range(w):
+        mine = range(r * n, (r + 1) * n)
+        kernels.append(Kernel(rank=r, head_group=0, cells=tuple((i, j) for i in mine for j in mine), stage=0))
+        others = [j for j in range(p) if owner[j] != r]
+        if others:
+            kernels.append(Kernel(rank=r, head_group=0, cells=tuple((i, j) for i in mine for j in others), stage=1))
+    kv, dkv = shape.unit_bytes("kv", chunk), shape.unit_bytes("dkv", chunk)
+    transfers = [Transfer(tensor="kv", chunk=j, head_group=0, src=owner[j], dst=d, nbytes=kv, phase="fwd")
+                 for j in range(p) for d in range(w) if d != owner[j]]
+    transfers += [Transfer(tensor="dkv", chunk=j, head_group=0, src=d, dst=owner[j], nbytes=dkv, phase="bwd")
+                  for j in range(p) for d in range(w) if d != owner[j]]
+    assign = torch.tensor(owner, dtype=torch.int32)[None, :, None].expand(1, p, p).contiguous()
+    return TilePlan(method="exchange", mesh=mesh, shape=shape, chunk_size=chunk, num_chunks=p, owner=owner,
+                    num_head_groups=1, assign_GPP=assign, kernels=tuple(kernels), transfers=tuple(transfers))

@@ -52,7 +52,7 @@ from .sequence import SequenceShards
 from .tiles import TileGeometry, group_kind_grid
 from .transport import transport_for
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 Planner = Literal["auto", "fast", "ilp"]
 PLANNERS = ("auto", "fast", "ilp")
 
@@ -286,7 +286,7 @@ def plan_attention(
                     ("block_size", block_size)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"`{nm}` must be a positive int, got {val!r}")
-    if dtype not in _DTYPES:
+    if dtype not in DTYPE_NAMES:
         raise ValueError(f"`dtype` must be one of torch.bfloat16, torch.float16, torch.float32, got {dtype}")
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {', '.join(METHODS)}, got {method!r}")
@@ -296,7 +296,7 @@ def plan_attention(
         raise TypeError(f"`debug` must be True or False, got {debug!r}")
     which = _resolve_planner(planner, mask, method)
     shape = AttnShape(seq_len=seqlen, num_heads=num_heads, head_dim=head_dim, num_kv_heads=num_kv_heads,
-                      batch=batch, dtype=_DTYPES[dtype])
+                      batch=batch, dtype=DTYPE_NAMES[dtype])
     pmesh, ranks, comm_group, me = resolve_group(mesh, group)
     _check_method(method, shape, pmesh)  # on every rank, before any communication
     cost = _cost_model(cost, mesh=mesh, group=group, key=(ranks, pmesh.nodes, pmesh.devices), timeout=timeout)
@@ -428,7 +428,8 @@ def _make_executor(ap: AttentionPlan) -> Executor:
     kinds = [group_kind_grid(ap.pattern, range(g * hq, (g + 1) * hq), pb_q, pb_k) for g in range(g_count)]
     geo = TileGeometry(seq_len=s.seq_len, chunk=tp.chunk_size, q_block=ap.pattern.q_block,
                        kv_block=ap.pattern.kv_block, batch=s.batch, num_heads=s.num_heads, num_kv_heads=s.kv_heads,
-                       head_groups=g_count, head_dim=s.head_dim, kind_gQK=kinds, mask_mod=ap.mask_mod)
+                       head_groups=g_count, head_dim=s.head_dim, kind_gQK=kinds, mask_mod=ap.mask_mod,
+                       pattern=ap.pattern)
     transport = (transport_for(rank=ap.rank, global_ranks=ap.global_ranks, group_ref=ap.group_ref,
                                timeout=ap.timeout) if ap.world > 1 else None)
     return Executor(tp, ap.rank, geo, transport, ap.dtype)

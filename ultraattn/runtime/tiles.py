@@ -78,6 +78,8 @@ class TileGeometry:
     kind_gQK: list[Tensor]
     """Per runtime head group: kinds on the padded grid (``group_kind_grid``)."""
     mask_mod: Callable | None
+    pattern: BlockPattern | None = None
+    """The mask's block kinds per (batch, head) (``_mask``: a BlockMask's blocks decide as much as its mask_mod)."""
     mask_cache: dict = field(default_factory=dict)
     cache_bytes: int = 0
 
@@ -184,7 +186,7 @@ class TileGeometry:
                 h = (g * self.hq + torch.arange(self.hq)).view(1, -1, 1, 1)
                 qi = q_pos.clamp(max=s - 1).view(1, 1, -1, 1)
                 ki = kv_pos.clamp(max=s - 1).view(1, 1, 1, -1)
-                m = eval_mask(self.mask_mod, b, h, qi, ki)
+                m = self.by_block(b, h, qi, ki, eval_mask(self.mask_mod, b, h, qi, ki))
             # keep the smallest broadcast shape: a mask that ignores b or h stays size 1 there
             if bool((m == m[:1]).all()):
                 m = m[:1]
@@ -201,6 +203,24 @@ class TileGeometry:
             self.mask_cache[key] = m5
             self.cache_bytes += nbytes
         return m5
+
+
+    def by_block(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, verdict: Tensor) -> Tensor:
+        """The mask at (batch ``b``, head ``h``, query ``q``, key ``k``; broadcastable index tensors) as a BlockMask
+        means it, given the mask_mod's ``verdict`` there: True in a block FULL for that (batch, head), the verdict
+        in a PARTIAL one, False in an EMPTY one. The merged kinds (``kind_gQK``) cannot say this where blocks differ
+        between heads or batch entries, and a mask_mod need not be False outside its blocks (attn-gym's VSA masks
+        use ``noop_mask``)."""
+        if self.pattern is None:
+            return verdict
+        kind = self.pattern.kind_BGQK
+        bp, _, nqp, nkp = kind.shape
+        groups = self.pattern.head_group_of
+        group = torch.tensor(groups) if groups is not None else torch.zeros(self.num_heads, dtype=torch.int64)
+        qb, kb = q // self.q_block, k // self.kv_block
+        at = kind[b % bp, group[h], qb.clamp(max=nqp - 1), kb.clamp(max=nkp - 1)]
+        at = torch.where((qb < nqp) & (kb < nkp), at, torch.full_like(at, EMPTY))
+        return (at == FULL) | ((at == PARTIAL) & verdict)
 
 
 def _kernels_on(t: Tensor) -> bool:
@@ -235,7 +255,8 @@ def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: to
         ok = (gq < s) & (gk < s)
         if mask_mod is None:
             return ok
-        return ok & eval_mask(mask_mod, b, h + h0, gq.clamp(max=s - 1), gk.clamp(max=s - 1))
+        gq, gk = gq.clamp(max=s - 1), gk.clamp(max=s - 1)
+        return ok & geo.by_block(b, h + h0, gq, gk, eval_mask(mask_mod, b, h + h0, gq, gk))
 
     pattern = BlockPattern(kind_BGQK=kinds[None, None].to(torch.int8),
                            count_BGQK=torch.zeros((1, 1, *kinds.shape), dtype=torch.int64),

@@ -1,21 +1,24 @@
-"""Explicit programs of sites whose mask arrives at run time: a fixed skeleton, the plan as data.
+"""Explicit programs of sites whose mask arrives at run time: one fixed plan, the mask as data.
 
 A packed-sequence model brings a new document mask every batch. The graph Inductor compiles for such a
-site is fixed by shapes, mesh and options alone; the mask becomes a plan (``planner.exchange``) inside
-the graph, in its first node, and every later node reads that plan by its id::
+site is fixed by shapes, mesh and options alone, so its plan is too: ``planner.exchange.owner_computes_plan``,
+a ``TilePlan`` in which every rank computes the rows of its own chunks against every chunk and each chunk's
+K/V may go to every other rank. The executor traces that plan exactly as it traces a static site's
+(``explicit/program.py``: the same ``TracedIO``, stage ops, row tiles, merge and delta). The mask enters
+the graph in its first node and every later node reads it by the plan id it returns::
 
     token, plan = cp_dyn_plan(token, [mask tensors], site)       # milliseconds; cached per mask content
-    q_l = index_select(pad(q), 2, cp_dyn_index(plan, site))      # dispatch (global view only)
-    h = cp_start(token, [k_l, v_l], site, KV_STAGE, plan)        # stage: the K/V chunks each rank needs
-    o0, l0 = cp_dyn_tile_fwd(q_l, k_l, v_l, plan, site, 0)       # own keys, while messages fly
-    token, k_in, v_in = cp_wait(h, site, KV_STAGE, plan)
-    o1, l1 = cp_dyn_tile_fwd(q_l, k_in, v_in, plan, site, 1)     # received keys
-    out, lse = merge_partial(...), cp_gather(..., plan)           # global view: gather
+    q_l = index_select(pad(q), 2, cp_dyn_index(plan, site))      # dispatch: the mask's owners (global view)
+    h = cp_start(token, [K/V of every own chunk...], site, 0, plan)   # only the chunks a peer needs are posted
+    o, lse = cp_tile_fwd(q_l row, [own K/V], site, tile, plan)   # own keys, while messages fly
+    token, *kv_in = cp_wait(h, site, 0, plan)                    # needed chunks; zeros for the others
+    o', lse' = cp_tile_fwd(q_l row, kv_in, site, tile', plan)    # received keys (empty cells skipped)
+    ... LSE merges, cp_gather(..., plan) ...
 
-and the backward: remote tile, ``cp_start(..., DKV_STAGE, plan)`` (partials home), own tile while they fly,
-``cp_wait``, sums. A new mask: no recompile, no new guard, the same graph. The stage, gather and stash ops are a
-static program's (``passes/ops/program.py``) with the plan as data; only planning, the dispatch index and the
-tiles (one block-sparse kernel over this rank's rows per part) are this path's own ops.
+The plan id selects the call's ``MaskRun``: its ``ExchangePlan`` (owners, which messages carry data), the
+global chunk of every virtual chunk, and the mask's ``TileGeometry`` (block kinds, element masks), so a
+tile computes its row against the global chunks it stands for. A new mask: no recompile, no new guard, the
+same graph. Only planning and the dispatch index are this path's own ops (``passes/ops/dynamic.py``).
 
 [Note] Owners: fixed per graph or chosen per batch? Owner computes (only K/V move), so the owners ARE the
 balance. ``benchmarks/exchange_owners.py`` plans document masks (the example's packing and a pretraining-like
@@ -38,38 +41,30 @@ them (four ranks share two cores: idle time goes to the others, only total work 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ultraattn.cache import LRU
-from ultraattn.kernels.block_lists import layout_from_pattern
-from ultraattn.kernels.reference import softmax_delta
 from ultraattn.masks.convert import to_block_pattern
-from ultraattn.passes.ops.program import new_token
+from ultraattn.passes.explicit.program import ExplicitProgram
 from ultraattn.passes.records import PlanEvent
 from ultraattn.passes.site import MAX_PENDING, SiteState, check_same_inputs, mask_from_content
 from ultraattn.passes.state import side_table
 from ultraattn.planner.baselines import striped_owner
-from ultraattn.planner.exchange import pattern_weights, plan_exchange
-from ultraattn.planner.plan import Mesh, padded_chunk
+from ultraattn.planner.exchange import ExchangePlan, owner_computes_plan, pattern_weights, plan_exchange
+from ultraattn.planner.plan import AttnShape, Mesh, Transfer, padded_chunk
+from ultraattn.runtime.api import DTYPE_NAMES
 from ultraattn.runtime.comm import GroupRef, resolve_group
-from ultraattn.runtime.exchange import (
-    ExchangeRun,
-    make_run,
-    post_dkv,
-    post_kv,
-    rank_rows,
-    wait_dkv,
-    wait_kv,
-)
+from ultraattn.runtime.executor import Executor
 from ultraattn.runtime.plan_cache import content_digest
 from ultraattn.runtime.sequence import SequenceShards
-from ultraattn.runtime.tiles import merge_partial
-from ultraattn.runtime.transport import Transport, transport_for
+from ultraattn.runtime.tiles import TileGeometry, group_kind_grid, row_backward, row_forward
+from ultraattn.runtime.transport import transport_for
 
 ops = torch.ops.ultraattn
 
@@ -82,38 +77,61 @@ OWNERS_PER_BATCH = True
 """Global-view sites choose owners per mask (see the [Note] in the module docstring)."""
 
 
-KV_STAGE, DKV_STAGE = 0, 1
-"""A dynamic program's two stages: the forward's K/V exchange and the backward's dK/dV return."""
+@dataclass(eq=False)
+class MaskRun:
+    """One mask's data for the fixed plan on one rank (module docstring)."""
+
+    plan: ExchangePlan
+    rank: int
+    chunks: tuple[int, ...]
+    """The global chunk of every virtual chunk (``ExchangePlan.global_chunks``)."""
+    live: frozenset
+    """(tensor, virtual chunk, src, dst) of the messages that carry data (``ExchangePlan.live``)."""
+    nonempty: np.ndarray
+    """bool [P, P] over global chunks: the (q chunk, kv chunk) cells the mask does not leave empty."""
+    geo: TileGeometry
+    """The mask's block kinds and element masks on the global (padded) grid: what every tile reads."""
+    index: Tensor
+    """int64 [local_len]: the global (padded) position of each local token (the dispatch)."""
+    seq: SequenceShards
+    """The plan's token layout on this rank's group (the gathers)."""
+
+    def columns(self, q_chunk: int, kv_chunks: tuple[int, ...]) -> tuple[int, list[tuple[int, int]]]:
+        """(global q chunk, [(position in ``kv_chunks``, global kv chunk)] of the non-empty cells) of a tile row
+        given in virtual chunks: a tile skips the chunks this mask needs nothing of (they were never sent)."""
+        i = self.chunks[q_chunk]
+        return i, [(n, self.chunks[j]) for n, j in enumerate(kv_chunks) if self.nonempty[i, self.chunks[j]]]
+
+
+def _message(t: Transfer) -> tuple[str, int, int, int]:
+    return (t.tensor, t.chunk, t.src, t.dst)
 
 
 @dataclass(eq=False)
-class DynamicProgram:
-    """A run-time-mask site's static geometry and its plans (``SiteState.program``)."""
+class DynamicProgram(ExplicitProgram):
+    """A run-time-mask site's program: the fixed plan's executor, and one ``MaskRun`` per mask seen."""
 
-    dynamic: ClassVar[bool] = True
+    dynamic = True
 
-    state: SiteState
-    device: torch.device
-    mesh: Mesh
-    transport: Transport
-    """This rank's messages (its rank, the group's ranks, the group)."""
-    chunk: int
-    num_chunks: int
-    owner: tuple[int, ...] | None
+    mesh: Mesh = None
+    chunk: int = 0
+    num_chunks: int = 0
+    owner: tuple[int, ...] | None = None
     """Fixed owners (a sequence-sharded graph's layout), or None: chosen per mask."""
+    template: Executor = None
+    """The executor of ``owner_computes_plan`` on this rank (its transport: this rank's messages)."""
     runs: LRU = field(default_factory=lambda: side_table().exchange_runs)
-    """(configuration, mask digest) -> ExchangeRun, shared by the sites of the process: a mask seen again, or by
+    """(configuration, mask digest) -> MaskRun, shared by the sites of the process: a mask seen again, or by
     another site of the same configuration (the next layer), is not planned again."""
-    live: LRU = field(default_factory=lambda: LRU(2 * MAX_PENDING + 4))
-    """plan id -> ExchangeRun, for the ops of calls in flight."""
-    handles: dict = field(default_factory=dict)
-    last: ExchangeRun | None = None
-    """The run of the latest call (tests and reports read its plan and message log)."""
+    live_runs: LRU = field(default_factory=lambda: LRU(2 * MAX_PENDING + 4))
+    """plan id -> MaskRun, for the ops of calls in flight."""
+    last: MaskRun | None = None
+    """The run of the latest call (tests and reports read its plan)."""
 
-    # ------------------------------------------------------------------ static geometry (fake kernels)
+    # ------------------------------------------------------------------ static geometry
     @property
-    def key(self) -> str:
-        return self.state.spec.key
+    def executor(self) -> Executor:
+        return self.template
 
     @property
     def world(self) -> int:
@@ -121,34 +139,19 @@ class DynamicProgram:
 
     @property
     def rank(self) -> int:
-        return self.transport.rank
+        return self.template.rank
 
     @property
     def seq_len(self) -> int:
         return self.state.spec.q_shape[2]
 
     @property
-    def local_len(self) -> int:
-        return self.num_chunks // self.world * self.chunk
-
-    @property
     def padded_len(self) -> int:
         return self.num_chunks * self.chunk
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.state.spec.dtype
-
-    @property
-    def local_kv_shape(self) -> tuple[int, ...]:
-        B, Hk, _, D = self.state.spec.kv_shape
-        return (B, Hk, self.local_len, D)
-
-    @property
-    def buffer_shape(self) -> tuple[int, ...]:
-        """The receive buffer: every other rank's chunks (the honest bound: all-gather CP's footprint)."""
-        B, Hk, _, D = self.state.spec.kv_shape
-        return (B, Hk, (self.world - 1) * self.local_len, D)
+    def local_len(self) -> int:
+        return self.num_chunks // self.world * self.chunk
 
     # ------------------------------------------------------------------ plans
     def plan(self, mask_tensors: list[Tensor]) -> int:
@@ -177,24 +180,23 @@ class DynamicProgram:
         self.last = run
         return self.keep(run)
 
-    def keep(self, run: ExchangeRun) -> int:
+    def keep(self, run: MaskRun) -> int:
         pid = self.state.next_id()
-        self.live.put(pid, run)
+        self.live_runs.put(pid, run)
         return pid
 
-    def run_of(self, plan: Tensor | int) -> ExchangeRun:
-        run = self.live.get(int(plan))
+    def run_of(self, plan: Tensor | int) -> MaskRun:
+        run = self.live_runs.get(int(plan))
         if run is None:
             raise RuntimeError(f"ultraattn site {self.state.spec.name}: plan {int(plan)} is no longer held (more than "
-                               f"{self.live.capacity} calls in flight)")
+                               f"{self.live_runs.capacity} calls in flight)")
         return run
 
-    def _make(self, mask_tensors: list[Tensor]) -> ExchangeRun:
+    def _make(self, mask_tensors: list[Tensor]) -> MaskRun:
         """Kinds of the whole mask (no mask_mod evaluation for a BlockMask) -> chunk weights -> the plan (the same
-        on every rank) -> the element masks of this rank's rows only: each rank evaluates 1/world of the mask."""
+        on every rank) -> the mask's tile geometry (element masks evaluated by the tiles, for this rank's rows)."""
         spec = self.state.spec
         B, H, S, D = spec.q_shape
-        Hk = spec.kv_shape[1]
         mask, mask_mod = mask_from_content(spec, mask_tensors, B, H)
         pattern = to_block_pattern(mask, q_len=S, kv_len=spec.kv_shape[2], block_size=spec.options.block_size,
                                    batch=B, num_heads=H, count=False)
@@ -204,17 +206,24 @@ class DynamicProgram:
         cost = spec.options.cost_model()
         weights = pattern_weights(pattern, batch=B, num_heads=H, chunk=self.chunk, num_chunks=self.num_chunks,
                                   partial_overhead=cost.partial_block_overhead)
-        elt = torch.empty((), dtype=spec.dtype).element_size()
+        tp = self.template.plan
         plan = plan_exchange(weights, mesh=self.mesh, chunk=self.chunk, owner=self.owner,
-                             kv_chunk_bytes=2 * B * Hk * self.chunk * D * elt,
-                             dkv_chunk_bytes=2 * B * Hk * self.chunk * D * 4)
-        rows = layout_from_pattern(pattern, mask_mod, batch=B, num_heads=H,
-                                   q_blocks=rank_rows(plan, self.rank, pattern.q_block, pattern.grid[0]))
-        seq = SequenceShards(plan.layout, rank=self.rank, global_ranks=tuple(self.transport.global_ranks),
-                             group_ref=self.transport.group_ref, timeout=spec.options.timeout)
-        return make_run(rows, plan, rank=self.rank, device=self.device, transport=self.transport, seq=seq)
+                             kv_chunk_bytes=tp.shape.unit_bytes("kv", self.chunk),
+                             dkv_chunk_bytes=tp.shape.unit_bytes("dkv", self.chunk))
+        padded = self.padded_len
+        geo = TileGeometry(seq_len=S, chunk=self.chunk, q_block=pattern.q_block, kv_block=pattern.kv_block, batch=B,
+                           num_heads=H, num_kv_heads=spec.kv_shape[1], head_groups=1, head_dim=D,
+                           kind_gQK=[group_kind_grid(pattern, range(H), padded // pattern.q_block,
+                                                     padded // pattern.kv_block)], mask_mod=mask_mod, pattern=pattern)
+        pos = torch.arange(self.chunk)
+        index = torch.cat([c * self.chunk + pos for c in plan.layout.local_chunks(self.rank)])
+        tr = self.template.transport
+        seq = SequenceShards(plan.layout, rank=self.rank, global_ranks=tuple(tr.global_ranks), group_ref=tr.group_ref,
+                             timeout=spec.options.timeout)
+        return MaskRun(plan=plan, rank=self.rank, chunks=plan.global_chunks(), live=plan.live(),
+                       nonempty=weights > 0, geo=geo, index=index.to(self.device), seq=seq)
 
-    def _event(self, run: ExchangeRun, seconds: float) -> PlanEvent:
+    def _event(self, run: MaskRun, seconds: float) -> PlanEvent:
         spec, plan = self.state.spec, run.plan
         return PlanEvent(site=spec.name, graph=spec.graph, rank=self.rank, world=self.world, seconds=seconds,
                          hash=plan.content_hash()[:16], structure=plan.summary(), method="exchange",
@@ -222,64 +231,64 @@ class DynamicProgram:
                          stages={"fwd": [plan.stage_bytes("fwd")], "bwd": [plan.stage_bytes("bwd")],
                                  "imbalance": plan.imbalance(), "ownership": plan.ownership})
 
-    # ------------------------------------------------------------------ what the ops do
-    # The stage ops (``cp_start``, ``cp_wait``, ``cp_gather``, ``cp_stash``, ``cp_unstash``) are a static
-    # program's, with this call's plan as data (``plan``): stage ``KV_STAGE`` is the forward exchange (the K/V
-    # chunks each rank needs), ``DKV_STAGE`` the backward's (the dK/dV partials of received chunks, home).
-    def start(self, stage: int, pieces: list[Tensor], plan: Tensor) -> int:
-        a, b = pieces
-        hid = self.state.next_id()
-        self.handles[hid] = (post_kv if stage == KV_STAGE else post_dkv)(self.run_of(plan), a, b)
-        return hid
+    # ------------------------------------------------------------------ what the ops do with the plan as data
+    def posts(self, sends: list, recvs: list, plan: Tensor | None) -> tuple[list, list]:
+        """The fixed plan's messages of one stage that carry data under this call's mask."""
+        live = self.run_of(plan).live
+        return ([m for m in sends if _message(m[1]) in live], [r for r in recvs if _message(r[1]) in live])
 
-    def _heads(self) -> tuple[int, int, int]:
-        B, Hk, _, D = self.state.spec.kv_shape
-        return B, Hk, D
+    def dispatcher(self, plan):
+        """This rank's tokens of a global tensor: an index_select whose index is the call's plan data."""
+        index = ops.cp_dyn_index(plan, self.key)
+        padded = self.padded_len
 
-    def wait(self, hid: int, stage: int, plan: Tensor) -> list[Tensor]:
-        """KV_STAGE: [K buffer, V buffer], other ranks' chunks by slot; DKV_STAGE: [dK, dV] fp32 on this rank's
-        tokens, the partials other ranks sent, summed."""
-        run, handle = self.run_of(plan), self.handles.pop(hid)
-        if stage == KV_STAGE:
-            return list(wait_kv(run, handle, self._heads(), self.dtype, self.device))
-        return list(wait_dkv(run, handle, self._heads(), self.device))
+        def shard(x: Tensor) -> Tensor:
+            pad = padded - x.shape[2]
+            if pad:
+                x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 3) + [0, pad])
+            return x.index_select(2, index)
 
-    def received(self, stage: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        if stage == KV_STAGE:
-            return [(self.buffer_shape, self.dtype)] * 2
-        return [(self.local_kv_shape, torch.float32)] * 2
+        return shard
 
-    def gather(self, x: Tensor, plan: Tensor) -> Tensor:
+    def gather(self, x: Tensor, plan: Tensor | None = None) -> Tensor:
         return self.run_of(plan).seq.gather(x, 2, self.seq_len)
 
-    def stash(self, tensors: list[Tensor], plan: Tensor) -> int:
+    def stash(self, tensors: list[Tensor], plan: Tensor | None = None) -> int:
         return self.state.put_state((self.run_of(plan), tensors))
 
     def unstash(self, ticket: int) -> list[Tensor]:
-        """[plan id, K buffer, V buffer] of the forward that stashed them."""
+        """[plan id, the stashed tensors] of the forward that stashed them."""
         run, tensors = self.state.take_state(ticket)
         return [torch.tensor(self.keep(run), dtype=torch.int64), *tensors]
 
     def stashed(self) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
-        cpu = torch.device("cpu")
-        return [((), torch.int64, cpu)] + [(self.buffer_shape, self.dtype, self.device)] * 2
+        return [((), torch.int64, torch.device("cpu"))] + super().stashed()
 
-    def tile_fwd(self, q, k, v, plan, part: int) -> tuple[Tensor, Tensor]:
-        run = self.run_of(plan)
-        lay = run.local if part == 0 else run.remote
-        o, lse = ops.bsa_fwd(q, k, v, *lay.bwd_tensors(), lay.q_block, lay.kv_block, self.state.spec.scale, True)
-        return o.contiguous(), lse.contiguous()
+    def tile_fwd(self, tile: int, q: Tensor, kvs: list[tuple[Tensor, Tensor]], plan: Tensor | None = None):
+        run, row = self.run_of(plan), self.tiles[tile]
+        i, cols = run.columns(row.q_chunk, row.kv_chunks)
+        if not cols:  # nothing of this row in these chunks under this mask
+            return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+                    torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device))
+        return row_forward(run.geo, 0, i, [c for _, c in cols], q, [kvs[n] for n, _ in cols], row.scale)
 
-    def tile_bwd(self, q, k, v, do, lse, delta, dlse, plan, part: int):
-        run = self.run_of(plan)
-        lay = run.local if part == 0 else run.remote
-        grads = ops.bsa_bwd(q, k, v, do, lse, delta, dlse, *lay.bwd_tensors(), lay.q_block, lay.kv_block,
-                            self.state.spec.scale, True)
-        return tuple(g.contiguous() for g in grads)
+    def tile_bwd(self, tile: int, q, do, lse, delta, kvs, plan: Tensor | None = None):
+        run, row = self.run_of(plan), self.tiles[tile]
+        i, cols = run.columns(row.q_chunk, row.kv_chunks)
+        per_col = [(torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                    torch.zeros(v.shape, dtype=torch.float32, device=v.device)) for k, v in kvs]
+        if not cols:
+            return torch.zeros(q.shape, dtype=torch.float32, device=q.device), per_col
+        dq, got = row_backward(run.geo, 0, i, [c for _, c in cols], q, do, lse, delta, [kvs[n] for n, _ in cols],
+                               row.scale)
+        for (n, _), dkv in zip(cols, got, strict=True):
+            per_col[n] = dkv
+        return dq, per_col
 
 
 def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:
-    """The site's program: its chunking (the graph's layout, or ``CHUNKS_PER_RANK`` per rank) and its ranks."""
+    """The site's program: its chunking (the graph's layout, or ``CHUNKS_PER_RANK`` per rank), its ranks and the
+    executor of its fixed plan."""
     spec, opts = state.spec, state.spec.options
     mesh, ranks, group, me = resolve_group(opts.mesh, None)
     if state.layout is not None:
@@ -294,68 +303,16 @@ def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:
             owner = tuple(striped_owner(mesh.world, per // 2))
         num = per * mesh.world
         chunk = padded_chunk(spec.q_shape[2], num, block)
+    B, H, S, D = spec.q_shape
+    if spec.dtype not in DTYPE_NAMES:
+        raise TypeError(f"ultraattn site {spec.name}: dtype {spec.dtype} is not supported across ranks; use one of "
+                        f"{sorted(str(d) for d in DTYPE_NAMES)}")
+    shape = AttnShape(seq_len=S, num_heads=H, head_dim=D, num_kv_heads=spec.kv_shape[1], batch=B,
+                      dtype=DTYPE_NAMES[spec.dtype])
+    tp = owner_computes_plan(mesh=mesh, shape=shape, chunk=chunk, chunks_per_rank=num // mesh.world)
+    # the fixed plan's geometry: message shapes only (every tile reads its call's MaskRun.geo)
+    geo = TileGeometry(seq_len=S, chunk=chunk, q_block=chunk, kv_block=chunk, batch=B, num_heads=H,
+                       num_kv_heads=spec.kv_shape[1], head_groups=1, head_dim=D, kind_gQK=[], mask_mod=None)
     transport = transport_for(rank=me, global_ranks=ranks, group_ref=GroupRef(group), timeout=opts.timeout)
-    return DynamicProgram(state=state, device=device, mesh=mesh, transport=transport, chunk=chunk, num_chunks=num,
-                          owner=owner)
-
-
-# ----------------------------------------------------------------------------- the traced programs
-def _dispatch(x: Tensor, index: Tensor, padded: int) -> Tensor:
-    pad = padded - x.shape[2]
-    if pad:
-        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 3) + [0, pad])
-    return x.index_select(2, index)
-
-
-def dynamic_forward(prog: DynamicProgram, local: bool):
-    """fn(q, k, v, *mask tensors) -> (out, lse fp32, ticket) (``local``: q, k, v, out, lse on this rank's tokens)."""
-
-    def fn(q, k, v, *mask):
-        key = prog.key
-        token, plan = ops.cp_dyn_plan(new_token(), list(mask), key)
-        if local:
-            ql, kl, vl = q, k, v
-        else:
-            index = ops.cp_dyn_index(plan, key)
-            ql, kl, vl = (_dispatch(x, index, prog.padded_len) for x in (q, k, v))
-        handle = ops.cp_start(token, [kl, vl], key, KV_STAGE, plan)
-        o0, l0 = ops.cp_dyn_tile_fwd(ql, kl, vl, plan, key, 0)
-        token, k_in, v_in = ops.cp_wait(handle, key, KV_STAGE, plan)
-        o1, l1 = ops.cp_dyn_tile_fwd(ql, k_in, v_in, plan, key, 1)
-        out, lse = merge_partial((o0, l0), (o1, l1))
-        out = out.to(q.dtype)
-        if not local:
-            token, out = ops.cp_gather(token, out, key, plan)
-            token, lse = ops.cp_gather(token, lse, key, plan)
-        ticket = ops.cp_stash(token, [k_in, v_in], key, plan)
-        return out, lse, ticket
-
-    return fn
-
-
-def dynamic_backward(prog: DynamicProgram, local: bool):
-    """fn(q, k, v, out, lse, dout, dlse, ticket) -> (dq, dk, dv)."""
-
-    def fn(q, k, v, out, lse, dout, dlse, ticket):
-        key = prog.key
-        plan, k_in, v_in = ops.cp_unstash(ticket, key)
-        xs = (q, k, v, out, lse, dout.to(out.dtype), dlse.float())
-        if not local:
-            index = ops.cp_dyn_index(plan, key)
-            xs = tuple(_dispatch(x, index, prog.padded_len) for x in xs)
-        ql, kl, vl, ol, ll, dol, dll = xs
-        delta = softmax_delta(ol, dol)
-        dq1, dk_in, dv_in = ops.cp_dyn_tile_bwd(ql, k_in, v_in, dol, ll, delta, dll, plan, key, 1)
-        handle = ops.cp_start(new_token(), [dk_in, dv_in], key, DKV_STAGE, plan)
-        dq0, dk0, dv0 = ops.cp_dyn_tile_bwd(ql, kl, vl, dol, ll, delta, dll, plan, key, 0)
-        token, dk_home, dv_home = ops.cp_wait(handle, key, DKV_STAGE, plan)
-        grads = (dq0 + dq1, dk0 + dk_home, dv0 + dv_home)
-        if not local:
-            gathered = []
-            for g in grads:
-                token, g = ops.cp_gather(token, g, key, plan)
-                gathered.append(g)
-            grads = tuple(gathered)
-        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
-
-    return fn
+    return DynamicProgram(state=state, runner=None, mesh=mesh, chunk=chunk, num_chunks=num, owner=owner,
+                          template=Executor(tp, me, geo, transport, spec.dtype))

@@ -33,14 +33,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ultraattn.passes.explicit.dynamic import (
-    DKV_STAGE,
-    KV_STAGE,
-    DynamicProgram,
-    dynamic_backward,
-    dynamic_forward,
-    dynamic_program,
-)
+from ultraattn.passes.explicit.dynamic import dynamic_program
 from ultraattn.passes.explicit.program import (
     ExplicitProgram,
     backward_program,
@@ -111,9 +104,7 @@ def _program_of(state: SiteState, backward: bool, local: bool):
     if prog is None:
         what = "backward of site" if backward else "site"
         raise RuntimeError(f"ultraattn: {what} {state.spec.name} reached the compiler without its compile-time plan")
-    if isinstance(prog, DynamicProgram):
-        return dynamic_backward(prog, local) if backward else dynamic_forward(prog, local)
-    if state.spec.options.world_size == 1:
+    if state.spec.options.world_size == 1 and not prog.dynamic:
         return kernel_backward_program(prog) if backward else kernel_forward_program(prog)
     return backward_program(prog, local) if backward else forward_program(prog, local)
 
@@ -145,10 +136,10 @@ def expand_sites(gm: fx.GraphModule, table: SideTable) -> list[str]:
 _DYNAMIC_WORDS = {
     "cp_dyn_plan": "plan this call's mask (run-time data: bytes per step in the planning table)",
     "cp_dyn_index": "this rank's token positions under the plan",
-    ("cp_start", KV_STAGE): "stage: post the K/V chunks each rank needs, one message per rank pair",
-    ("cp_wait", KV_STAGE): "stage received: other ranks' K/V chunks by slot",
-    ("cp_start", DKV_STAGE): "stage: post the dK/dV partials of received chunks to their owners",
-    ("cp_wait", DKV_STAGE): "stage received: partials for this rank's chunks, summed",
+    ("cp_start", "fwd"): "stage: post the K/V chunks each rank needs (of {n} possible messages)",
+    ("cp_wait", "fwd"): "stage received: other ranks' K/V chunks (zeros for those the mask needs none of)",
+    ("cp_start", "bwd"): "stage: post the dK/dV partials of received chunks to their owners (of {n} possible)",
+    ("cp_wait", "bwd"): "stage received: partials for this rank's chunks, summed",
     "cp_gather": "all-gather to the global view (the plan's owners)",
     "cp_stash": "keep the plan and the received K/V for the backward",
     "cp_unstash": "the forward's plan and received K/V",
@@ -156,15 +147,24 @@ _DYNAMIC_WORDS = {
 
 
 def _stage_of(n: fx.Node, op: str) -> int:
-    """The stage index of a ``cp_start`` / ``cp_wait`` node (``ops/program.py``'s signatures)."""
-    return n.args[3] if op == "cp_start" else n.args[2]
+    """The stage (or tile) index of a stage or tile node: the argument after its site key (``ops/program.py``'s
+    signatures)."""
+    site = next(a for a in n.args if isinstance(a, str))
+    return n.args[n.args.index(site) + 1]
 
 
 def _describe(n: fx.Node, op: str, prog: ExplicitProgram | None) -> tuple[str, int]:
     """(what the node does, bytes it sends) for reports."""
-    if isinstance(prog, DynamicProgram):
-        key = (op, _stage_of(n, op)) if op in ("cp_start", "cp_wait") else op
-        return _DYNAMIC_WORDS.get(key, ""), 0
+    if prog is not None and prog.dynamic:  # which messages move (and their bytes) is the mask's: per step
+        if op in ("cp_start", "cp_wait"):
+            st = prog.stages[_stage_of(n, op)]
+            if not st.sends and not st.recvs:
+                return "(none)", 0
+            return _DYNAMIC_WORDS[(op, st.phase)].format(n=len(st.sends) + len(st.recvs)), 0
+        if op in TILE_ROW_OPS:
+            row = prog.tiles[_stage_of(n, op)]
+            return f"virtual q chunk {row.q_chunk} × virtual kv chunks {list(row.kv_chunks)} (the mask's)", 0
+        return _DYNAMIC_WORDS.get(op, ""), 0
     if prog is not None and op == "cp_start":
         st = prog.stages[_stage_of(n, op)]
         what = "; ".join([f"send {t.tensor} c{t.chunk}g{t.head_group}→r{t.dst}" for _, t, _ in st.sends] +
@@ -173,7 +173,7 @@ def _describe(n: fx.Node, op: str, prog: ExplicitProgram | None) -> tuple[str, i
     if prog is not None and op == "cp_wait":
         return f"stage {_stage_of(n, op)}", 0
     if prog is not None and op in TILE_ROW_OPS:
-        row = prog.tiles[n.args[-1]]
+        row = prog.tiles[_stage_of(n, op)]
         return f"q chunk {row.q_chunk}, group {row.group} × kv chunks {list(row.kv_chunks)}", 0
     return {"cp_gather": "all-gather to the global view", "bsa_fwd": "block-sparse kernel",
             "bsa_bwd": "block-sparse kernel"}.get(op, f"{n.args[2]} sends delivered" if op == "cp_finish" else ""), 0

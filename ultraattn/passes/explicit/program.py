@@ -23,7 +23,7 @@ from ultraattn.passes.ops.site import kernel_site_backward
 from ultraattn.passes.site import Runner, SiteState
 from ultraattn.runtime.api import gather_tokens
 from ultraattn.runtime.executor import layout as unit_layout
-from ultraattn.runtime.tiles import kernel_row_backward, kernel_row_forward
+from ultraattn.runtime.tiles import kernel_row_backward, kernel_row_forward, row_backward, row_forward
 
 ops = torch.ops.ultraattn
 
@@ -59,7 +59,8 @@ class ExplicitProgram:
     """What the expanded nodes of one site look up at run time (``SiteState.program``)."""
 
     dynamic: ClassVar[bool] = False
-    """A site whose mask arrives at run time has a ``DynamicProgram`` (``dynamic`` True) instead."""
+    """A site whose mask arrives at run time has a ``DynamicProgram`` (``dynamic`` True): the same program over a
+    fixed plan, with the call's mask as data (the ``plan`` argument of its ops)."""
 
     state: SiteState
     runner: Runner
@@ -86,31 +87,49 @@ class ExplicitProgram:
     def seq_len(self) -> int:
         return self.runner.seq_len
 
-    # ------------------------------------------------------------------ what the stage ops do (ops/program.py)
-    # A ``DynamicProgram`` (explicit/dynamic.py) answers the same calls with its plan as data: the ``plan``
+    # ------------------------------------------------------------------ what the ops do (ops/program.py)
+    # A ``DynamicProgram`` (explicit/dynamic.py) answers the same calls with its mask as data: the ``plan``
     # argument, which a static program has none of.
+    def posts(self, sends: list, recvs: list, plan: Tensor | None) -> tuple[list, list]:
+        """The messages of a stage that are posted for this call: all of a static plan's."""
+        return sends, recvs
+
     def start(self, stage: int, pieces: list[Tensor], plan: Tensor | None = None) -> int:
-        """Post stage ``stage`` of the traced schedule (``pieces``: its messages' tensors in order); a handle id."""
+        """Post stage ``stage`` of the traced schedule (``pieces``: its messages' tensors in order); a handle id.
+        ``plan``: the call's plan id (a ``DynamicProgram``'s mask data; None for a static plan)."""
         st = self.stages[stage]
         io = self.executor.io
         if st.first:
             io.begin(st.phase)
-            if st.phase == "fwd":
+            if st.phase == "fwd" and not self.dynamic:  # (a dynamic program counts calls when it plans)
                 self.state.calls += 1
         it = iter(pieces)
-        msgs = [(tag, t, [next(it) for _ in range(n)]) for tag, t, n in st.sends]
+        sends, recvs = self.posts([(tag, t, [next(it) for _ in range(n)]) for tag, t, n in st.sends], list(st.recvs),
+                                  plan)
         hid = self.state.next_id()
-        self.handles[hid] = io.start(st.phase, msgs, st.recvs, self.device)
+        self.handles[hid] = (io.start(st.phase, sends, recvs, self.device), {tag for tag, _t in recvs})
         return hid
 
     def wait(self, hid: int, stage: int, plan: Tensor | None = None) -> list[Tensor]:
-        """The stage's received tensors, in order."""
-        got = self.executor.io.wait(self.handles.pop(hid))
-        return [p.clone() for _t, pieces in got for p in pieces]
+        """The stage's received tensors, in order (zeros for a message this call does not post)."""
+        handle, posted = self.handles.pop(hid)
+        got = iter(self.executor.io.wait(handle))
+        ex, out = self.executor, []
+        for tag, t in self.stages[stage].recvs:
+            if tag in posted:
+                out.extend(p.clone() for p in next(got)[1])
+            else:
+                out.extend(torch.zeros(shape, dtype=dt, device=self.device) for shape, dt in
+                           unit_layout(t.tensor, ex.geo, ex.dtype))
+        return out
 
     def received(self, stage: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of what ``wait`` returns for ``stage`` (fake kernels)."""
         return list(self.stages[stage].recv_specs)
+
+    def dispatcher(self, plan: Tensor | None):
+        """fn(global tensor) -> this rank's tokens (traced into the graph)."""
+        return lambda x: local_shard(x, self.runner)
 
     def gather(self, x: Tensor, plan: Tensor | None = None) -> Tensor:
         return gather_tokens(x, self.runner)
@@ -125,6 +144,18 @@ class ExplicitProgram:
         """(shape, dtype, device) of what ``unstash`` returns (fake kernels)."""
         return [(shape, dt, self.device) for _kind, _u, specs in self.saved_layout for shape, dt in specs]
 
+    def tile_fwd(self, tile: int, q: Tensor, kvs: list[tuple[Tensor, Tensor]], plan: Tensor | None = None):
+        """Partial attention of tile row ``tile`` (``runtime.tiles.row_forward``): (o, lse) fp32."""
+        row = self.tiles[tile]
+        return row_forward(self.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, kvs, row.scale)
+
+    def tile_bwd(self, tile: int, q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, kvs: list[tuple[Tensor, Tensor]],
+                 plan: Tensor | None = None):
+        """Gradients of tile row ``tile`` (``runtime.tiles.row_backward``): dq and per column (dK, dV), fp32."""
+        row = self.tiles[tile]
+        return row_backward(self.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, do, lse, delta, kvs,
+                            row.scale)
+
 
 # ----------------------------------------------------------------------------- the graph-building IO
 class TracedIO:
@@ -133,7 +164,14 @@ class TracedIO:
     def __init__(self, prog: ExplicitProgram):
         self.prog = prog
         self.token = new_token()
+        self.plan: Tensor | None = None
+        """The call's plan id (a graph value) for a dynamic program; None for a static one."""
         self.begun: set[str] = set()
+
+    @property
+    def data(self) -> tuple:
+        """The ops' trailing ``plan`` argument: (the plan id,) for a dynamic program, () for a static one."""
+        return () if self.plan is None else (self.plan,)
 
     def begin(self, phase: str) -> None:
         pass
@@ -147,12 +185,12 @@ class TracedIO:
                                  tuple(recvs), specs))
         self.begun.add(phase)
         flat = [p.contiguous() for _tag, _t, pieces in sends for p in pieces]
-        return sid, ops.cp_start(self.token, flat, prog.key, sid)
+        return sid, ops.cp_start(self.token, flat, prog.key, sid, *self.data)
 
     def wait(self, handle):
         sid, h = handle
         prog = self.prog
-        outs = ops.cp_wait(h, prog.key, sid)
+        outs = ops.cp_wait(h, prog.key, sid, *self.data)
         self.token, it = outs[0], iter(outs[1:])
         ex = prog.executor
         return [(t, [next(it) for _ in unit_layout(t.tensor, ex.geo, ex.dtype)]) for _tag, t in prog.stages[sid].recvs]
@@ -161,10 +199,14 @@ class TracedIO:
         self.token = ops.cp_finish(self.token, self.prog.key, phase)
 
     def _tile(self, g, i, js, q, scale) -> tuple[int, bool]:
-        """A tile id, and whether the tile is the Triton op: on CUDA (``kernels.uses_triton``), or on CPU with
-        ``ULTRAATTN_KERNELS=triton`` under the interpreter when the graph runs uncompiled (aot_eager)."""
+        """A tile id, and whether the tile is the Triton op in the graph: on CUDA (``kernels.uses_triton``), or on
+        CPU with ``ULTRAATTN_KERNELS=triton`` under the interpreter when the graph runs uncompiled (aot_eager). A
+        dynamic program's tile layouts change with the mask (their shapes too), so its tile op runs the kernels
+        itself (``row_forward``)."""
         tid = len(self.prog.tiles)
         self.prog.tiles.append(TileRow(g, i, tuple(js), scale))
+        if self.prog.dynamic:
+            return tid, False
         if q.device.type == "cuda":
             return tid, uses_triton(q)
         return tid, (config.kernel_mode() == "triton" and config.interpret()
@@ -175,7 +217,7 @@ class TracedIO:
         if kernels:  # the block-sparse Triton op itself, on the row's concatenated kv chunks
             lay = ops.cp_tile_layout(self.prog.key, tid)
             return kernel_row_forward(self.prog.executor.geo, lay, q, kvs, scale)
-        return ops.cp_tile_fwd(q, [k for k, _ in kvs], [v for _, v in kvs], self.prog.key, tid)
+        return ops.cp_tile_fwd(q, [k for k, _ in kvs], [v for _, v in kvs], self.prog.key, tid, *self.data)
 
     def tile_bwd(self, g, i, js, q, do, lse, delta, kvs, scale):
         tid, kernels = self._tile(g, i, js, q, scale)
@@ -183,11 +225,12 @@ class TracedIO:
         if kernels:
             lay = ops.cp_tile_layout(self.prog.key, tid)
             return kernel_row_backward(self.prog.executor.geo, lay, q, do, lse, delta, kvs, scale)
-        outs = ops.cp_tile_bwd(q, do, lse, delta, [k for k, _ in kvs], [v for _, v in kvs], self.prog.key, tid)
+        outs = ops.cp_tile_bwd(q, do, lse, delta, [k for k, _ in kvs], [v for _, v in kvs], self.prog.key, tid,
+                               *self.data)
         return outs[0], list(zip(outs[1:1 + n], outs[1 + n:]))
 
     def gather(self, x: Tensor) -> Tensor:
-        self.token, full = ops.cp_gather(self.token, x, self.prog.key)
+        self.token, full = ops.cp_gather(self.token, x, self.prog.key, *self.data)
         return full
 
 
@@ -231,25 +274,30 @@ def _unflatten_saved(flat: list[Tensor], lay: list) -> dict:
 
 # ----------------------------------------------------------------------------- the programs
 def forward_program(prog: ExplicitProgram, local: bool = False):
-    """fn(q, k, v) -> (out, lse fp32, ticket): the site's forward as this rank's explicit program.
+    """fn(q, k, v, *mask tensors) -> (out, lse fp32, ticket): the site's forward as this rank's explicit program
+    (the mask tensors: a dynamic program's, planned in the graph's first node).
 
     ``local``: q, k, v are already this rank's tokens (a sequence-sharded graph) and so are out, lse:
     no dispatch, no gather."""
 
-    def fn(q, k, v):
-        plan, spec = prog.runner, prog.state.spec
+    def fn(q, k, v, *mask):
+        spec = prog.state.spec
         ex = _traced_executor(prog)
-        if spec.options.debug and not local:
-            ex.io.token = ops.cp_check_inputs(ex.io.token, [q, k, v], prog.key)
-        qkv = (q, k, v) if local else (local_shard(q, plan), local_shard(k, plan), local_shard(v, plan))
+        io = ex.io
+        if prog.dynamic:
+            io.token, io.plan = ops.cp_dyn_plan(io.token, list(mask), prog.key)
+        elif spec.options.debug and not local:
+            io.token = ops.cp_check_inputs(io.token, [q, k, v], prog.key)
+        shard = None if local else prog.dispatcher(io.plan)
+        qkv = (q, k, v) if local else (shard(q), shard(k), shard(v))
         out_l, lse_l, saved = ex.forward(*qkv, spec.scale)
         flat, prog.saved_layout = _flatten_saved(saved)
         if local:
             out, lse = out_l.to(q.dtype), lse_l
         else:
-            out = ex.io.gather(out_l.to(q.dtype))
-            lse = ex.io.gather(lse_l)
-        ticket = ops.cp_stash(ex.io.token, flat, prog.key)
+            out = io.gather(out_l.to(q.dtype))
+            lse = io.gather(lse_l)
+        ticket = ops.cp_stash(io.token, flat, prog.key, *io.data)
         return out, lse, ticket
 
     return fn
@@ -259,14 +307,21 @@ def backward_program(prog: ExplicitProgram, local: bool = False):
     """fn(q, k, v, out, lse, dout, dlse, ticket) -> (dq, dk, dv) (``local``: all on this rank's tokens)."""
 
     def fn(q, k, v, out, lse, dout, dlse, ticket):
-        plan, spec = prog.runner, prog.state.spec
+        spec = prog.state.spec
         ex = _traced_executor(prog)
-        saved = _unflatten_saved(ops.cp_unstash(ticket, prog.key), prog.saved_layout)
-        sh = [x if local else local_shard(x, plan) for x in (q, k, v, out, lse, dout.to(out.dtype), dlse.float())]
-        dq, dk, dv = ex.backward(*sh[:5], saved, sh[5], sh[6], spec.scale)
+        io = ex.io
+        flat = ops.cp_unstash(ticket, prog.key)
+        if prog.dynamic:  # the forward's plan id, first
+            io.plan, flat = flat[0], flat[1:]
+        saved = _unflatten_saved(flat, prog.saved_layout)
+        xs = (q, k, v, out, lse, dout.to(out.dtype), dlse.float())
+        if not local:
+            shard = prog.dispatcher(io.plan)
+            xs = tuple(shard(x) for x in xs)
+        dq, dk, dv = ex.backward(*xs[:5], saved, xs[5], xs[6], spec.scale)
         if local:
             return tuple(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
-        return tuple(ex.io.gather(g).to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
+        return tuple(io.gather(g).to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
 
     return fn
 

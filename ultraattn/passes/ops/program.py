@@ -20,7 +20,7 @@ from torch.library import custom_op
 
 from ultraattn.passes.site import check_same_inputs
 from ultraattn.passes.state import side_table
-from ultraattn.runtime.tiles import kernel_layout, row_backward, row_forward
+from ultraattn.runtime.tiles import kernel_layout
 
 
 def _program(site: str):
@@ -106,35 +106,31 @@ def _(site, tile):
 
 
 @custom_op("ultraattn::cp_tile_fwd", mutates_args=())
-def cp_tile_fwd(q: Tensor, ks: list[Tensor], vs: list[Tensor], site: str, tile: int) -> tuple[Tensor, Tensor]:
-    """Partial attention of one (head group, q chunk) over its kv chunks: (o fp32, lse fp32)."""
-    prog = _program(site)
-    row = prog.tiles[tile]
-    o, lse = row_forward(prog.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, list(zip(ks, vs)),
-                         row.scale)
+def cp_tile_fwd(q: Tensor, ks: list[Tensor], vs: list[Tensor], site: str, tile: int, plan: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """Partial attention of one (head group, q chunk) over its kv chunks: (o fp32, lse fp32). ``plan``: the call's
+    plan id (a dynamic program's mask data)."""
+    o, lse = _program(site).tile_fwd(tile, q, list(zip(ks, vs)), plan)
     return o.contiguous(), lse.contiguous()
 
 
 @cp_tile_fwd.register_fake
-def _(q, ks, vs, site, tile):
+def _(q, ks, vs, site, tile, plan=None):
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @custom_op("ultraattn::cp_tile_bwd", mutates_args=())
 def cp_tile_bwd(q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, ks: list[Tensor], vs: list[Tensor], site: str,
-                tile: int) -> list[Tensor]:
+                tile: int, plan: Tensor | None = None) -> list[Tensor]:
     """Gradients of one tile row (global lse and delta): [dq, dk per kv chunk..., dv per kv chunk...], fp32."""
-    prog = _program(site)
-    row = prog.tiles[tile]
-    dq, per_col = row_backward(prog.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, do, lse, delta,
-                               list(zip(ks, vs)), row.scale)
+    dq, per_col = _program(site).tile_bwd(tile, q, do, lse, delta, list(zip(ks, vs)), plan)
     # the per-column gradients are slices of one buffer: a custom op's outputs must not share storage
     own = (lambda t: t.clone()) if len(per_col) > 1 else (lambda t: t.contiguous())
     return [dq.contiguous()] + [own(dk) for dk, _ in per_col] + [own(dv) for _, dv in per_col]
 
 
 @cp_tile_bwd.register_fake
-def _(q, do, lse, delta, ks, vs, site, tile):
+def _(q, do, lse, delta, ks, vs, site, tile, plan=None):
     f32 = torch.float32
     return [q.new_empty(q.shape, dtype=f32)] + [k.new_empty(k.shape, dtype=f32) for k in ks] + \
         [v.new_empty(v.shape, dtype=f32) for v in vs]
