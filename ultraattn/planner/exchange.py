@@ -1,4 +1,4 @@
-"""Exchange plans: the run-time plan of an explicit site whose mask is known only at run time.
+"""Plans of an explicit site whose mask is known only at run time: one fixed plan, and each mask's data.
 
 A compiled graph cannot change shape per batch, so a site whose mask is new every batch (packed
 documents) runs one fixed ``TilePlan`` for every mask, ``owner_computes_plan``: every rank computes the
@@ -11,8 +11,8 @@ dK/dV partials come back). The executor runs and traces that plan like any other
   planner's balancer (``balance.ownership``: work-balanced, document-affine across nodes);
 * every non-empty cell is computed where its query rows live (owner computes): only K/V move, the cheap
   side with GQA, and the partial dK/dV come back to their owners in the backward;
-* so the forward has ONE exchange stage (each rank sends each other rank the K/V chunks it needs, all in
-  one message per pair) and the backward one (the dK/dV partials of the same chunks, fp32).
+* so the forward has ONE exchange stage (each rank sends each other rank the K/V chunks it needs, a message
+  per chunk) and the backward one (the dK/dV partials of the same chunks, fp32).
 
 ``need[dst][src]``: the chunks of ``src`` that ``dst`` needs, ascending: the fixed plan's messages that
 carry data for this mask (``live``); the others are never posted, so the bytes that move are the needed
