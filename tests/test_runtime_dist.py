@@ -163,5 +163,7 @@ def test_runtime_on_the_triton_kernels(world):
     cases = [Case(mask="causal", seqlen=200, heads=4, kv_heads=2, batch=2),
              Case(mask="document", kwargs=(("lengths", (50, 90, 60)),), seqlen=200, heads=4, kv_heads=1),
              Case(mask="random", seqlen=200, seed=2),
-             Case(mask="strided", kwargs=(("block", 32),), seqlen=256, dtype="bf16")]
+             Case(mask="strided", kwargs=(("block", 32),), seqlen=256, dtype="bf16"),
+             # per-head KV block lists under noop_mask: the row layouts are exact per (batch, head)
+             Case(mask="block_select", seqlen=200, heads=4, kv_heads=2, batch=2)]
     run_and_check(cases if world == 2 else cases[:2], world, env={"ULTRAATTN_KERNELS": "triton"})

@@ -186,7 +186,11 @@ class TileGeometry:
                 h = (g * self.hq + torch.arange(self.hq)).view(1, -1, 1, 1)
                 qi = q_pos.clamp(max=s - 1).view(1, 1, -1, 1)
                 ki = kv_pos.clamp(max=s - 1).view(1, 1, 1, -1)
-                m = self.by_block(b, h, qi, ki, eval_mask(self.mask_mod, b, h, qi, ki))
+                m = eval_mask(self.mask_mod, b, h, qi, ki)
+                per = self.kinds_bh(g, torch.arange(qa0, qa0 + nq), blocks)
+                if per is not None and not bool((per == PARTIAL).all()):  # the blocks decide outside PARTIAL ones
+                    full, part = ((per == k).repeat_interleave(bq, 2).repeat_interleave(bk, 3) for k in (FULL, PARTIAL))
+                    m = full | (part & m)
             # keep the smallest broadcast shape: a mask that ignores b or h stays size 1 there
             if bool((m == m[:1]).all()):
                 m = m[:1]
@@ -205,22 +209,21 @@ class TileGeometry:
         return m5
 
 
-    def by_block(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, verdict: Tensor) -> Tensor:
-        """The mask at (batch ``b``, head ``h``, query ``q``, key ``k``; broadcastable index tensors) as a BlockMask
-        means it, given the mask_mod's ``verdict`` there: True in a block FULL for that (batch, head), the verdict
-        in a PARTIAL one, False in an EMPTY one. The merged kinds (``kind_gQK``) cannot say this where blocks differ
-        between heads or batch entries, and a mask_mod need not be False outside its blocks (attn-gym's VSA masks
-        use ``noop_mask``)."""
+    def kinds_bh(self, g: int, q_blocks: Tensor, kv_blocks: Tensor) -> Tensor | None:
+        """int8 [B|1, hq, len(q_blocks), len(kv_blocks)]: the kinds of these blocks for every (batch, head) of group
+        ``g`` (EMPTY past the mask), or None without the mask's pattern. A BlockMask means FULL, the mask_mod's
+        verdict, and nothing in a FULL, PARTIAL and EMPTY block of that (batch, head): the merged kinds
+        (``kind_gQK``) cannot say this where blocks differ between heads or batch entries, and a mask_mod need not
+        be False outside its blocks (attn-gym's VSA masks use ``noop_mask``)."""
         if self.pattern is None:
-            return verdict
+            return None
         kind = self.pattern.kind_BGQK
-        bp, _, nqp, nkp = kind.shape
+        nqp, nkp = kind.shape[2:]
         groups = self.pattern.head_group_of
-        group = torch.tensor(groups) if groups is not None else torch.zeros(self.num_heads, dtype=torch.int64)
-        qb, kb = q // self.q_block, k // self.kv_block
-        at = kind[b % bp, group[h], qb.clamp(max=nqp - 1), kb.clamp(max=nkp - 1)]
-        at = torch.where((qb < nqp) & (kb < nkp), at, torch.full_like(at, EMPTY))
-        return (at == FULL) | ((at == PARTIAL) & verdict)
+        heads = [groups[h] if groups is not None else 0 for h in range(g * self.hq, (g + 1) * self.hq)]
+        qi, ki = q_blocks.long(), kv_blocks.long()
+        at = kind[:, heads][:, :, qi.clamp(max=nqp - 1)][:, :, :, ki.clamp(max=nkp - 1)]
+        return torch.where((qi < nqp)[:, None] & (ki < nkp)[None, :], at, torch.full_like(at, EMPTY))
 
 
 def _kernels_on(t: Tensor) -> bool:
@@ -244,7 +247,8 @@ def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: to
     c, bq, bk, s = geo.chunk, geo.q_block, geo.kv_block, geo.seq_len
     nqb, nbk = c // bq, c // bk
     kv_ids = torch.cat([j * nbk + torch.arange(nbk) for j in cols])
-    kinds = geo.kind_gQK[g][i * nqb:(i + 1) * nqb][:, kv_ids].clone()
+    per = geo.kinds_bh(g, i * nqb + torch.arange(nqb), kv_ids)  # per (batch, head): the layout is exact per head
+    kinds = (geo.kind_gQK[g][i * nqb:(i + 1) * nqb][:, kv_ids][None, None] if per is None else per).clone()
     touch = ((i * nqb + torch.arange(nqb) + 1) * bq > s)[:, None] | ((kv_ids + 1) * bk > s)[None, :]
     kinds[(kinds == FULL) & touch] = PARTIAL
     kv_pos = (kv_ids[:, None] * bk + torch.arange(bk)).flatten()
@@ -255,12 +259,11 @@ def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: to
         ok = (gq < s) & (gk < s)
         if mask_mod is None:
             return ok
-        gq, gk = gq.clamp(max=s - 1), gk.clamp(max=s - 1)
-        return ok & geo.by_block(b, h + h0, gq, gk, eval_mask(mask_mod, b, h + h0, gq, gk))
+        return ok & eval_mask(mask_mod, b, h + h0, gq.clamp(max=s - 1), gk.clamp(max=s - 1))
 
-    pattern = BlockPattern(kind_BGQK=kinds[None, None].to(torch.int8),
-                           count_BGQK=torch.zeros((1, 1, *kinds.shape), dtype=torch.int64),
-                           q_len=c, kv_len=kv_ids.numel() * bk, q_block=bq, kv_block=bk, name="row")
+    pattern = BlockPattern(kind_BGQK=kinds.to(torch.int8), count_BGQK=torch.zeros(kinds.shape, dtype=torch.int64),
+                           q_len=c, kv_len=kv_ids.numel() * bk, q_block=bq, kv_block=bk, name="row",
+                           head_group_of=None if per is None else tuple(range(geo.hq)))
     lay = layout_from_pattern(pattern, row_mask, batch=geo.batch, num_heads=geo.hq, device=device)
     geo.mask_cache[key] = lay
     return lay
