@@ -67,7 +67,7 @@ def rank_run(rank: int, world: int, args: argparse.Namespace) -> dict:
 def run_mode(name: str, base: argparse.Namespace) -> dict:
     replay = name != "same"
     args = argparse.Namespace(**{**vars(base), **MODES[name], "mask": "document", "opaque": False,
-                                 "attention_only": False, "replay": replay,
+                                 "attention_only": False, "cost": "default", "replay": replay,
                                  "steps": 2 * base.steps if replay else base.steps})
     res = run_ranks(rank_run, base.nproc, args=(args,), timeout=3600)
     r0 = res[0]

@@ -40,6 +40,7 @@ OPS: dict[str, OpInfo] = {
     "cp_check_inputs": _COMM_TOKEN, "cp_stash": OpInfo(token=True), "cp_unstash": OpInfo(),
     "cp_tile_fwd": OpInfo(tile=True, tile_row=True), "cp_tile_bwd": OpInfo(tile=True, tile_row=True),
     "cp_tile_layout": OpInfo(tile_row=True), "cp_layout": OpInfo(),
+    "cp_tiles_fwd": OpInfo(tile=True), "cp_tiles_bwd": OpInfo(tile=True),
     # a site's explicit program for masks that arrive at run time (passes/ops/dynamic.py)
     # (its stages, gathers and stash are the ops above, with the plan as data)
     "cp_dyn_plan": _COMM_TOKEN, "cp_dyn_index": OpInfo(),

@@ -40,8 +40,6 @@ from .plan import AttnShape, Kernel, Mesh, TilePlan, TokenSharding, Transfer
 
 Route = tuple[int, tuple[int, ...]]
 """(peer rank, chunks): one message of an exchange."""
-OWNERSHIP = ("per-batch", "fixed")
-"""How an exchange plan's owners are chosen: by the mask (per batch), or given (fixed per graph)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -235,7 +235,23 @@ def _record(t: Transfer) -> tuple:
     return (t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst)
 
 
-class EagerIO:
+class TileSets:
+    """The executor's tile calls: every ready tile of one step at once (``tiles_fwd`` / ``tiles_bwd``), by default one
+    row at a time through the IO's ``tile_fwd`` / ``tile_bwd``. An IO may run a whole set as one call instead (a
+    dynamic program's ``TracedIO``: one graph node per set)."""
+
+    def tiles_fwd(self, items: list, scale: float) -> list[tuple[Tensor, Tensor]]:
+        """The tiles whose inputs are here, ``items`` = [(group, row, kv chunks, q, [(k, v) per chunk])]: each row's
+        partial (o, lse)."""
+        return [self.tile_fwd(g, i, js, q, kvs, scale) for g, i, js, q, kvs in items]
+
+    def tiles_bwd(self, items: list, scale: float) -> tuple[list[Tensor], dict]:
+        """Backward tiles, ``items`` = [(group, row, kv chunks, q, dO, lse, delta, [(k, v) per chunk])]: each row's
+        dQ, and per (kv chunk, group) the dK, dV summed over the rows."""
+        return sum_columns(items, [self.tile_bwd(g, i, js, *row, kvs, scale) for g, i, js, *row, kvs in items])
+
+
+class EagerIO(TileSets):
     """The executor's message and tile primitives, run directly (``dist_attention`` and opaque sites).
 
     ``ultraattn.passes.explicit`` swaps in an IO whose primitives are graph nodes; the executor's
@@ -293,6 +309,15 @@ class EagerIO:
     def tile_bwd(self, g: int, i: int, js: list[int], q, do, lse, delta, kvs, scale: float):
         return row_backward(self.ex.geo, g, i, js, q, do, lse, delta, kvs, scale)
 
+def sum_columns(items: list, results: list) -> tuple[list[Tensor], dict]:
+    """(each item's dQ, {(kv chunk, group): (dK, dV) summed over the items}) from per-row backward results."""
+    dkvs: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+    for (g, _i, js, *_), (_dq, per_col) in zip(items, results, strict=True):
+        for j, (dk, dv) in zip(js, per_col, strict=True):
+            prev = dkvs.get((j, g))
+            dkvs[(j, g)] = (dk, dv) if prev is None else (prev[0] + dk, prev[1] + dv)
+    return [dq for dq, _ in results], dkvs
+
 
 class Executor:
     """Runs one plan on one rank (module docstring). ``log`` holds the last call's messages per phase.
@@ -345,8 +370,8 @@ class Executor:
         def run_ready() -> None:
             nonlocal todo
             ready, todo = _split_ready(todo, rows, cols)
-            for (g, i), js in ready.items():
-                part = io.tile_fwd(g, i, js, rows[(i, g)], [cols[(j, g)] for j in js], scale)
+            items = [(g, i, js, rows[(i, g)], [cols[(j, g)] for j in js]) for (g, i), js in ready.items()]
+            for (g, i, *_), part in zip(items, io.tiles_fwd(items, scale), strict=True):
                 acc[(i, g)] = merge_partial(acc.get((i, g)), part)
 
         for level in prog.inputs["fwd"]:
@@ -450,14 +475,14 @@ class Executor:
         def run_ready() -> None:
             nonlocal todo
             ready, todo = _split_ready(todo, rows, cols)
-            for (g, i), js in ready.items():
-                qi, doi, lsei, deltai = rows[(i, g)]
-                dq, per_col = io.tile_bwd(g, i, js, qi, doi, lsei, deltai, [cols[(j, g)] for j in js], scale)
+            items = [(g, i, js, *rows[(i, g)], [cols[(j, g)] for j in js]) for (g, i), js in ready.items()]
+            dqs, dkvs = io.tiles_bwd(items, scale)
+            for (g, i, *_), dq in zip(items, dqs, strict=True):
                 prev = accs["dq"].get((i, g))
                 accs["dq"][(i, g)] = (dq,) if prev is None else (prev[0] + dq,)
-                for j, (dk, dv) in zip(js, per_col):
-                    prev = accs["dkv"].get((j, g))
-                    accs["dkv"][(j, g)] = (dk, dv) if prev is None else (prev[0] + dk, prev[1] + dv)
+            for u, (dk, dv) in dkvs.items():
+                prev = accs["dkv"].get(u)
+                accs["dkv"][u] = (dk, dv) if prev is None else (prev[0] + dk, prev[1] + dv)
 
         for level in prog.inputs["bwd"]:
             sends = []

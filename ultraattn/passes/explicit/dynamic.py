@@ -264,26 +264,45 @@ class DynamicProgram(ExplicitProgram):
     def stashed(self) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
         return [((), torch.int64, torch.device("cpu"))] + super().stashed()
 
-    def tile_fwd(self, tile: int, q: Tensor, kvs: list[tuple[Tensor, Tensor]], plan: Tensor | None = None):
-        run, row = self.run_of(plan), self.tiles[tile]
-        i, cols = run.columns(row.q_chunk, row.kv_chunks)
-        if not cols:  # nothing of this row in these chunks under this mask
-            return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
-                    torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device))
-        return row_forward(run.geo, 0, i, [c for _, c in cols], q, [kvs[n] for n, _ in cols], row.scale)
+    def tiles_fwd(self, tile: int, qs: list[Tensor], ks: list[Tensor], vs: list[Tensor], plan: Tensor | None = None
+                  ) -> list[tuple[Tensor, Tensor]]:
+        """(o, lse) fp32 of every row of tile set ``tile``: each row against the global chunks it stands for, skipping
+        the chunks this mask leaves empty there (they were never sent)."""
+        run, ts = self.run_of(plan), self.tiles[tile]
+        col = {u[0]: m for m, u in enumerate(ts.cols)}
+        out = []
+        for row, q in zip(ts.rows, qs, strict=True):
+            i, cols = run.columns(row.q_chunk, row.kv_chunks)
+            if not cols:  # nothing of this row in these chunks under this mask
+                out.append((torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+                            torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)))
+                continue
+            kvs = [(ks[col[row.kv_chunks[n]]], vs[col[row.kv_chunks[n]]]) for n, _ in cols]
+            out.append(row_forward(run.geo, 0, i, [c for _, c in cols], q, kvs, row.scale))
+        return out
 
-    def tile_bwd(self, tile: int, q, do, lse, delta, kvs, plan: Tensor | None = None):
-        run, row = self.run_of(plan), self.tiles[tile]
-        i, cols = run.columns(row.q_chunk, row.kv_chunks)
-        per_col = [(torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                    torch.zeros(v.shape, dtype=torch.float32, device=v.device)) for k, v in kvs]
-        if not cols:
-            return torch.zeros(q.shape, dtype=torch.float32, device=q.device), per_col
-        dq, got = row_backward(run.geo, 0, i, [c for _, c in cols], q, do, lse, delta, [kvs[n] for n, _ in cols],
-                               row.scale)
-        for (n, _), dkv in zip(cols, got, strict=True):
-            per_col[n] = dkv
-        return dq, per_col
+    def tiles_bwd(self, tile: int, qs, dos, lses, deltas, ks, vs, plan: Tensor | None = None):
+        """([dq per row], [dk per column], [dv per column]) fp32 of tile set ``tile``, a column's summed over rows."""
+        run, ts = self.run_of(plan), self.tiles[tile]
+        col = {u[0]: m for m, u in enumerate(ts.cols)}
+        dks: list[Tensor | None] = [None] * len(ks)
+        dvs: list[Tensor | None] = [None] * len(vs)
+        dqs = []
+        for row, q, do, lse, delta in zip(ts.rows, qs, dos, lses, deltas, strict=True):
+            i, cols = run.columns(row.q_chunk, row.kv_chunks)
+            if not cols:
+                dqs.append(torch.zeros(q.shape, dtype=torch.float32, device=q.device))
+                continue
+            at = [col[row.kv_chunks[n]] for n, _ in cols]
+            dq, per_col = row_backward(run.geo, 0, i, [c for _, c in cols], q, do, lse, delta,
+                                       [(ks[m], vs[m]) for m in at], row.scale)
+            dqs.append(dq)
+            for m, (dk, dv) in zip(at, per_col, strict=True):
+                dks[m] = dk.clone() if dks[m] is None else dks[m].add_(dk)
+                dvs[m] = dv.clone() if dvs[m] is None else dvs[m].add_(dv)
+        zero = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for k in ks]
+        return (dqs, [z if d is None else d for d, z in zip(dks, zero)],
+                [torch.zeros_like(z) if d is None else d for d, z in zip(dvs, zero)])
 
 
 def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:

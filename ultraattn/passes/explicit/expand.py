@@ -161,9 +161,10 @@ def _describe(n: fx.Node, op: str, prog: ExplicitProgram | None) -> tuple[str, i
             if not st.sends and not st.recvs:
                 return "(none)", 0
             return _DYNAMIC_WORDS[(op, st.phase)].format(n=len(st.sends) + len(st.recvs)), 0
-        if op in TILE_ROW_OPS:
-            row = prog.tiles[_stage_of(n, op)]
-            return f"virtual q chunk {row.q_chunk} × virtual kv chunks {list(row.kv_chunks)} (the mask's)", 0
+        if op in ("cp_tiles_fwd", "cp_tiles_bwd"):
+            ts = prog.tiles[_stage_of(n, op)]
+            return (f"{len(ts.rows)} q chunks × {len(ts.cols)} kv chunks (virtual: the mask's owners say which, "
+                    f"its blocks which cells)"), 0
         return _DYNAMIC_WORDS.get(op, ""), 0
     if prog is not None and op == "cp_start":
         st = prog.stages[_stage_of(n, op)]

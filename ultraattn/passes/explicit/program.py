@@ -22,6 +22,7 @@ from ultraattn.passes.ops.program import new_token
 from ultraattn.passes.ops.site import kernel_site_backward
 from ultraattn.passes.site import Runner, SiteState
 from ultraattn.runtime.api import gather_tokens
+from ultraattn.runtime.executor import TileSets
 from ultraattn.runtime.executor import layout as unit_layout
 from ultraattn.runtime.tiles import kernel_row_backward, kernel_row_forward, row_backward, row_forward
 
@@ -54,6 +55,15 @@ class TileRow:
     scale: float
 
 
+@dataclass(frozen=True, slots=True)
+class TileSet:
+    """One tile node over several rows (``TracedIO.tiles_fwd`` / ``tiles_bwd`` for a dynamic program): its rows, and
+    the (kv chunk, group) of each K/V the node takes, every one once."""
+
+    rows: tuple[TileRow, ...]
+    cols: tuple[tuple[int, int], ...]
+
+
 @dataclass(eq=False)
 class ExplicitProgram:
     """What the expanded nodes of one site look up at run time (``SiteState.program``)."""
@@ -65,7 +75,7 @@ class ExplicitProgram:
     state: SiteState
     runner: Runner
     stages: list[Stage] = field(default_factory=list)
-    tiles: list[TileRow] = field(default_factory=list)
+    tiles: list[TileRow | TileSet] = field(default_factory=list)
     saved_layout: list | None = None
     """(kind, unit, [(shape, dtype) per tensor]) of the stash, in order (the same on every trace of the site)."""
     handles: dict = field(default_factory=dict)
@@ -158,7 +168,7 @@ class ExplicitProgram:
 
 
 # ----------------------------------------------------------------------------- the graph-building IO
-class TracedIO:
+class TracedIO(TileSets):
     """The executor's IO (``runtime.executor.EagerIO``'s interface) emitting the program's ops."""
 
     def __init__(self, prog: ExplicitProgram):
@@ -184,7 +194,13 @@ class TracedIO:
         prog.stages.append(Stage(phase, phase not in self.begun, tuple((tag, t, len(p)) for tag, t, p in sends),
                                  tuple(recvs), specs))
         self.begun.add(phase)
-        flat = [p.contiguous() for _tag, _t, pieces in sends for p in pieces]
+        # a piece sent to several ranks (a unit every peer needs) is made contiguous once
+        once: dict[int, Tensor] = {}
+        for _tag, _t, pieces in sends:
+            for p in pieces:
+                if id(p) not in once:
+                    once[id(p)] = p.contiguous()
+        flat = [once[id(p)] for _tag, _t, pieces in sends for p in pieces]
         return sid, ops.cp_start(self.token, flat, prog.key, sid, *self.data)
 
     def wait(self, handle):
@@ -228,6 +244,37 @@ class TracedIO:
         outs = ops.cp_tile_bwd(q, do, lse, delta, [k for k, _ in kvs], [v for _, v in kvs], self.prog.key, tid,
                                *self.data)
         return outs[0], list(zip(outs[1:1 + n], outs[1 + n:]))
+
+    def _tile_set(self, items: list, scale: float) -> tuple[int, list[Tensor], list[Tensor]]:
+        """A tile set's id in the table, and the K and V of its columns (each once)."""
+        cols, ks, vs = {}, [], []
+        for g, _i, js, *_, kvs in items:
+            for j, (k, v) in zip(js, kvs, strict=True):
+                if (j, g) not in cols:
+                    cols[(j, g)] = len(ks)
+                    ks.append(k)
+                    vs.append(v)
+        tid = len(self.prog.tiles)
+        self.prog.tiles.append(TileSet(tuple(TileRow(g, i, tuple(js), scale) for g, i, js, *_ in items), tuple(cols)))
+        return tid, ks, vs
+
+    def tiles_fwd(self, items, scale):
+        """A dynamic program's ready tiles as ONE node (``cp_tiles_fwd``): the graph holds a node per step of the
+        schedule, not per row (its rows cover every chunk, most of them empty under any one mask)."""
+        if not self.prog.dynamic:
+            return super().tiles_fwd(items, scale)
+        tid, ks, vs = self._tile_set(items, scale)
+        outs = ops.cp_tiles_fwd([q for _g, _i, _js, q, _kvs in items], ks, vs, self.prog.key, tid, *self.data)
+        return [(outs[2 * n], outs[2 * n + 1]) for n in range(len(items))]
+
+    def tiles_bwd(self, items, scale):
+        if not self.prog.dynamic:
+            return super().tiles_bwd(items, scale)
+        tid, ks, vs = self._tile_set(items, scale)
+        rows = [it[3:7] for it in items]
+        outs = ops.cp_tiles_bwd(*([r[n] for r in rows] for n in range(4)), ks, vs, self.prog.key, tid, *self.data)
+        n, cols = len(items), self.prog.tiles[tid].cols
+        return outs[:n], {u: (outs[n + m], outs[n + len(cols) + m]) for m, u in enumerate(cols)}
 
     def gather(self, x: Tensor) -> Tensor:
         self.token, full = ops.cp_gather(self.token, x, self.prog.key, *self.data)

@@ -136,6 +136,36 @@ def _(q, do, lse, delta, ks, vs, site, tile, plan=None):
         [v.new_empty(v.shape, dtype=f32) for v in vs]
 
 
+@custom_op("ultraattn::cp_tiles_fwd", mutates_args=())
+def cp_tiles_fwd(qs: list[Tensor], ks: list[Tensor], vs: list[Tensor], site: str, tile: int, plan: Tensor | None = None
+                 ) -> list[Tensor]:
+    """Partial attention of a set of tile rows (``TileSet``: each row's queries, every column's K/V once):
+    [o, lse] per row, fp32."""
+    return [t.contiguous() for o, lse in _program(site).tiles_fwd(tile, qs, ks, vs, plan) for t in (o, lse)]
+
+
+@cp_tiles_fwd.register_fake
+def _(qs, ks, vs, site, tile, plan=None):
+    return [t for q in qs for t in (q.new_empty(q.shape, dtype=torch.float32),
+                                     q.new_empty(q.shape[:-1], dtype=torch.float32))]
+
+
+@custom_op("ultraattn::cp_tiles_bwd", mutates_args=())
+def cp_tiles_bwd(qs: list[Tensor], dos: list[Tensor], lses: list[Tensor], deltas: list[Tensor], ks: list[Tensor],
+                 vs: list[Tensor], site: str, tile: int, plan: Tensor | None = None) -> list[Tensor]:
+    """Gradients of a set of tile rows (global lse and delta): [dq per row..., dk per column..., dv per column...],
+    fp32; a column's dK and dV summed over the rows."""
+    dqs, dks, dvs = _program(site).tiles_bwd(tile, qs, dos, lses, deltas, ks, vs, plan)
+    return [t.contiguous() for t in (*dqs, *dks, *dvs)]
+
+
+@cp_tiles_bwd.register_fake
+def _(qs, dos, lses, deltas, ks, vs, site, tile, plan=None):
+    f32 = torch.float32
+    return [q.new_empty(q.shape, dtype=f32) for q in qs] + [k.new_empty(k.shape, dtype=f32) for k in ks] + \
+        [v.new_empty(v.shape, dtype=f32) for v in vs]
+
+
 @custom_op("ultraattn::cp_gather", mutates_args=())
 def cp_gather(token: Tensor, x: Tensor, site: str, plan: Tensor | None = None) -> list[Tensor]:
     """All-gather this rank's tokens (dim 2) into the global tensor: [token, global x]."""
