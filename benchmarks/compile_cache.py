@@ -10,7 +10,8 @@ cache hits and misses. The baseline is plain ``torch.compile`` (Inductor, one pr
 and step, measured in the same run.
 
     python benchmarks/compile_cache.py                        # 2 ranks, the example's defaults
-    python benchmarks/compile_cache.py --nproc 4 --mask document
+    python benchmarks/compile_cache.py --nproc 4 --mask document --seqlen 16384 --before /tmp/old \
+        --out benchmarks/results/compile_cache_document.json      # dynamic-mask sites at 16K tokens
     python benchmarks/compile_cache.py --repeats 3 --before /tmp/old   # also an older checkout, same run
 
 ``--before DIR`` runs the same command from another checkout of the repository (its ``ultraattn`` first on the
@@ -71,13 +72,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="ranks of the ultraattn run (default 2)")
     p.add_argument("--mask", choices=("causal", "document"), default="causal")
+    p.add_argument("--seqlen", type=int, default=512, help="the example's sequence length (default 512)")
     p.add_argument("--repeats", type=int, default=1, help="cold/warm pairs per configuration (medians reported)")
     p.add_argument("--before", type=Path, default=None, help="another checkout to run the ultraattn case from too")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compile_cache.json")
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
-    model_args = ["--steps", "1", "--mask", args.mask]
+    model_args = ["--steps", "1", "--mask", args.mask, "--seqlen", str(args.seqlen)]
     ours = [sys.executable, "examples/train_cp.py", "--nproc", str(args.nproc), *model_args]
     configs = {f"ultraattn, {args.nproc} ranks": (ours, ROOT)}
     if args.before is not None:
