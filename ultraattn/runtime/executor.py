@@ -309,13 +309,19 @@ class EagerIO(TileSets):
     def tile_bwd(self, g: int, i: int, js: list[int], q, do, lse, delta, kvs, scale: float):
         return row_backward(self.ex.geo, g, i, js, q, do, lse, delta, kvs, scale)
 
+
+def _add_into(store: dict, key, pieces) -> None:
+    """``store[key]`` += ``pieces`` (a tuple of tensors, summed piecewise; the first arrival is kept as it is)."""
+    prev = store.get(key)
+    store[key] = tuple(pieces) if prev is None else tuple(a + b for a, b in zip(prev, pieces, strict=True))
+
+
 def sum_columns(items: list, results: list) -> tuple[list[Tensor], dict]:
     """(each item's dQ, {(kv chunk, group): (dK, dV) summed over the items}) from per-row backward results."""
     dkvs: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
     for (g, _i, js, *_), (_dq, per_col) in zip(items, results, strict=True):
-        for j, (dk, dv) in zip(js, per_col, strict=True):
-            prev = dkvs.get((j, g))
-            dkvs[(j, g)] = (dk, dv) if prev is None else (prev[0] + dk, prev[1] + dv)
+        for j, dkv in zip(js, per_col, strict=True):
+            _add_into(dkvs, (j, g), dkv)
     return [dq for dq, _ in results], dkvs
 
 
@@ -452,8 +458,7 @@ class Executor:
                 if tk == "o":
                     store[u] = merge_partial(store.get(u), (pieces[0], pieces[1]))
                 else:
-                    prev = store.get(u)
-                    store[u] = tuple(pieces) if prev is None else tuple(a + b for a, b in zip(prev, pieces))
+                    _add_into(store, u, pieces)
 
     # -- backward --------------------------------------------------------------------------
     def backward(self, q, k, v, out, lse, saved, dout, dlse, scale: float):
@@ -478,11 +483,9 @@ class Executor:
             items = [(g, i, js, *rows[(i, g)], [cols[(j, g)] for j in js]) for (g, i), js in ready.items()]
             dqs, dkvs = io.tiles_bwd(items, scale)
             for (g, i, *_), dq in zip(items, dqs, strict=True):
-                prev = accs["dq"].get((i, g))
-                accs["dq"][(i, g)] = (dq,) if prev is None else (prev[0] + dq,)
-            for u, (dk, dv) in dkvs.items():
-                prev = accs["dkv"].get(u)
-                accs["dkv"][u] = (dk, dv) if prev is None else (prev[0] + dk, prev[1] + dv)
+                _add_into(accs["dq"], (i, g), (dq,))
+            for u, dkv in dkvs.items():
+                _add_into(accs["dkv"], u, dkv)
 
         for level in prog.inputs["bwd"]:
             sends = []

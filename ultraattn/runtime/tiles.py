@@ -208,7 +208,6 @@ class TileGeometry:
             self.cache_bytes += nbytes
         return m5
 
-
     def kinds_bh(self, g: int, q_blocks: Tensor, kv_blocks: Tensor) -> Tensor | None:
         """int8 [B|1, hq, len(q_blocks), len(kv_blocks)]: the kinds of these blocks for every (batch, head) of group
         ``g`` (EMPTY past the mask), or None without the mask's pattern. A BlockMask means FULL, the mask_mod's

@@ -300,9 +300,11 @@ class DynamicProgram(ExplicitProgram):
             for m, (dk, dv) in zip(at, per_col, strict=True):
                 dks[m] = dk.clone() if dks[m] is None else dks[m].add_(dk)
                 dvs[m] = dv.clone() if dvs[m] is None else dvs[m].add_(dv)
-        zero = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for k in ks]
-        return (dqs, [z if d is None else d for d, z in zip(dks, zero)],
-                [torch.zeros_like(z) if d is None else d for d, z in zip(dvs, zero)])
+        def zero_if_none(ds: list, like: list[Tensor]) -> list[Tensor]:
+            return [torch.zeros(x.shape, dtype=torch.float32, device=x.device) if d is None else d
+                    for d, x in zip(ds, like, strict=True)]
+
+        return dqs, zero_if_none(dks, ks), zero_if_none(dvs, vs)
 
 
 def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:

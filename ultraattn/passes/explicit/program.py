@@ -154,13 +154,12 @@ class ExplicitProgram:
         """(shape, dtype, device) of what ``unstash`` returns (fake kernels)."""
         return [(shape, dt, self.device) for _kind, _u, specs in self.saved_layout for shape, dt in specs]
 
-    def tile_fwd(self, tile: int, q: Tensor, kvs: list[tuple[Tensor, Tensor]], plan: Tensor | None = None):
+    def tile_fwd(self, tile: int, q: Tensor, kvs: list[tuple[Tensor, Tensor]]):
         """Partial attention of tile row ``tile`` (``runtime.tiles.row_forward``): (o, lse) fp32."""
         row = self.tiles[tile]
         return row_forward(self.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, kvs, row.scale)
 
-    def tile_bwd(self, tile: int, q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, kvs: list[tuple[Tensor, Tensor]],
-                 plan: Tensor | None = None):
+    def tile_bwd(self, tile: int, q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, kvs: list[tuple[Tensor, Tensor]]):
         """Gradients of tile row ``tile`` (``runtime.tiles.row_backward``): dq and per column (dK, dV), fp32."""
         row = self.tiles[tile]
         return row_backward(self.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, do, lse, delta, kvs,
@@ -233,7 +232,7 @@ class TracedIO(TileSets):
         if kernels:  # the block-sparse Triton op itself, on the row's concatenated kv chunks
             lay = ops.cp_tile_layout(self.prog.key, tid)
             return kernel_row_forward(self.prog.executor.geo, lay, q, kvs, scale)
-        return ops.cp_tile_fwd(q, [k for k, _ in kvs], [v for _, v in kvs], self.prog.key, tid, *self.data)
+        return ops.cp_tile_fwd(q, [k for k, _ in kvs], [v for _, v in kvs], self.prog.key, tid)
 
     def tile_bwd(self, g, i, js, q, do, lse, delta, kvs, scale):
         tid, kernels = self._tile(g, i, js, q, scale)
@@ -241,8 +240,7 @@ class TracedIO(TileSets):
         if kernels:
             lay = ops.cp_tile_layout(self.prog.key, tid)
             return kernel_row_backward(self.prog.executor.geo, lay, q, do, lse, delta, kvs, scale)
-        outs = ops.cp_tile_bwd(q, do, lse, delta, [k for k, _ in kvs], [v for _, v in kvs], self.prog.key, tid,
-                               *self.data)
+        outs = ops.cp_tile_bwd(q, do, lse, delta, [k for k, _ in kvs], [v for _, v in kvs], self.prog.key, tid)
         return outs[0], list(zip(outs[1:1 + n], outs[1 + n:]))
 
     def _tile_set(self, items: list, scale: float) -> tuple[int, list[Tensor], list[Tensor]]:

@@ -106,31 +106,29 @@ def _(site, tile):
 
 
 @custom_op("ultraattn::cp_tile_fwd", mutates_args=())
-def cp_tile_fwd(q: Tensor, ks: list[Tensor], vs: list[Tensor], site: str, tile: int, plan: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
-    """Partial attention of one (head group, q chunk) over its kv chunks: (o fp32, lse fp32). ``plan``: the call's
-    plan id (a dynamic program's mask data)."""
-    o, lse = _program(site).tile_fwd(tile, q, list(zip(ks, vs)), plan)
+def cp_tile_fwd(q: Tensor, ks: list[Tensor], vs: list[Tensor], site: str, tile: int) -> tuple[Tensor, Tensor]:
+    """Partial attention of one (head group, q chunk) over its kv chunks: (o fp32, lse fp32)."""
+    o, lse = _program(site).tile_fwd(tile, q, list(zip(ks, vs)))
     return o.contiguous(), lse.contiguous()
 
 
 @cp_tile_fwd.register_fake
-def _(q, ks, vs, site, tile, plan=None):
+def _(q, ks, vs, site, tile):
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @custom_op("ultraattn::cp_tile_bwd", mutates_args=())
 def cp_tile_bwd(q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, ks: list[Tensor], vs: list[Tensor], site: str,
-                tile: int, plan: Tensor | None = None) -> list[Tensor]:
+                tile: int) -> list[Tensor]:
     """Gradients of one tile row (global lse and delta): [dq, dk per kv chunk..., dv per kv chunk...], fp32."""
-    dq, per_col = _program(site).tile_bwd(tile, q, do, lse, delta, list(zip(ks, vs)), plan)
+    dq, per_col = _program(site).tile_bwd(tile, q, do, lse, delta, list(zip(ks, vs)))
     # the per-column gradients are slices of one buffer: a custom op's outputs must not share storage
     own = (lambda t: t.clone()) if len(per_col) > 1 else (lambda t: t.contiguous())
     return [dq.contiguous()] + [own(dk) for dk, _ in per_col] + [own(dv) for _, dv in per_col]
 
 
 @cp_tile_bwd.register_fake
-def _(q, do, lse, delta, ks, vs, site, tile, plan=None):
+def _(q, do, lse, delta, ks, vs, site, tile):
     f32 = torch.float32
     return [q.new_empty(q.shape, dtype=f32)] + [k.new_empty(k.shape, dtype=f32) for k in ks] + \
         [v.new_empty(v.shape, dtype=f32) for v in vs]
