@@ -23,6 +23,7 @@ from ultraattn.cache import LRU
 from ultraattn.passes import find_sites, parse_options, side_table
 from ultraattn.passes.records import REPORT_VERSION, CompileReport
 from ultraattn.passes.rewrite import rewrite_sites
+from ultraattn.passes.state import SideTable
 from ultraattn.planner.cost import DEFAULT_COST
 from ultraattn.report.compile_report import load_report
 
@@ -199,3 +200,18 @@ def test_ultraattn_reset_clears_every_place_process_state_lives():
     assert not len(kernel_ops._LAYOUTS) and not len(ONLINE._planners)
     torch.testing.assert_close(f(q), _sdpa(q))  # Dynamo forgot the graph too: it compiles again
     assert len(table.graphs) == 1
+
+
+def test_site_keys_change_with_the_ops_so_an_upgrade_misses_the_on_disk_caches(monkeypatch):
+    """The key digests the ops' schemas and sources (``opinfo.ops_digest``): a graph compiled by a version of
+    ultraattn whose ops differ can never be served from Inductor's or AOTAutograd's cache to this one."""
+    from ultraattn.passes import opinfo, state
+
+    table = SideTable()
+    before = table.site_key("sdpa", "code", (1, 2), "bf16")
+    assert before == SideTable().site_key("sdpa", "code", (1, 2), "bf16")
+    digest = opinfo.ops_digest()
+    assert len(digest) == 12 and digest == opinfo.ops_digest()
+    monkeypatch.setattr(state, "ops_digest", lambda: "0" * 12)
+    after = SideTable().site_key("sdpa", "code", (1, 2), "bf16")
+    assert after != before and after.startswith("sdpa-")

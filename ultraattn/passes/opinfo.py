@@ -12,7 +12,10 @@ A new op gets one row here (the ops themselves live in ``passes/ops/`` and ``ker
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +64,20 @@ AFTER_OPS = ops_where("after")
 WAIT_OPS = ops_where("wait")
 TILE_OPS = ops_where("tile")
 TILE_ROW_OPS = ops_where("tile_row")
+
+
+@functools.cache
+def ops_digest() -> str:
+    """A digest of what the ops are in this install: every op's schema and the source of the modules that define
+    the ops and their fake implementations. Site keys carry it (``SideTable.site_key``), so a graph compiled by
+    another version of ultraattn never comes back from Inductor's or AOTAutograd's on-disk cache calling ops whose
+    signature or meaning has changed since. (Called once the ops are registered: a site key is taken after.)"""
+    import torch
+
+    here = Path(__file__).parent
+    h = hashlib.sha1()
+    for name in sorted(OPS):
+        h.update(str(getattr(torch.ops.ultraattn, name).default._schema).encode())
+    for f in [here.parent / "kernels" / "ops.py", *sorted((here / "ops").glob("*.py"))]:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]

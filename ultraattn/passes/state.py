@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from torch._dynamo.utils import counters as dynamo_counters
 
 from ultraattn.cache import LRU
+from ultraattn.passes.opinfo import ops_digest
 from ultraattn.passes.records import AotGraphRecord, CompileReport, GraphRecord, Observer, PlanEvent
 from ultraattn.passes.site import SiteSpec, SiteState
 
@@ -91,9 +92,10 @@ class SideTable:
     def site_key(self, name: str, graph_code: str, *parts) -> str:
         """The key a site's call carries in the graph: ``name`` and a digest of the code of the graph it sits in and
         of ``parts`` (its shapes, dtype), so that the same model compiles to the same graph text in every process and
-        run, and Inductor's FX graph cache hits on a restart. The n-th repeat of one key in this table (two identical
+        run, and Inductor's FX graph cache hits on a restart, and of the ops themselves (``opinfo.ops_digest``), so
+        that it misses after an upgrade that changed them. The n-th repeat of one key in this table (two identical
         blocks, a recompile) gets ``.n`` appended, in compile order, which every run repeats."""
-        text = re.sub(r"0x[0-9a-fA-F]+", "0x", graph_code) + "|" + "|".join(map(str, parts))
+        text = "|".join([ops_digest(), re.sub(r"0x[0-9a-fA-F]+", "0x", graph_code), *map(str, parts)])
         key = f"{name}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
         with self.lock:
             n = self._key_uses[key]
