@@ -13,6 +13,9 @@ Implementations, chosen by the process group's backend (``transport_for``):
 * ``TaggedTransport`` (gloo, and any backend but NCCL): one ``isend`` / ``irecv`` per message, each tagged with its
   transfer's index, so matching never depends on posting order; every wait bounded by the timeout and naming the
   peer (a gloo timeout raises; NCCL's would not).
+* ``StagedTransport`` (gloo with CUDA tensors): the tagged messages and the collectives, staged through host
+  memory, since gloo moves host buffers only. It is what lets two ranks share one GPU (NCCL refuses two ranks on
+  one device): ``benchmarks/gpu_check.py`` runs the explicit programs that way. On CPU tensors it is the tagged one.
 * ``BatchedTransport`` (NCCL): a stage's messages as one ``batch_isend_irecv``, which NCCL runs as one fused group
   of point-to-point calls. NCCL ignores tags and matches in posting order, which both sides keep by walking the
   plan's transfers in the same order. It also runs on gloo, which is how the tests exercise it on CPU.
@@ -23,6 +26,7 @@ buffer's, compared by the callers with the planner's byte tables.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from collections.abc import Sequence
@@ -66,6 +70,8 @@ class Handle:
     sends: list[tuple[Send, object]] = field(default_factory=list)
     recvs: list[tuple[Recv, Tensor, object]] = field(default_factory=list)
     settled: bool = False
+    landing: list | None = None
+    """The devices the receives go to, where the transport took them into host memory (``StagedTransport``)."""
 
 
 class Transport:
@@ -173,6 +179,32 @@ class TaggedTransport(Transport):
         return send_works, recv_works
 
 
+class StagedTransport(TaggedTransport):
+    """Gloo on device tensors: each send copied to host memory first, each receive taken into host memory and
+    copied to its device at ``wait``; collectives likewise. Byte accounting is the tagged transport's (the staging
+    copies have the device buffers' sizes)."""
+
+    def post(self, sends: Sequence[Send], recvs: Sequence[Recv]) -> Handle:
+        cpu = torch.device("cpu")
+        handle = super().post([dataclasses.replace(s, buf=s.buf.cpu()) for s in sends],
+                              [dataclasses.replace(r, device=cpu) for r in recvs])
+        handle.landing = [r.device for r in recvs]
+        return handle
+
+    def wait(self, handle: Handle) -> list[Tensor]:
+        return [b.to(d) for b, d in zip(super().wait(handle), handle.landing, strict=True)]
+
+    def all_gather(self, x: Tensor, what: str) -> list[Tensor]:
+        if x.device.type == "cpu":
+            return super().all_gather(x, what)
+        return [p.to(x.device) for p in super().all_gather(x.cpu(), what)]
+
+    def all_reduce(self, x: Tensor, what: str) -> Tensor:
+        if x.device.type == "cpu":
+            return super().all_reduce(x, what)
+        return super().all_reduce(x.cpu(), what).to(x.device)
+
+
 class BatchedTransport(Transport):
     """A stage's messages as one ``batch_isend_irecv`` (NCCL: one fused group call).
 
@@ -205,19 +237,23 @@ class BatchedTransport(Transport):
             super()._finish(work, what)
 
 
-TRANSPORTS: dict[str, type[Transport]] = {"tagged": TaggedTransport, "batched": BatchedTransport}
+TRANSPORTS: dict[str, type[Transport]] = {"tagged": TaggedTransport, "staged": StagedTransport,
+                                          "batched": BatchedTransport}
 """Every transport by name: a new one is a ``Transport`` subclass with its ``_post``, registered here."""
 
 
 def transport_for(*, rank: int, global_ranks: Sequence[int], group_ref: GroupRef = NO_GROUP,
                   timeout: float = 300.0, kind: str = "auto") -> Transport:
-    """The transport for a process group: ``kind`` "auto" picks by its backend (NCCL: batched, else tagged), unless
+    """The transport for a process group: ``kind`` "auto" picks by its backend (NCCL: batched; gloo on a machine
+    with CUDA: staged, which is the tagged one for host tensors; else tagged), unless
     the environment variable ``ULTRAATTN_TRANSPORT`` names one (e.g. "batched" to run NCCL's on gloo)."""
     if kind == "auto":
         kind = os.environ.get("ULTRAATTN_TRANSPORT", "auto") or "auto"
     if kind == "auto":
         group = group_ref.get()
-        kind = "batched" if group is not None and dist.get_backend(group) == "nccl" else "tagged"
+        backend = dist.get_backend(group) if group is not None else None
+        kind = ("batched" if backend == "nccl" else
+                "staged" if backend == "gloo" and torch.cuda.is_available() else "tagged")
     if kind not in TRANSPORTS:
         raise ValueError(f"ultraattn: transport {kind!r} (ULTRAATTN_TRANSPORT or `kind`) is not one of "
                          f"{sorted(TRANSPORTS)} or 'auto'; unset ULTRAATTN_TRANSPORT to choose by the group's backend")
