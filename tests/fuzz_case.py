@@ -128,55 +128,17 @@ def run_attention(rank: int, world: int, case: dict) -> dict:
 
 def reference(case: dict, dtype):
     """Single-device dense attention in ``dtype`` (torch.float64: the oracle): out, lse, dq, dk, dv."""
-    import math
-
-    import torch
+    from ultraattn.testing import dense_attention
 
     q, k, v, do, dlse = make_inputs(case)
-    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
-    r = case["heads"] // case["kv_heads"]
-    kk, vv = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
-    scores = (q @ kk.transpose(-1, -2)) * (1.0 / math.sqrt(case["head_dim"]))
-    scores = scores.masked_fill(~dense_mask(case)[:, None], float("-inf"))
-    lse = torch.logsumexp(scores.float() if dtype != torch.float64 else scores, -1)
-    out = torch.softmax(scores, -1).nan_to_num(0.0) @ vv
-    ((out.double() * do.double()).sum() + (lse.double() * dlse.double()).sum()).backward()
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-
-
-def check_2x(got: dict, ref64: dict, ref: dict, dtype: str) -> list[str]:
-    """The numerics policy (docs/numerics.md): each of out, lse, dq, dk, dv within 2x the same-precision single-device
-    reference's error against fp64 (plus a floor of 4 ulps of the tensor's scale, for a reference that happens to be
-    exact). Equal infinities (the LSE of a row that attends nowhere) count as no error. The violations."""
-    import torch
-
-    eps = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps,
-           "fp16": torch.finfo(torch.float16).eps}[dtype]
-
-    def max_err(a, b):
-        a, b = a.double(), b.double()
-        same_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
-        d = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
-        return float(d.max()) if d.numel() else 0.0
-
-    bad = []
-    for name in ("out", "lse", "dq", "dk", "dv"):
-        if tuple(got[name].shape) != tuple(ref64[name].shape):
-            bad.append(f"{name}: shape {tuple(got[name].shape)} != reference {tuple(ref64[name].shape)}")
-            continue
-        err, base = max_err(got[name], ref64[name]), max_err(ref[name], ref64[name])
-        scale = float(ref64[name].double().abs().nan_to_num(0, 0, 0).max()) or 1.0
-        tol = 2 * base + 4 * eps * scale
-        if not err <= tol:
-            bad.append(f"{name}: err {err:.3g} > 2 x same-precision reference err {base:.3g} (+floor) = {tol:.3g}")
-    return bad
+    return dense_attention(q, k, v, dense_mask(case)[:, None], do, dlse, dtype)
 
 
 def reproduce(case: dict) -> list[str]:
     """Run ``case`` on ``case['world']`` gloo ranks (spawned here) and check it; the violations."""
     import torch
 
-    from ultraattn.testing import run_ranks
+    from ultraattn.testing import check_2x, run_ranks
 
     if case["world"] > 1:
         got = run_ranks(run_attention, case["world"], args=(case,), timeout=600)[0]
@@ -187,7 +149,7 @@ def reproduce(case: dict) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the reproduction
-_SNIPPET_FUNCTIONS = (dense_mask, make_inputs, run_attention, reference, check_2x, reproduce)
+_SNIPPET_FUNCTIONS = (dense_mask, make_inputs, run_attention, reference, reproduce)
 
 
 def repro(case: dict) -> str:

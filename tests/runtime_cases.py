@@ -6,19 +6,18 @@ plain data: a case names its mask by factory and arguments and rebuilds it in th
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from fuzz_case import check_2x
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop_mask
 
 import ultraattn
 from ultraattn.masks import convert
 from ultraattn.planner.tiling import PlannerOptions
+from ultraattn.testing import check_2x, dense_attention
 
 FAST = PlannerOptions(time_budget=2.0, ilp_time_limit=1.0, schedule_time_limit=0.5, heuristic_seconds=0.2)
 
@@ -67,7 +66,7 @@ LIB = [
 
 
 def check_numerics(case: Case, res: dict) -> list[str]:
-    """The 2x rule for out, lse, dq, dk, dv (``fuzz_case.check_2x``); returns the violations (empty = pass)."""
+    """The 2x rule for out, lse, dq, dk, dv (``ultraattn.testing.check_2x``); returns the violations (empty = pass)."""
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
     names = ("out", "lse", "dq", "dk", "dv")
     ref64 = dict(zip(names, reference(case, torch.float64)))
@@ -169,18 +168,8 @@ def dense_mask(case: Case) -> torch.Tensor:
 def reference(case: Case, dtype: torch.dtype):
     """Single-device dense attention in ``dtype`` (fp64: the oracle): out, lse, dq, dk, dv."""
     q, k, v, go, gl = inputs(case)
-    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
-    r = case.heads // case.kv_heads
-    kk, vv = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
-    m = dense_mask(case)
-    s = (q @ kk.transpose(-1, -2)) * (1.0 / math.sqrt(case.head_dim))
-    s = s.masked_fill(~m, float("-inf"))
-    lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, -1)
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    out = p @ vv
-    loss = (out.double() * go.double()).sum() + (lse.double() * gl.double()).sum()
-    loss.backward()
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+    r = dense_attention(q, k, v, dense_mask(case), go, gl, dtype)
+    return r["out"], r["lse"], r["dq"], r["dk"], r["dv"]
 
 
 def run_case(case: Case, rank: int, world: int, timeout: float = 60.0) -> dict:

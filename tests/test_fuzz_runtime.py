@@ -27,13 +27,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from fuzz_case import check_2x, dense_mask, reference, repro
+from fuzz_case import dense_mask, reference, repro
 from fuzz_driver import RankPool, run_one
 from hypothesis import HealthCheck, event, example, given, seed, settings
 from hypothesis import strategies as st
 from runtime_cases import check_bytes
 
 from ultraattn.runtime import METHODS
+from ultraattn.testing import check_2x
 
 CI_EXAMPLES = {1: 40, 2: 40, 3: 25, 4: 25}
 LONG = int(os.environ.get("ULTRAATTN_FUZZ_EXAMPLES", "0") or 0)

@@ -9,12 +9,19 @@ re-raised in the caller with that rank's traceback; a rank that hangs or dies is
 ``timeout`` and reported by rank number. Nothing is left running.
 
     with CommSpy() as spy: ...                    # which torch.distributed calls ran, and their bytes
+
+And the numerics policy (docs/numerics.md), which the tests and ``benchmarks/gpu_check.py`` apply:
+
+    ref = dense_attention(q, k, v, allowed, dout, dlse, torch.float64)   # the oracle: out, lse, dq, dk, dv
+    problems = check_2x(got, ref64, ref_same_precision, "bf16")           # attention outputs and gradients
+    problems = check_step(got, ref64, ref32)                              # a training step's loss and grads
 """
 
 from __future__ import annotations
 
 import datetime
 import io
+import math
 import os
 import queue
 import socket
@@ -175,3 +182,71 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), timeout: float = 18
         msg += [f"rank {r} did not finish within {timeout:g} s" for r in missing]
         raise RankFailure("\n".join(msg))
     return [results[r] for r in range(n)]
+
+
+# ----------------------------------------------------------------------------- the numerics policy
+_EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps,
+        "fp16": torch.finfo(torch.float16).eps}
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, dout: torch.Tensor,
+                    dlse: torch.Tensor, dtype: torch.dtype) -> dict:
+    """Dense single-device attention in ``dtype`` (torch.float64: the oracle) and its gradients under the loss
+    ``sum(out * dout) + sum(lse * dlse)`` (so dLSE is exercised): ``out``, ``lse``, ``dq``, ``dk``, ``dv``.
+
+    ``q`` ``[B, H, S, D]``, ``k`` / ``v`` ``[B, Hkv, S, D]`` (grouped-query attention when ``Hkv < H``), ``allowed``
+    a bool mask broadcastable to ``[B, H, S, S]``; the LSE is fp32 below fp64, as the kernels keep it."""
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    r = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    scores = (q @ kk.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores.float() if dtype != torch.float64 else scores, -1)
+    out = torch.softmax(scores, -1).nan_to_num(0.0) @ vv
+    ((out.double() * dout.double()).sum() + (lse.double() * dlse.double()).sum()).backward()
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def check_2x(got: dict, ref64: dict, ref: dict, dtype: str) -> list[str]:
+    """The numerics policy (docs/numerics.md): each of out, lse, dq, dk, dv within 2x the same-precision single-device
+    reference's error against fp64 (plus a floor of 4 ulps of the tensor's scale, for a reference that happens to be
+    exact). Equal infinities (the LSE of a row that attends nowhere) count as no error. The violations."""
+    eps = _EPS[dtype]
+
+    def max_err(a, b):
+        a, b = a.double().cpu(), b.double().cpu()
+        same_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
+        d = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
+        return float(d.max()) if d.numel() else 0.0
+
+    bad = []
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        if tuple(got[name].shape) != tuple(ref64[name].shape):
+            bad.append(f"{name}: shape {tuple(got[name].shape)} != reference {tuple(ref64[name].shape)}")
+            continue
+        err, base = max_err(got[name], ref64[name]), max_err(ref[name], ref64[name])
+        scale = float(ref64[name].double().abs().nan_to_num(0, 0, 0).max()) or 1.0
+        tol = 2 * base + 4 * eps * scale
+        if not err <= tol:
+            bad.append(f"{name}: err {err:.3g} > 2 x same-precision reference err {base:.3g} (+floor) = {tol:.3g}")
+    return bad
+
+
+def check_step(got: dict, ref64: dict, ref32: dict) -> list[str]:
+    """A training step by the policy: ``got``'s loss and every gradient (dicts with ``loss`` and ``grads``) against
+    the fp64 eager single-process step, within 2x the fp32 eager step's error, plus a floor of 16 fp32 ulps of each
+    tensor's scale (Inductor legitimately reorders the reductions around attention, layer norm and cross entropy,
+    which moves fp32 results by a few ulps without ultraattn). The violations."""
+
+    def err(a, b):
+        return float((a.double().cpu() - b.double().cpu()).abs().max())
+
+    bad = []
+    pairs = [("loss", got["loss"], ref64["loss"], ref32["loss"])]
+    pairs += [(n, got["grads"][n], ref64["grads"][n], ref32["grads"][n]) for n in ref64["grads"]]
+    for name, g, r64, r32 in pairs:
+        tol = 2 * err(r32, r64) + 16 * _EPS["fp32"] * (float(r64.abs().max()) or 1.0)
+        e = err(g, r64)
+        if not e <= tol:
+            bad.append(f"{name}: err {e:.3g} > {tol:.3g}")
+    return bad
