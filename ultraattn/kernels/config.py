@@ -111,3 +111,13 @@ def kernel_mode() -> str:
     if mode not in ("auto", "triton", "reference"):
         raise ValueError(f"ULTRAATTN_KERNELS={mode!r}: expected 'auto', 'triton' or 'reference'")
     return mode
+
+
+def tune_mode() -> str:
+    """``ULTRAATTN_TUNE``: ``full`` (default: autotune over each space) or ``first`` (each space's first entry,
+    untimed: one compile per kernel and key, for checks that cover many keys, as ``benchmarks/gpu_check.py``'s
+    correctness part does)."""
+    mode = os.environ.get("ULTRAATTN_TUNE", "full")
+    if mode not in ("full", "first"):
+        raise ValueError(f"ultraattn: ULTRAATTN_TUNE={mode!r}: expected 'full' or 'first'; unset it to autotune")
+    return mode

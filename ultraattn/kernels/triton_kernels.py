@@ -31,7 +31,7 @@ import functools
 import triton
 import triton.language as tl
 
-from ultraattn.kernels.config import interpret, triton_configs
+from ultraattn.kernels.config import interpret, triton_configs, tune_mode
 
 # Runtime-sized integer arguments that must not trigger a recompile when they change.
 _NO_SPEC = ["q_len", "kv_len", "NQ", "NK"]
@@ -321,13 +321,19 @@ def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE2, DD, DK, DV, PAT, FULL_Q_CNT, FULL_Q_ID
 _JIT = {"fwd": bsa_fwd_kernel, "dq": bsa_bwd_dq_kernel, "dkv": bsa_bwd_dkv_kernel}
 
 
-@functools.cache
 def tuned(kernel: str, qb: int, kb: int, rows: str):
     """``kernel`` ('fwd', 'dq', 'dkv') for pattern blocks qb x kb and row class ``rows``
     (``config.row_class``), autotuned over ``config.tile_configs`` (the kernel itself under the
     interpreter, which launches the tile shape it is given). One autotuner per space, so each
-    (head dim, dtype, group, block) key is timed once."""
+    (head dim, dtype, group, block) key is timed once; with ``ULTRAATTN_TUNE=first`` each space's
+    first entry alone, untimed (``config.tune_mode``)."""
+    return _tuned(kernel, qb, kb, rows, tune_mode())
+
+
+@functools.cache
+def _tuned(kernel: str, qb: int, kb: int, rows: str, mode: str):
     if interpret():
         return _JIT[kernel]
-    return triton.autotune(configs=triton_configs(kernel, qb, kb, rows),
+    configs = triton_configs(kernel, qb, kb, rows)
+    return triton.autotune(configs=configs[:1] if mode == "first" else configs,
                            key=["GROUP", "D", "QB", "KB"])(_JIT[kernel])

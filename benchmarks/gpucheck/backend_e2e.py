@@ -1,0 +1,144 @@
+"""Part 3: the backend end to end at world size 1, on the example model (``examples/train_cp.py``).
+
+For each attention kind (a flex_attention document mask, new documents every step; causal SDPA) the same model is
+stepped (forward and backward) three ways from the same weights: eagerly in fp64 and fp32 (the references),
+compiled with ``backend="ultraattn"`` and compiled plainly. The ultraattn steps must pass the numerics policy
+(``ultraattn.testing.check_step``: loss and every gradient) at the first and the last step, and the graphs the
+backend compiled must call the kernels: the causal mask, known at compile time, as the block-sparse kernel ops
+(``bsa_fwd`` / ``bsa_bwd``) in the graph; the document masks, which arrive at run time, as one site op that calls
+them with each step's layout. A profiled step then shows the kernel ops running (and, on a GPU, our Triton kernels
+on the device). Recorded: the first step
+(compile and run) and the median of the later steps, for ultraattn and for plain ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from train_cp import Llama, batches, document_masks
+
+import ultraattn
+from ultraattn.passes import side_table
+from ultraattn.passes.opinfo import TILE_OPS
+from ultraattn.testing import check_step
+
+from .common import Ctx, error_text, sync
+
+NAME = "backend_e2e"
+TITLE = "backend, world 1"
+CORRECTNESS = True
+
+
+def _step(model, tokens, mask, device) -> tuple[dict, float]:
+    """One forward and backward of ``model`` (a module, or a compiled one); its loss, gradients and seconds."""
+    sync(device)
+    t0 = time.perf_counter()
+    loss = model(tokens, mask)
+    model = getattr(model, "_orig_mod", model)
+    loss.backward()
+    sync(device)
+    seconds = time.perf_counter() - t0
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return {"loss": loss.detach(), "grads": grads}, seconds
+
+
+def _kernels_ran(model, tokens, mask, device) -> dict:
+    """One more step under the profiler: how often the kernel ops ran (called by the graph or inside a site's op),
+    and on a GPU the device kernels of ours that ran (Triton names them after their functions: ``bsa_*``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        _step(model, tokens, mask, device)
+    names = [e.name for e in prof.events()]
+    ran = {op: sum(n == f"ultraattn::{op}" for n in names) for op in ("bsa_fwd", "bsa_bwd")}
+    if device.type == "cuda":
+        ran["device_kernels"] = sorted({n for n in names if n.startswith("bsa_") and "kernel" in n})
+    return ran
+
+
+def run_kind(ctx: Ctx, kind: str, cfg: dict, compiler: str) -> dict:
+    args = argparse.Namespace(seqlen=cfg["seqlen"], steps=cfg["steps"], seed=0, same_mask=False)
+    data = batches(args)
+    torch.manual_seed(0)
+    base = Llama(cfg["dim"], cfg["layers"], cfg["heads"], cfg["kv_heads"]).to(ctx.device)
+    models = {"fp64": copy.deepcopy(base).double(), "fp32": copy.deepcopy(base),
+              "ultraattn": copy.deepcopy(base), "plain": copy.deepcopy(base)}
+    ultraattn.reset()
+    options = {"compiler": compiler, "report": "off"}
+    run = {"ultraattn": torch.compile(models["ultraattn"], backend="ultraattn", options=options),
+           "plain": torch.compile(models["plain"], backend=compiler)}
+    res = {"kind": kind, **cfg, "compiler": compiler, "steps": [], "seconds": {"ultraattn": [], "plain": []},
+           "problems": [], "baseline_error": None}
+    for i, (tokens, lengths) in enumerate(data):
+        tokens = tokens.to(ctx.device)
+        block_mask, dense = document_masks(lengths, ctx.device) if kind == "document" else (None, None)
+        check = i in (0, len(data) - 1)
+        if check:
+            ref64, _ = _step(models["fp64"], tokens, dense, ctx.device)
+            ref32, _ = _step(models["fp32"], tokens, dense, ctx.device)
+        got, t = _step(run["ultraattn"], tokens, block_mask, ctx.device)
+        res["seconds"]["ultraattn"].append(t)
+        if check:
+            bad = check_step(got, ref64, ref32)
+            res["steps"].append({"step": i, "loss": float(got["loss"]), "ref_loss": float(ref64["loss"]),
+                                 "problems": bad})
+            res["problems"] += [f"step {i}: {b}" for b in bad]
+        if res["baseline_error"] is None:
+            try:
+                _, t = _step(run["plain"], tokens, block_mask, ctx.device)
+                res["seconds"]["plain"].append(t)
+            except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is recorded, not fatal
+                res["baseline_error"] = error_text(exc)
+                ctx.note(f"{kind}: plain torch.compile failed: {res['baseline_error'].splitlines()[0]}")
+    res["kernels_ran"] = _kernels_ran(run["ultraattn"], tokens, block_mask, ctx.device)
+    if not all(res["kernels_ran"].get(k) for k in ("bsa_fwd", "bsa_bwd")):
+        res["problems"].append(f"a profiled step did not run the kernel ops: {res['kernels_ran']}")
+    if ctx.device.type == "cuda" and not res["kernels_ran"].get("device_kernels"):
+        res["problems"].append("a profiled step ran no Triton kernel of ours on the GPU")
+    codes = [g.code for g in side_table().aot_graphs]
+    res["ops_in_graph"] = {op: sum(c.count(f"ultraattn.{op}.") for c in codes)
+                           for op in (*sorted(TILE_OPS), "site_attention", "site_attention_bwd")}
+    res["sites"] = {k: int(v) for k, v in side_table().counters.items() if k in ("sites", "rewritten", "fallbacks")}
+    # at world 1 a mask known at compile time (causal) becomes the kernel ops themselves, in the graph; a mask that
+    # arrives at run time stays one site op, which builds the step's layout and calls the same kernel ops inside
+    want = ("bsa_fwd", "bsa_bwd") if kind == "causal" else ("site_attention", "site_attention_bwd")
+    if not all(res["ops_in_graph"][op] for op in want):
+        res["problems"].append(f"the compiled graphs do not call {want}: {res['ops_in_graph']}")
+    for who, ts in res["seconds"].items():
+        if ts:
+            res[f"{who}_first_step_s"] = ts[0]
+            res[f"{who}_step_s"] = statistics.median(ts[1:]) if len(ts) > 1 else None
+    if res.get("plain_step_s") and res.get("ultraattn_step_s"):
+        res["step_vs_plain"] = res["plain_step_s"] / res["ultraattn_step_s"]
+        res["first_step_vs_plain"] = res["plain_first_step_s"] / res["ultraattn_first_step_s"]
+    return res
+
+
+def run(ctx: Ctx) -> None:
+    cfg = ctx.pick(dict(seqlen=4096, dim=512, heads=8, kv_heads=2, layers=2, steps=5),
+                   dict(seqlen=256, dim=64, heads=4, kv_heads=2, layers=2, steps=3))
+    compiler = ctx.pick("inductor", "aot_eager")
+    rows = []
+    for kind in ("document", "causal"):
+        try:
+            row = run_kind(ctx, kind, cfg, compiler)
+        except Exception as exc:  # noqa: BLE001
+            row = {"kind": kind, "error": error_text(exc), "problems": []}
+        row["ok"] = "error" not in row and not row["problems"]
+        if not row["ok"]:
+            ctx.fail(f"{kind}: {row.get('error', '').splitlines()[0] if 'error' in row else row['problems']}")
+        rows.append(row)
+        ctx.save(rows=rows)
+    parts = []
+    for r in rows:
+        s = f"{r['kind']} {'ok' if r['ok'] else 'FAILED'}"
+        if r.get("step_vs_plain"):
+            s += f" (step {r['ultraattn_step_s'] * 1e3:.0f} ms, {r['step_vs_plain']:.2f}x plain compile's speed)"
+        parts.append(s)
+    ctx.save(summary="; ".join(parts))
