@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -77,12 +78,24 @@ def child(name: str, out: Path, dry_run: bool, seconds: float) -> int:
     return 0 if status == "pass" else 1
 
 
+def _without_pulp(out: Path) -> str:
+    """A folder whose ``pulp`` package fails to import: first on a dry run's PYTHONPATH (spawned ranks inherit
+    it), so the rehearsal plans as the GPU machine does, which has no PuLP (the fast planner)."""
+    folder = out / ".no_pulp" / "pulp"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "__init__.py").write_text('raise ImportError("pulp: hidden by benchmarks/gpu_check.py --dry-run, '
+                                        'as the GPU machine has none")\n')
+    return str(folder.parent)
+
+
 def _start(name: str, out: Path, dry_run: bool, seconds: float) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--child", name, "--out", str(out), "--seconds", f"{seconds:.1f}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if dry_run:
         cmd.append("--dry-run")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_without_pulp(out), env.get("PYTHONPATH")) if p)
     log = open(out / f".{name}.log", "w")  # noqa: SIM115 - closed by _finish
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     proc.log = log
     return proc
 
@@ -135,6 +148,7 @@ def run_all(out: Path, dry_run: bool, budget: float, parts: tuple[str, ...]) -> 
             records.append(rec)
             print(f"== {p}: {rec['status']} in {rec['wall_seconds']} s: {rec.get('summary', rec.get('error', ''))}",
                   flush=True)
+    shutil.rmtree(out / ".no_pulp", ignore_errors=True)
     return records
 
 

@@ -78,16 +78,16 @@ def _median(times: list[float]) -> float:
     return times[len(times) // 2]
 
 
-def timeit(fn, device: str, reps: int, warmup: int = 2) -> float:
-    """Median seconds per call."""
+def timeit(fn, device: str, reps: int, warmup: int = 2) -> list[float]:
+    """Seconds of each of ``reps`` calls, after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
     _sync(device)
-    return _median([time_once(fn, device) for _ in range(reps)])
+    return [time_once(fn, device) for _ in range(reps)]
 
 
-def fwd_time(attn, q, k, v, device: str, reps: int) -> float:
-    """Median seconds of the forward alone (no autograd graph)."""
+def fwd_time(attn, q, k, v, device: str, reps: int) -> list[float]:
+    """Seconds of each forward alone (no autograd graph)."""
 
     qd, kd, vd = (x.detach() for x in (q, k, v))  # (flex checks requires_grad even under no_grad)
 
@@ -98,8 +98,8 @@ def fwd_time(attn, q, k, v, device: str, reps: int) -> float:
     return timeit(fwd, device, reps)
 
 
-def bwd_time(attn, q, k, v, device: str, reps: int) -> float:
-    """Median seconds of the backward alone (the forward that builds its graph is not timed; the first
+def bwd_time(attn, q, k, v, device: str, reps: int) -> list[float]:
+    """Seconds of each backward alone (the forward that builds its graph is not timed; the first
     backward is a warm-up)."""
     go = torch.randn_like(q)
     times = []
@@ -108,16 +108,23 @@ def bwd_time(attn, q, k, v, device: str, reps: int) -> float:
         _sync(device)
         times.append(time_once(lambda: out.backward(go), device))  # noqa: B023 - called at once
         q.grad = k.grad = v.grad = None
-    return _median(times[1:])
+    return times[1:]
 
 
-def run(args) -> dict:
+def run(args, on_row=None, time_left=None) -> dict:
+    """Every (seqlen, mask) row of ``args``; ``on_row(row)`` after each, and no new row once ``time_left()`` is
+    under a minute (``benchmarks/gpu_check.py`` keeps the rows measured before its deadline)."""
     device = args.device
     dt = _DT[args.dtype]
+    kv_heads = getattr(args, "kv_heads", None) or args.heads
+    gqa = kv_heads != args.heads
     flex = torch.compile(flex_attention, dynamic=False) if device == "cuda" else flex_attention
     rows = []
     for S in args.seqlens:
         for name in args.masks:
+            if time_left is not None and time_left() < 60:
+                print(f"  S={S} {name}: not run (the deadline is near)", flush=True)
+                continue
             mm = mask_mod_for(name, S)
             bm = create_block_mask(mm, None, None, S, S, device=device, BLOCK_SIZE=128)
             lay = K.get_layout(bm, q_len=S, kv_len=S, batch=args.batch, num_heads=args.heads,
@@ -125,28 +132,32 @@ def run(args) -> dict:
             pairs = lay.attended_pairs()
             flops_fwd = 4.0 * pairs * args.head_dim
             g = torch.Generator(device=device).manual_seed(0)
-            q, k, v = (torch.randn(args.batch, args.heads, S, args.head_dim, device=device, dtype=dt, generator=g)
-                       .requires_grad_() for _ in range(3))
+            q = torch.randn(args.batch, args.heads, S, args.head_dim, device=device, dtype=dt, generator=g)
+            k, v = (torch.randn(args.batch, kv_heads, S, args.head_dim, device=device, dtype=dt, generator=g)
+                    for _ in range(2))
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
             methods = {
                 "ultraattn": lambda q, k, v, lay=lay: K.block_sparse_attention(q, k, v, lay),
-                "flex": lambda q, k, v, bm=bm: flex(q, k, v, block_mask=bm),
+                "flex": lambda q, k, v, bm=bm: flex(q, k, v, block_mask=bm, enable_gqa=gqa),
             }
             if name in ("causal", "full"):
-                methods["sdpa"] = lambda q, k, v, c=(name == "causal"): F.scaled_dot_product_attention(q, k, v,
-                                                                                                    is_causal=c)
+                methods["sdpa"] = lambda q, k, v, c=(name == "causal"): F.scaled_dot_product_attention(
+                    q, k, v, is_causal=c, enable_gqa=gqa)
             row = {"seqlen": S, "mask": name, "density": pairs / (args.batch * args.heads * S * S), "methods": {}}
             for mname, fn in methods.items():
                 res = row["methods"][mname] = {}
                 for phase in ("fwd", "bwd"):
                     try:
-                        t = fwd_time(fn, q, k, v, device, args.reps) if phase == "fwd" else \
+                        ts = fwd_time(fn, q, k, v, device, args.reps) if phase == "fwd" else \
                             bwd_time(fn, q, k, v, device, args.reps)
                     except Exception as exc:  # noqa: BLE001 - a baseline that can't run is reported, not fatal
                         res[f"{phase}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                         print(f"  S={S} {name:15s} {mname:10s} {phase} failed: {res[f'{phase}_error']}", flush=True)
                         continue
+                    t = _median(ts)
                     flops = flops_fwd * (2.5 if phase == "bwd" else 1.0)
                     res[f"{phase}_s"], res[f"{phase}_tflops"] = t, flops / t / 1e12
+                    res[f"{phase}_spread"] = (max(ts) - min(ts)) / t  # (max - min) / median of the reps
                     print(f"  S={S} {name:15s} {mname:10s} {phase} {t * 1e3:9.3f} ms ({flops / t / 1e12:7.3f} TFLOP/s)",
                           flush=True)
             ua = row["methods"].get("ultraattn", {})
@@ -155,7 +166,14 @@ def run(args) -> dict:
                 for phase in ("fwd", "bwd"):
                     if f"{phase}_s" in ua and f"{phase}_s" in b:
                         row[f"{phase}_vs_{base}"] = b[f"{phase}_s"] / ua[f"{phase}_s"]
+            if "fwd_s" in row["methods"]["flex"]:  # the outputs agree (a fast wrong kernel is no result)
+                qd, kd, vd = (x.detach() for x in (q, k, v))
+                with torch.no_grad():
+                    a, b = methods["ultraattn"](qd, kd, vd).float(), methods["flex"](qd, kd, vd).float()
+                row["max_abs_diff_vs_flex"] = float((a - b).abs().max())
             rows.append(row)
+            if on_row is not None:
+                on_row(row)
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
         "torch": torch.__version__,
@@ -206,6 +224,7 @@ def main(argv=None) -> int:
     p.add_argument("--masks", nargs="+", default=["full", "causal", "sliding_window", "strided", "global_local",
                                                   "document"])
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (GQA; default: --heads)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=tuple(_DT))

@@ -50,10 +50,12 @@ class Ctx:
     record: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from ultraattn.planner.ilp import have_pulp
+
         self.device = torch.device("cpu") if self.dry_run else torch.device("cuda", 0)
         self.record = {"part": self.name, "dry_run": self.dry_run, "device": device_name(self.device),
                        "torch": torch.__version__, "python": platform.python_version(),
-                       "triton": _triton_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "triton": _triton_version(), "pulp": have_pulp(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                        "status": "running", "failures": []}
 
     @property

@@ -1,0 +1,131 @@
+"""Part 2 (in the runner's order): two ranks on one GPU, exact against one process.
+
+NCCL refuses two ranks on one device, so the two ranks talk over gloo, and gloo moves host memory only: ultraattn's
+``StagedTransport`` (``runtime/transport.py``) copies each message through the host, which ``transport_for``
+picks for gloo on a CUDA machine. Each rank compiles the example model (``examples/train_cp.py``) with
+``backend="ultraattn"`` (Inductor; ``aot_eager`` in the dry run): the sequence sharded through the graph, each
+attention an explicit per-rank program whose tiles are the Triton kernels. One step each with causal SDPA (a plan
+made at compile time) and with a flex document mask (planned at run time); every rank's loss and gradients must
+pass the numerics policy against the single-process eager step (fp64 oracle, fp32 same-precision reference).
+The bandwidth is the host's, so no time here says anything about NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+from train_cp import Llama, batches, document_masks
+
+import ultraattn
+from ultraattn.passes.opinfo import TILE_OPS
+from ultraattn.testing import RankFailure, check_step, run_ranks
+
+from .common import Ctx, sync
+
+NAME = "two_ranks"
+TITLE = "two ranks, one GPU"
+CORRECTNESS = True
+KINDS = ("causal", "document")
+
+
+def _data(cfg: dict):
+    (tokens, lengths), = batches(argparse.Namespace(seqlen=cfg["seqlen"], steps=1, seed=1, same_mask=False))
+    return tokens, lengths
+
+
+def _grads(model) -> dict:
+    model = getattr(model, "_orig_mod", model)
+    return {n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters()}
+
+
+def worker(rank: int, world: int, cfg: dict, compiler: str, cuda: bool) -> dict:
+    from ultraattn.passes import side_table
+    from ultraattn.runtime.comm import GroupRef
+    from ultraattn.runtime.transport import transport_for
+
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    transport = type(transport_for(rank=rank, global_ranks=range(world), group_ref=GroupRef(dist.group.WORLD)))
+    tokens, lengths = _data(cfg)
+    tokens = tokens.to(device)
+    out = {"transport": transport.__name__, "device": str(device)}
+    for kind in KINDS:
+        ultraattn.reset()
+        torch.manual_seed(0)
+        model = Llama(cfg["dim"], cfg["layers"], cfg["heads"], cfg["kv_heads"]).to(device)
+        run = torch.compile(model, backend="ultraattn", options={"compiler": compiler, "report": "off"})
+        mask = document_masks(lengths, device)[0] if kind == "document" else None
+        sync(device)
+        t0 = time.perf_counter()
+        loss = run(tokens, mask)
+        loss.backward()
+        sync(device)
+        codes = [g.code for g in side_table().aot_graphs]
+        out[kind] = {"loss": loss.detach().double().cpu(), "grads": _grads(run),
+                     "first_step_s": time.perf_counter() - t0,
+                     "ops": {op: n for op in sorted(TILE_OPS | {"cp_start", "site_attention_local"})
+                             if (n := sum(c.count(f"ultraattn.{op}.") for c in codes))},
+                     "sharded_ops": int(side_table().counters["sharded_ops"])}
+    return out
+
+
+def references(cfg: dict, device: torch.device) -> dict:
+    """The single-process eager steps (fp64 and fp32; the document mask as SDPA's dense mask) per kind."""
+    tokens, lengths = _data(cfg)
+    tokens = tokens.to(device)
+    torch.manual_seed(0)
+    base = Llama(cfg["dim"], cfg["layers"], cfg["heads"], cfg["kv_heads"]).to(device)
+    refs = {}
+    for kind in KINDS:
+        dense = document_masks(lengths, device)[1] if kind == "document" else None
+        pair = []
+        for dt in (torch.float64, torch.float32):
+            m = copy.deepcopy(base).to(dt)
+            loss = m(tokens, dense)
+            loss.backward()
+            pair.append({"loss": loss.detach().double().cpu(), "grads": _grads(m)})
+        refs[kind] = pair
+    return refs
+
+
+def run(ctx: Ctx) -> None:
+    cfg = ctx.pick(dict(seqlen=4096, dim=512, heads=8, kv_heads=2, layers=2),
+                   dict(seqlen=256, dim=64, heads=4, kv_heads=2, layers=2))
+    compiler = ctx.pick("inductor", "aot_eager")
+    cuda = ctx.device.type == "cuda"
+    ctx.save(config=cfg, compiler=compiler,
+             how="2 spawned processes, gloo on 127.0.0.1, both on " + ("cuda:0" if cuda else "the CPU"))
+    env = None if cuda else {"ULTRAATTN_TRANSPORT": "staged"}  # a GPU machine picks it by itself (recorded)
+    try:
+        res = run_ranks(worker, 2, args=(cfg, compiler, cuda), timeout=max(30.0, ctx.time_left()),
+                        pg_timeout=120.0, env=env)
+    except RankFailure as exc:
+        ctx.fail(f"the ranks failed: {str(exc)[:2000]}")
+        return
+    refs = references(cfg, ctx.device)
+    rows = []
+    for kind in KINDS:
+        for rank, r in enumerate(res):
+            got = r[kind]
+            bad = check_step(got, *refs[kind])
+            row = {"kind": kind, "rank": rank, "transport": r["transport"], "problems": bad,
+                   "loss": float(got["loss"]), "ref_loss": float(refs[kind][0]["loss"]),
+                   "first_step_s": got["first_step_s"], "ops": got["ops"], "sharded_ops": got["sharded_ops"]}
+            tiles = sum(got["ops"].get(op, 0) for op in TILE_OPS)
+            if not tiles:
+                bad.append(f"no tile ops in the compiled graphs: {got['ops']}")
+            if r["transport"] != "StagedTransport":
+                bad.append(f"the ranks communicated over {r['transport']}, not the host-staged transport")
+            row["ok"] = not bad
+            if bad:
+                ctx.fail(f"{kind} rank {rank}: {bad}")
+            rows.append(row)
+    ctx.save(rows=rows, summary=f"{sum(r['ok'] for r in rows)}/{len(rows)} (mask, rank) steps within the policy, "
+                                f"over {res[0]['transport']}")
+
+
