@@ -35,7 +35,9 @@ from ultraattn import masks  # noqa: E402
 _DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def mask_mod_for(name: str, S: int):
+def mask_mod_for(name: str, S: int, device: str = "cpu"):
+    """The benchmark's mask ``name`` at length ``S``; tables a mask_mod reads live on ``device`` (where
+    ``create_block_mask`` evaluates it)."""
     if name == "causal":
         return masks.generate_causal()
     if name == "full":
@@ -50,7 +52,7 @@ def mask_mod_for(name: str, S: int):
         g = torch.Generator().manual_seed(0)
         cuts = sorted(torch.randperm(S // 128 - 1, generator=g)[: max(1, S // 2048)].add(1).mul(128).tolist())
         bounds = [0, *cuts, S]
-        return masks.generate_document([b - a for a, b in zip(bounds, bounds[1:])])
+        return masks.generate_document([b - a for a, b in zip(bounds, bounds[1:])], device=device)
     raise ValueError(f"unknown mask {name!r}")
 
 
@@ -125,7 +127,7 @@ def run(args, on_row=None, time_left=None) -> dict:
             if time_left is not None and time_left() < 60:
                 print(f"  S={S} {name}: not run (the deadline is near)", flush=True)
                 continue
-            mm = mask_mod_for(name, S)
+            mm = mask_mod_for(name, S, device)
             bm = create_block_mask(mm, None, None, S, S, device=device, BLOCK_SIZE=128)
             lay = K.get_layout(bm, q_len=S, kv_len=S, batch=args.batch, num_heads=args.heads,
                                device=torch.device(device))

@@ -44,7 +44,8 @@ def run(ctx: Ctx) -> None:
     fits = {term: st.get("median_rel_err") for term, st in profile.get("fit", {}).items()
             if isinstance(st, dict) and "median_rel_err" in st}
     head = ", ".join(f"{k} {d['fitted']:.3g} ({d['ratio']:.2f}x default)" for k, d in list(versus.items())[:3])
-    shown = [a for i, a in enumerate(argv) if argv[i - 1] not in ("--out", "--timeout") and a not in ("--out", "--timeout")]
+    hidden = ("--out", "--timeout")  # (a temporary path and a deadline: not part of the command to repeat)
+    shown = [a for i, a in enumerate(argv) if a not in hidden and (i == 0 or argv[i - 1] not in hidden)]
     ctx.save(command="ultraattn " + " ".join(shown),
              profile=profile, versus_default=versus, fit_median_rel_err=fits,
              seconds_calibrating=profile["machine"].get("calibration_seconds"), summary=head)

@@ -1,0 +1,88 @@
+"""The GPU check (``benchmarks/gpu_check.py``) rehearsed on the CPU, so that it works the day a GPU is available.
+
+One full ``--dry-run`` (every part, the same code as the GPU run at tiny sizes, PuLP hidden as on the GPU machine)
+must pass and write every file the GPU run writes; a part that fails, or overruns its deadline, must be recorded
+without stopping the others, and the exit status must say so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+PARTS = ("kernels_correct", "two_ranks", "backend_e2e", "kernels_speed", "calibration")
+
+
+def _run(out: Path, *args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def _load(out: Path, name: str) -> dict:
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
+    r = _run(tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == sorted([f"{p}.json" for p in PARTS] + ["kernels_cpu.json", "kernels_cpu.png", "summary.json"])
+    summary = _load(tmp_path, "summary")
+    assert summary["ok"] and summary["dry_run"] and [p["part"] for p in summary["parts"]] == list(PARTS)
+    assert all(p["status"] == "pass" for p in summary["parts"]), summary["parts"]
+    assert "ultraattn GPU check (dry run)" in r.stdout  # the table
+    for name in PARTS:
+        rec = _load(tmp_path, name)
+        assert rec["status"] == "pass" and rec["failures"] == [] and rec["pulp"] is False, (name, rec.get("error"))
+    # 1: every planned case ran and passed the 2x rule, and the op reached the compiled graph
+    kc = _load(tmp_path, "kernels_correct")
+    assert len(kc["rows"]) == kc["cases_planned"] >= 20 and all(row["ok"] and not row["problems"] for row in kc["rows"])
+    cases = {(row["mask"], row["head_dim"], row["dtype"], row["heads"] // row["kv_heads"]) for row in kc["rows"]}
+    assert {m for m, *_ in cases} >= {"causal", "document", "random", "block_select", "strided", "global_local"}
+    assert {d for _, d, _, _ in cases} == {16, 24, 32} and {g for *_, g in cases} == {1, 4, 8}
+    assert {t for _, _, t, _ in cases} == {"bf16", "fp16"} and any(row["tune"] == "full" for row in kc["rows"])
+    assert all(row["seqlen"] % row["block"] for row in kc["rows"])  # every case has a tail
+    assert kc["compiled"]["ok"] and kc["compiled"]["op_called_from_inductor_code"]
+    # 2: two ranks over the host-staged transport, every rank exact, tiles in the graphs
+    tr = _load(tmp_path, "two_ranks")
+    assert len(tr["rows"]) == 4 and all(row["ok"] and row["transport"] == "StagedTransport" for row in tr["rows"])
+    assert {row["kind"] for row in tr["rows"]} == {"causal", "document"}
+    # 3: world 1, both attention kinds exact at the first and last step; the kernel ops ran
+    e2e = _load(tmp_path, "backend_e2e")
+    for row in e2e["rows"]:
+        assert row["ok"] and len(row["steps"]) == 2 and all(not s["problems"] for s in row["steps"]), row
+        assert row["kernels_ran"]["bsa_fwd"] > 0 and row["kernels_ran"]["bsa_bwd"] > 0
+        assert row["ultraattn_first_step_s"] > 0 and row["plain_step_s"] > 0 and row["step_vs_plain"] > 0
+    # 4: the speed rows, with the ratios the GPU run reports and a check against flex's output
+    speed = json.loads((tmp_path / "kernels_cpu.json").read_text())
+    assert len(speed["rows"]) == 5 and speed["device"].startswith("cpu")
+    for row in speed["rows"]:
+        assert row["fwd_vs_flex"] > 0 and row["max_abs_diff_vs_flex"] < 1e-4  # fp32 on both sides
+        assert row["methods"]["ultraattn"]["fwd_tflops"] > 0 and row["methods"]["ultraattn"]["bwd_tflops"] > 0
+    assert "fwd_vs_sdpa" in next(row for row in speed["rows"] if row["mask"] == "causal")
+    # 5: a fitted profile
+    cal = _load(tmp_path, "calibration")
+    assert cal["profile"]["cost"]["fwd_tflops"] > 0 and cal["versus_default"]["fwd_tflops"]["ratio"] > 0
+
+
+def test_a_failing_part_or_one_past_its_deadline_stops_nothing_else(tmp_path):
+    r = _run(tmp_path / "fail", "--parts", "kernels_speed,calibration", env={"ULTRAATTN_GPUCHECK_FAIL": "calibration"})
+    assert r.returncode == 1, r.stdout[-3000:]
+    parts = {p["part"]: p for p in _load(tmp_path / "fail", "summary")["parts"]}
+    assert parts["calibration"]["status"] == "error" and "injected" in parts["calibration"]["error"]
+    assert parts["kernels_speed"]["status"] == "pass"
+    # a budget far too short: the part is stopped, recorded as such, and the run says so
+    r = _run(tmp_path / "late", "--parts", "kernels_correct", "--budget", "3")
+    assert r.returncode == 1
+    rec = _load(tmp_path / "late", "kernels_correct")
+    assert rec["status"] == "timeout" and "deadline" in rec["error"]
+    # bad arguments name the fix
+    r = _run(tmp_path, "--parts", "kernels,calibration")
+    assert r.returncode == 2 and "unknown ['kernels']" in r.stderr and "kernels_correct" in r.stderr
+    r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "--dry-run" in r.stderr  # no GPU here
