@@ -190,7 +190,7 @@ class AotGraphRecord:
 
     @property
     def stages(self) -> int:
-        return sum(r.op in ("cp_start", "cp_dyn_kv_start", "cp_dyn_dkv_start") for r in self.schedule)
+        return sum(r.op == "cp_start" for r in self.schedule)
 
     @property
     def tiles(self) -> int:
