@@ -4,21 +4,24 @@ A packed-sequence model brings a new document mask every batch. The graph Induct
 site is fixed by shapes, mesh and options alone, so its plan is too: ``planner.exchange.owner_computes_plan``,
 a ``TilePlan`` in which every rank computes the rows of its own chunks against every chunk and each chunk's
 K/V may go to every other rank. The executor traces that plan exactly as it traces a static site's
-(``explicit/program.py``: the same ``TracedIO``, stage ops, row tiles, merge and delta). The mask enters
-the graph in its first node and every later node reads it by the plan id it returns::
+(``explicit/program.py``: the same ``TracedIO``, stage ops, tile sets, merge and delta), written with ONE chunk
+per rank (its tokens), so the graph does not grow with the chunks per rank; the ops work in the site's fine
+chunks (``DynamicProgram.fine``). The mask enters the graph in its first node and every later node reads it by
+the plan id it returns::
 
     token, plan = cp_dyn_plan(token, [mask tensors], site)       # milliseconds; cached per mask content
     q_l = index_select(pad(q), 2, cp_dyn_index(plan, site))      # dispatch: the mask's owners (global view)
-    h = cp_start(token, [K/V of every own chunk...], site, 0, plan)   # only the chunks a peer needs are posted
-    o, lse = cp_tile_fwd(q_l row, [own K/V], site, tile, plan)   # own keys, while messages fly
-    token, *kv_in = cp_wait(h, site, 0, plan)                    # needed chunks; zeros for the others
-    o', lse' = cp_tile_fwd(q_l row, kv_in, site, tile', plan)    # received keys (empty cells skipped)
-    ... LSE merges, cp_gather(..., plan) ...
+    h = cp_start(token, [this rank's K, V], site, 0, plan)       # per peer, only the fine chunks it needs
+    o, lse = cp_tiles_fwd([q_l], [own K], [own V], site, t, plan)   # own keys, while messages fly
+    token, *kv_in = cp_wait(h, site, 0, plan)                    # each peer's K/V; zeros where nothing came
+    o', lse' = cp_tiles_fwd([q_l], kv_in..., site, t', plan)     # received keys (empty fine cells skipped)
+    ... one LSE merge, cp_gather(..., plan) ...
 
-The plan id selects the call's ``MaskRun``: its ``ExchangePlan`` (owners, which messages carry data), the
-global chunk of every virtual chunk, and the mask's ``TileGeometry`` (block kinds, element masks), so a
-tile computes its row against the global chunks it stands for. A new mask: no recompile, no new guard, the
-same graph. Only planning and the dispatch index are this path's own ops (``passes/ops/dynamic.py``).
+The plan id selects the call's ``MaskRun``: its ``ExchangePlan`` (owners, which fine messages carry data), the
+global chunk of every fine chunk, and the mask's ``TileGeometry`` (block kinds, element masks), so a tile
+computes each fine row of its rows against the global chunks its columns stand for. A new mask: no recompile,
+no new guard, the same graph. Only planning and the dispatch index are this path's own ops
+(``passes/ops/dynamic.py``).
 
 [Note] Owners: fixed per graph or chosen per batch? Owner computes (only K/V move), so the owners ARE the
 balance. ``benchmarks/exchange_owners.py`` plans document masks (the example's packing and a pretraining-like
@@ -41,6 +44,7 @@ them (four ranks share two cores: idle time goes to the others, only total work 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -61,6 +65,7 @@ from ultraattn.planner.plan import AttnShape, Mesh, Transfer, padded_chunk
 from ultraattn.runtime.api import DTYPE_NAMES
 from ultraattn.runtime.comm import GroupRef, resolve_group
 from ultraattn.runtime.executor import Executor
+from ultraattn.runtime.executor import layout as unit_layout
 from ultraattn.runtime.plan_cache import content_digest
 from ultraattn.runtime.sequence import SequenceShards
 from ultraattn.runtime.tiles import TileGeometry, group_kind_grid, row_backward, row_forward
@@ -96,11 +101,13 @@ class MaskRun:
     seq: SequenceShards
     """The plan's token layout on this rank's group (the gathers)."""
 
-    def columns(self, q_chunk: int, kv_chunks: tuple[int, ...]) -> tuple[int, list[tuple[int, int]]]:
-        """(global q chunk, [(position in ``kv_chunks``, global kv chunk)] of the non-empty cells) of a tile row
-        given in virtual chunks: a tile skips the chunks this mask needs nothing of (they were never sent)."""
-        i = self.chunks[q_chunk]
-        return i, [(n, self.chunks[j]) for n, j in enumerate(kv_chunks) if self.nonempty[i, self.chunks[j]]]
+    def cells(self, q_virtual: int, kv_supers: tuple[int, ...], per: int) -> tuple[int, list[tuple[int, int, int]]]:
+        """(global q chunk, [(position in ``kv_supers``, chunk inside it, global kv chunk)] of the non-empty cells) of
+        the fine row ``q_virtual`` against the traced chunks ``kv_supers`` (``per`` fine chunks each): a tile skips
+        the chunks this mask needs nothing of (they were never sent)."""
+        i = self.chunks[q_virtual]
+        return i, [(n, b, j) for n, s in enumerate(kv_supers) for b in range(per)
+                   if self.nonempty[i, j := self.chunks[s * per + b]]]
 
 
 def _message(t: Transfer) -> tuple[str, int, int, int]:
@@ -119,7 +126,11 @@ class DynamicProgram(ExplicitProgram):
     owner: tuple[int, ...] | None = None
     """Fixed owners (a sequence-sharded graph's layout), or None: chosen per mask."""
     template: Executor = None
-    """The executor of ``owner_computes_plan`` on this rank (its transport: this rank's messages)."""
+    """The executor the graph traces: ``owner_computes_plan`` with ONE chunk per rank, the rank's tokens (so the graph
+    does not grow with the chunks per rank); its IO posts the fine plan's messages (``fine``)."""
+    fine: Executor = None
+    """The executor of ``owner_computes_plan`` in the site's chunks (``chunk``, ``num_chunks``): the messages, byte
+    table and log the ops really use; a traced K/V or dK/dV message stands for its ``per_rank`` fine ones."""
     runs: LRU = field(default_factory=lambda: side_table().exchange_runs)
     """(configuration, mask digest) -> MaskRun, shared by the sites of the process: a mask seen again, or by
     another site of the same configuration (the next layer), is not planned again."""
@@ -152,6 +163,16 @@ class DynamicProgram(ExplicitProgram):
     @property
     def local_len(self) -> int:
         return self.num_chunks // self.world * self.chunk
+
+    @property
+    def per_rank(self) -> int:
+        """Fine chunks per traced chunk (per rank)."""
+        return self.num_chunks // self.world
+
+    @functools.cached_property
+    def fine_steps(self) -> dict[tuple[str, int, int, int], tuple[int, Transfer]]:
+        """(tensor, fine chunk, src, dst) -> (index, transfer) of the fine plan's messages."""
+        return {_message(t): (idx, t) for idx, t in enumerate(self.fine.plan.transfers)}
 
     # ------------------------------------------------------------------ plans
     def plan(self, mask_tensors: list[Tensor]) -> int:
@@ -206,7 +227,7 @@ class DynamicProgram(ExplicitProgram):
         cost = spec.options.cost_model()
         weights = pattern_weights(pattern, batch=B, num_heads=H, chunk=self.chunk, num_chunks=self.num_chunks,
                                   partial_overhead=cost.partial_block_overhead)
-        tp = self.template.plan
+        tp = self.fine.plan
         plan = plan_exchange(weights, mesh=self.mesh, chunk=self.chunk, owner=self.owner,
                              kv_chunk_bytes=tp.shape.unit_bytes("kv", self.chunk),
                              dkv_chunk_bytes=tp.shape.unit_bytes("dkv", self.chunk))
@@ -233,9 +254,29 @@ class DynamicProgram(ExplicitProgram):
 
     # ------------------------------------------------------------------ what the ops do with the plan as data
     def posts(self, sends: list, recvs: list, plan: Tensor | None) -> tuple[list, list]:
-        """The fixed plan's messages of one stage that carry data under this call's mask."""
-        live = self.run_of(plan).live
-        return ([m for m in sends if _message(m[1]) in live], [r for r in recvs if _message(r[1]) in live])
+        """The fine messages of one traced stage that carry data under this call's mask: a traced chunk's K/V (or
+        dK/dV) message becomes the messages of the fine chunks it holds that the peer needs, each its slice."""
+        live, per, c = self.run_of(plan).live, self.per_rank, self.chunk
+        out_s = [(*self.fine_steps[key], [p[:, :, b * c:(b + 1) * c] for p in pieces])
+                 for _tag, t, pieces in sends for b in range(per)
+                 if (key := (t.tensor, t.chunk * per + b, t.src, t.dst)) in live]
+        out_r = [self.fine_steps[key] for _tag, t in recvs for b in range(per)
+                 if (key := (t.tensor, t.chunk * per + b, t.src, t.dst)) in live]
+        return out_s, out_r
+
+    def wait(self, hid: int, stage: int, plan: Tensor | None = None) -> list[Tensor]:
+        """The traced stage's received tensors, each assembled from its fine messages (zeros for the fine chunks
+        this call's mask does not send)."""
+        handle, _posted = self.handles.pop(hid)
+        got = {(t.tensor, t.chunk, t.src): pieces for t, pieces in self.executor.io.wait(handle)}
+        fine, per = self.fine, self.per_rank
+        out = []
+        for _tag, t in self.stages[stage].recvs:
+            parts = [got.get((t.tensor, t.chunk * per + b, t.src)) for b in range(per)]
+            for n, (shape, dt) in enumerate(unit_layout(t.tensor, fine.geo, fine.dtype)):
+                out.append(torch.cat([torch.zeros(shape, dtype=dt, device=self.device) if ps is None else ps[n]
+                                      for ps in parts], dim=2))
+        return out
 
     def dispatcher(self, plan):
         """This rank's tokens of a global tensor: an index_select whose index is the call's plan data."""
@@ -266,40 +307,57 @@ class DynamicProgram(ExplicitProgram):
 
     def tiles_fwd(self, tile: int, qs: list[Tensor], ks: list[Tensor], vs: list[Tensor], plan: Tensor | None = None
                   ) -> list[tuple[Tensor, Tensor]]:
-        """(o, lse) fp32 of every row of tile set ``tile``: each row against the global chunks it stands for, skipping
-        the chunks this mask leaves empty there (they were never sent)."""
-        run, ts = self.run_of(plan), self.tiles[tile]
+        """(o, lse) fp32 of every row of tile set ``tile``: each fine row of a traced row against the global chunks
+        its columns stand for, skipping the chunks this mask leaves empty there (they were never sent)."""
+        run, ts, per, c = self.run_of(plan), self.tiles[tile], self.per_rank, self.chunk
         col = {u[0]: m for m, u in enumerate(ts.cols)}
         out = []
         for row, q in zip(ts.rows, qs, strict=True):
-            i, cols = run.columns(row.q_chunk, row.kv_chunks)
-            if not cols:  # nothing of this row in these chunks under this mask
-                out.append((torch.zeros(q.shape, dtype=torch.float32, device=q.device),
-                            torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)))
-                continue
-            kvs = [(ks[col[row.kv_chunks[n]]], vs[col[row.kv_chunks[n]]]) for n, _ in cols]
-            out.append(row_forward(run.geo, 0, i, [c for _, c in cols], q, kvs, row.scale))
+            os_, lses = [], []
+            for a in range(per):
+                qa = q[:, :, a * c:(a + 1) * c]
+                i, cells = run.cells(row.q_chunk * per + a, row.kv_chunks, per)
+                if not cells:  # nothing of this row in these chunks under this mask
+                    os_.append(torch.zeros(qa.shape, dtype=torch.float32, device=q.device))
+                    lses.append(torch.full(qa.shape[:-1], -math.inf, dtype=torch.float32, device=q.device))
+                    continue
+                kvs = [(ks[m][:, :, b * c:(b + 1) * c], vs[m][:, :, b * c:(b + 1) * c])
+                       for m, b in ((col[row.kv_chunks[n]], b) for n, b, _j in cells)]
+                o, lse = row_forward(run.geo, 0, i, [j for *_, j in cells], qa, kvs, row.scale)
+                os_.append(o)
+                lses.append(lse)
+            out.append((torch.cat(os_, dim=2), torch.cat(lses, dim=2)))
         return out
 
     def tiles_bwd(self, tile: int, qs, dos, lses, deltas, ks, vs, plan: Tensor | None = None):
         """([dq per row], [dk per column], [dv per column]) fp32 of tile set ``tile``, a column's summed over rows."""
-        run, ts = self.run_of(plan), self.tiles[tile]
+        run, ts, per, c = self.run_of(plan), self.tiles[tile], self.per_rank, self.chunk
         col = {u[0]: m for m, u in enumerate(ts.cols)}
         dks: list[Tensor | None] = [None] * len(ks)
         dvs: list[Tensor | None] = [None] * len(vs)
         dqs = []
         for row, q, do, lse, delta in zip(ts.rows, qs, dos, lses, deltas, strict=True):
-            i, cols = run.columns(row.q_chunk, row.kv_chunks)
-            if not cols:
-                dqs.append(torch.zeros(q.shape, dtype=torch.float32, device=q.device))
-                continue
-            at = [col[row.kv_chunks[n]] for n, _ in cols]
-            dq, per_col = row_backward(run.geo, 0, i, [c for _, c in cols], q, do, lse, delta,
-                                       [(ks[m], vs[m]) for m in at], row.scale)
-            dqs.append(dq)
-            for m, (dk, dv) in zip(at, per_col, strict=True):
-                dks[m] = dk.clone() if dks[m] is None else dks[m].add_(dk)
-                dvs[m] = dv.clone() if dvs[m] is None else dvs[m].add_(dv)
+            parts = []
+            for a in range(per):
+                sl = slice(a * c, (a + 1) * c)
+                i, cells = run.cells(row.q_chunk * per + a, row.kv_chunks, per)
+                if not cells:
+                    parts.append(torch.zeros(q[:, :, sl].shape, dtype=torch.float32, device=q.device))
+                    continue
+                at = [(col[row.kv_chunks[n]], b) for n, b, _j in cells]
+                kvs = [(ks[m][:, :, b * c:(b + 1) * c], vs[m][:, :, b * c:(b + 1) * c]) for m, b in at]
+                dq, per_col = row_backward(run.geo, 0, i, [j for *_, j in cells], q[:, :, sl], do[:, :, sl],
+                                           lse[:, :, sl], delta[:, :, sl], kvs, row.scale)
+                parts.append(dq)
+                for (m, b), (dk, dv) in zip(at, per_col, strict=True):
+                    if dks[m] is None:
+                        dks[m] = torch.zeros(ks[m].shape, dtype=torch.float32, device=ks[m].device)
+                        dvs[m] = torch.zeros(vs[m].shape, dtype=torch.float32, device=vs[m].device)
+                    dks[m][:, :, b * c:(b + 1) * c] += dk
+                    dvs[m][:, :, b * c:(b + 1) * c] += dv
+
+            dqs.append(torch.cat(parts, dim=2))
+
         def zero_if_none(ds: list, like: list[Tensor]) -> list[Tensor]:
             return [torch.zeros(x.shape, dtype=torch.float32, device=x.device) if d is None else d
                     for d, x in zip(ds, like, strict=True)]
@@ -330,10 +388,19 @@ def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:
                         f"{sorted(str(d) for d in DTYPE_NAMES)}")
     shape = AttnShape(seq_len=S, num_heads=H, head_dim=D, num_kv_heads=spec.kv_shape[1], batch=B,
                       dtype=DTYPE_NAMES[spec.dtype])
-    tp = owner_computes_plan(mesh=mesh, shape=shape, chunk=chunk, chunks_per_rank=num // mesh.world)
-    # the fixed plan's geometry: message shapes only (every tile reads its call's MaskRun.geo)
-    geo = TileGeometry(seq_len=S, chunk=chunk, q_block=chunk, kv_block=chunk, batch=B, num_heads=H,
-                       num_kv_heads=spec.kv_shape[1], head_groups=1, head_dim=D, kind_gQK=[], mask_mod=None)
+    per = num // mesh.world
     transport = transport_for(rank=me, global_ranks=ranks, group_ref=GroupRef(group), timeout=opts.timeout)
+
+    def executor(size: int, n: int) -> Executor:
+        # the fixed plan's geometry: message shapes only (every tile reads its call's MaskRun.geo)
+        geo = TileGeometry(seq_len=S, chunk=size, q_block=size, kv_block=size, batch=B, num_heads=H,
+                           num_kv_heads=spec.kv_shape[1], head_groups=1, head_dim=D, kind_gQK=[], mask_mod=None)
+        return Executor(owner_computes_plan(mesh=mesh, shape=shape, chunk=size, chunks_per_rank=n), me, geo,
+                        transport, spec.dtype)
+
+    # traced: one chunk per rank (the graph does not grow with the chunks); moved: the fine plan's messages
+    template, fine = executor(chunk * per, 1), executor(chunk, per)
+    fine.log = template.log
+    template.io = fine.io
     return DynamicProgram(state=state, runner=None, mesh=mesh, chunk=chunk, num_chunks=num, owner=owner,
-                          template=Executor(tp, me, geo, transport, spec.dtype))
+                          template=template, fine=fine)
