@@ -25,6 +25,24 @@ for extra in (REPO, REPO / "benchmarks", REPO / "examples"):
         sys.path.insert(0, str(extra))
 
 
+def ensure_backend() -> str:
+    """``backend="ultraattn"`` works where the package is not installed (a GPU machine running the source tree): the
+    name comes from the package's entry point, else it is registered here. Says which."""
+    from torch._dynamo.backends.registry import lookup_backend, register_backend
+
+    try:
+        lookup_backend("ultraattn")
+        return "entry point"
+    except Exception:  # noqa: BLE001 - InvalidBackend (its module moved between torch versions)
+        import ultraattn
+
+        register_backend(compiler_fn=ultraattn.backend, name="ultraattn")
+        return "registered from the source tree"
+
+
+BACKEND = ensure_backend()
+
+
 def gpu_slug(name: str) -> str:
     """A file-name word for a device name: "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA H200" -> "h200"."""
     words = [w for w in re.split(r"[^A-Za-z0-9]+", name.lower()) if w and w not in ("nvidia", "tesla", "geforce")]
@@ -55,8 +73,8 @@ class Ctx:
         self.device = torch.device("cpu") if self.dry_run else torch.device("cuda", 0)
         self.record = {"part": self.name, "dry_run": self.dry_run, "device": device_name(self.device),
                        "torch": torch.__version__, "python": platform.python_version(),
-                       "triton": _triton_version(), "pulp": have_pulp(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                       "status": "running", "failures": []}
+                       "triton": _triton_version(), "pulp": have_pulp(), "backend": BACKEND,
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S"), "status": "running", "failures": []}
 
     @property
     def slug(self) -> str:
