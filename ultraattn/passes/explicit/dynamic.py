@@ -267,8 +267,7 @@ class DynamicProgram(ExplicitProgram):
     def wait(self, hid: int, stage: int, plan: Tensor | None = None) -> list[Tensor]:
         """The traced stage's received tensors, each assembled from its fine messages (zeros for the fine chunks
         this call's mask does not send)."""
-        handle, _posted = self.handles.pop(hid)
-        got = {(t.tensor, t.chunk, t.src): pieces for t, pieces in self.executor.io.wait(handle)}
+        got = {(t.tensor, t.chunk, t.src): pieces for t, pieces in self.executor.io.wait(self.handles.pop(hid))}
         fine, per = self.fine, self.per_rank
         out = []
         for _tag, t in self.stages[stage].recvs:
@@ -305,25 +304,32 @@ class DynamicProgram(ExplicitProgram):
     def stashed(self) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
         return [((), torch.int64, torch.device("cpu"))] + super().stashed()
 
+    def _fine_rows(self, run: MaskRun, row, col: dict[int, int], ks: list[Tensor], vs: list[Tensor]):
+        """Each fine row of the traced ``row``: (its tokens in the row, global q chunk, [(column, fine chunk inside
+        it)] and the global kv chunks of its non-empty cells, their K/V slices). ``col``: traced kv chunk -> column."""
+        per, c = self.per_rank, self.chunk
+        for a in range(per):
+            i, cells = run.cells(row.q_chunk * per + a, row.kv_chunks, per)
+            at = [(col[row.kv_chunks[n]], b) for n, b, _j in cells]
+            yield (slice(a * c, (a + 1) * c), i, at, [j for *_, j in cells],
+                   [(ks[m][:, :, b * c:(b + 1) * c], vs[m][:, :, b * c:(b + 1) * c]) for m, b in at])
+
     def tiles_fwd(self, tile: int, qs: list[Tensor], ks: list[Tensor], vs: list[Tensor], plan: Tensor | None = None
                   ) -> list[tuple[Tensor, Tensor]]:
         """(o, lse) fp32 of every row of tile set ``tile``: each fine row of a traced row against the global chunks
         its columns stand for, skipping the chunks this mask leaves empty there (they were never sent)."""
-        run, ts, per, c = self.run_of(plan), self.tiles[tile], self.per_rank, self.chunk
+        run, ts = self.run_of(plan), self.tiles[tile]
         col = {u[0]: m for m, u in enumerate(ts.cols)}
         out = []
         for row, q in zip(ts.rows, qs, strict=True):
             os_, lses = [], []
-            for a in range(per):
-                qa = q[:, :, a * c:(a + 1) * c]
-                i, cells = run.cells(row.q_chunk * per + a, row.kv_chunks, per)
-                if not cells:  # nothing of this row in these chunks under this mask
+            for sl, i, _at, cols, kvs in self._fine_rows(run, row, col, ks, vs):
+                qa = q[:, :, sl]
+                if not cols:  # nothing of this row in these chunks under this mask
                     os_.append(torch.zeros(qa.shape, dtype=torch.float32, device=q.device))
                     lses.append(torch.full(qa.shape[:-1], -math.inf, dtype=torch.float32, device=q.device))
                     continue
-                kvs = [(ks[m][:, :, b * c:(b + 1) * c], vs[m][:, :, b * c:(b + 1) * c])
-                       for m, b in ((col[row.kv_chunks[n]], b) for n, b, _j in cells)]
-                o, lse = row_forward(run.geo, 0, i, [j for *_, j in cells], qa, kvs, row.scale)
+                o, lse = row_forward(run.geo, 0, i, cols, qa, kvs, row.scale)
                 os_.append(o)
                 lses.append(lse)
             out.append((torch.cat(os_, dim=2), torch.cat(lses, dim=2)))
@@ -331,38 +337,25 @@ class DynamicProgram(ExplicitProgram):
 
     def tiles_bwd(self, tile: int, qs, dos, lses, deltas, ks, vs, plan: Tensor | None = None):
         """([dq per row], [dk per column], [dv per column]) fp32 of tile set ``tile``, a column's summed over rows."""
-        run, ts, per, c = self.run_of(plan), self.tiles[tile], self.per_rank, self.chunk
+        run, ts, c = self.run_of(plan), self.tiles[tile], self.chunk
         col = {u[0]: m for m, u in enumerate(ts.cols)}
-        dks: list[Tensor | None] = [None] * len(ks)
-        dvs: list[Tensor | None] = [None] * len(vs)
+        dks = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for k in ks]
+        dvs = [torch.zeros(v.shape, dtype=torch.float32, device=v.device) for v in vs]
         dqs = []
         for row, q, do, lse, delta in zip(ts.rows, qs, dos, lses, deltas, strict=True):
             parts = []
-            for a in range(per):
-                sl = slice(a * c, (a + 1) * c)
-                i, cells = run.cells(row.q_chunk * per + a, row.kv_chunks, per)
-                if not cells:
+            for sl, i, at, cols, kvs in self._fine_rows(run, row, col, ks, vs):
+                if not cols:
                     parts.append(torch.zeros(q[:, :, sl].shape, dtype=torch.float32, device=q.device))
                     continue
-                at = [(col[row.kv_chunks[n]], b) for n, b, _j in cells]
-                kvs = [(ks[m][:, :, b * c:(b + 1) * c], vs[m][:, :, b * c:(b + 1) * c]) for m, b in at]
-                dq, per_col = row_backward(run.geo, 0, i, [j for *_, j in cells], q[:, :, sl], do[:, :, sl],
-                                           lse[:, :, sl], delta[:, :, sl], kvs, row.scale)
+                dq, per_col = row_backward(run.geo, 0, i, cols, q[:, :, sl], do[:, :, sl], lse[:, :, sl],
+                                           delta[:, :, sl], kvs, row.scale)
                 parts.append(dq)
                 for (m, b), (dk, dv) in zip(at, per_col, strict=True):
-                    if dks[m] is None:
-                        dks[m] = torch.zeros(ks[m].shape, dtype=torch.float32, device=ks[m].device)
-                        dvs[m] = torch.zeros(vs[m].shape, dtype=torch.float32, device=vs[m].device)
                     dks[m][:, :, b * c:(b + 1) * c] += dk
                     dvs[m][:, :, b * c:(b + 1) * c] += dv
-
             dqs.append(torch.cat(parts, dim=2))
-
-        def zero_if_none(ds: list, like: list[Tensor]) -> list[Tensor]:
-            return [torch.zeros(x.shape, dtype=torch.float32, device=x.device) if d is None else d
-                    for d, x in zip(ds, like, strict=True)]
-
-        return dqs, zero_if_none(dks, ks), zero_if_none(dvs, vs)
+        return dqs, dks, dvs
 
 
 def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:

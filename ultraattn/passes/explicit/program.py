@@ -117,21 +117,12 @@ class ExplicitProgram:
         sends, recvs = self.posts([(tag, t, [next(it) for _ in range(n)]) for tag, t, n in st.sends], list(st.recvs),
                                   plan)
         hid = self.state.next_id()
-        self.handles[hid] = (io.start(st.phase, sends, recvs, self.device), {tag for tag, _t in recvs})
+        self.handles[hid] = io.start(st.phase, sends, recvs, self.device)
         return hid
 
     def wait(self, hid: int, stage: int, plan: Tensor | None = None) -> list[Tensor]:
-        """The stage's received tensors, in order (zeros for a message this call does not post)."""
-        handle, posted = self.handles.pop(hid)
-        got = iter(self.executor.io.wait(handle))
-        ex, out = self.executor, []
-        for tag, t in self.stages[stage].recvs:
-            if tag in posted:
-                out.extend(p.clone() for p in next(got)[1])
-            else:
-                out.extend(torch.zeros(shape, dtype=dt, device=self.device) for shape, dt in
-                           unit_layout(t.tensor, ex.geo, ex.dtype))
-        return out
+        """The stage's received tensors, in order (a ``DynamicProgram`` assembles them from the messages it posted)."""
+        return [p.clone() for _t, pieces in self.executor.io.wait(self.handles.pop(hid)) for p in pieces]
 
     def received(self, stage: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of what ``wait`` returns for ``stage`` (fake kernels)."""
@@ -215,13 +206,10 @@ class TracedIO(TileSets):
 
     def _tile(self, g, i, js, q, scale) -> tuple[int, bool]:
         """A tile id, and whether the tile is the Triton op in the graph: on CUDA (``kernels.uses_triton``), or on
-        CPU with ``ULTRAATTN_KERNELS=triton`` under the interpreter when the graph runs uncompiled (aot_eager). A
-        dynamic program's tile layouts change with the mask (their shapes too), so its tile op runs the kernels
-        itself (``row_forward``)."""
+        CPU with ``ULTRAATTN_KERNELS=triton`` under the interpreter when the graph runs uncompiled (aot_eager).
+        (A dynamic program's tiles are tile sets, ``tiles_fwd``: their layouts change with the mask.)"""
         tid = len(self.prog.tiles)
         self.prog.tiles.append(TileRow(g, i, tuple(js), scale))
-        if self.prog.dynamic:
-            return tid, False
         if q.device.type == "cuda":
             return tid, uses_triton(q)
         return tid, (config.kernel_mode() == "triton" and config.interpret()
