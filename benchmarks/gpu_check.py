@@ -168,7 +168,7 @@ def summarize(out: Path, records: list[dict], dry_run: bool, budget: float, seco
         table.add_column(col, justify="right" if col == "s" else "left")
     colour = {"pass": "green", "fail": "red", "error": "red", "timeout": "yellow"}
     for r in records:
-        what = r.get("summary") or (r.get("error") or "").splitlines()[0] if r.get("summary") or r.get("error") else ""
+        what = r.get("summary") or (r.get("error") or "").split("\n")[0]
         if r.get("failures"):
             what += f" ({len(r['failures'])} failed: {r['failures'][0][:120]})"
         table.add_row(r.get("title", r["part"]), f"[{colour.get(r['status'], 'white')}]{r['status']}[/]",

@@ -12,12 +12,18 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop_mask
+from torch.nn.attention.flex_attention import create_block_mask
 
 import ultraattn
 from ultraattn.masks import convert
 from ultraattn.planner.tiling import PlannerOptions
-from ultraattn.testing import check_2x, dense_attention
+from ultraattn.testing import (
+    block_select_mask,
+    check_2x,
+    dense_attention,
+    random_block_dense,
+    random_block_table,
+)
 
 FAST = PlannerOptions(time_budget=2.0, ilp_time_limit=1.0, schedule_time_limit=0.5, heuristic_seconds=0.2)
 
@@ -74,27 +80,9 @@ def check_numerics(case: Case, res: dict) -> list[str]:
     return [f"{case.name} {m}" for m in check_2x(res, ref64, ref, case.dtype)]
 
 
-def random_dense(seed: int, seqlen: int, block: int) -> torch.Tensor:
-    """A random block-structured bool mask [S, S]: each block EMPTY, FULL or random PARTIAL; every row attends."""
-    g = torch.Generator().manual_seed(seed)
-    nb = -(-seqlen // block)
-    kind = torch.randint(0, 3, (nb, nb), generator=g)
-    fine = torch.rand(nb * block, nb * block, generator=g) < 0.5
-    kind_el = kind.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    dense = (kind_el == 2) | ((kind_el == 1) & fine)
-    dense = dense[:seqlen, :seqlen].clone()
-    dense.fill_diagonal_(True)
-    return dense
-
-
 def block_table(case: Case) -> torch.Tensor:
-    """bool [heads, nb, nb]: the KV blocks each Q block of each head attends (about half, always its own), as in
-    attn-gym's VSA masks, whose BlockMask says it all and whose mask_mod is ``noop_mask``."""
-    g = torch.Generator().manual_seed(case.seed)
-    nb = -(-case.seqlen // case.block)
-    table = torch.rand(case.heads, nb, nb, generator=g) < 0.5
-    table[:, torch.arange(nb), torch.arange(nb)] = True
-    return table
+    """The case's per-head KV block table (``ultraattn.testing.random_block_table``)."""
+    return random_block_table(case.seed, case.heads, case.seqlen, case.block)
 
 
 def mask_mod_of(case: Case):
@@ -103,7 +91,7 @@ def mask_mod_of(case: Case):
     if case.mask in ("causal", "full"):
         return getattr(ultraattn.masks, f"generate_{case.mask}")()
     if case.mask == "random":
-        dense = random_dense(case.seed, case.seqlen, case.block)
+        dense = random_block_dense(case.seed, case.seqlen, case.block)
 
         def random_mask(b, h, q_idx, kv_idx):
             return dense[q_idx, kv_idx]
@@ -131,11 +119,7 @@ def plan_mask(case: Case):
     FlexAttention path), the string for causal/full, else the mask_mod. ``block_select``: a BlockMask of per-head
     KV block lists whose mask_mod is ``noop_mask`` (the blocks alone carry the mask)."""
     if case.mask == "block_select":
-        table = block_table(case)
-        order = torch.sort(table.to(torch.int8), dim=-1, descending=True, stable=True).indices
-        return BlockMask.from_kv_blocks(table.sum(-1)[None].to(torch.int32), order[None].to(torch.int32),
-                                        BLOCK_SIZE=case.block, mask_mod=noop_mask,
-                                        seq_lengths=(case.seqlen, case.seqlen))
+        return block_select_mask(block_table(case), case.block, case.seqlen)
     if case.mask == "random" or case.planner == "fast":
         mm = mask_mod_of(case)
         per_batch = case.batch if getattr(mm, "num_batch", 1) > 1 else None

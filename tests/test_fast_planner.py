@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from plan_checks import check_plan
-from runtime_cases import LIB, Case, cases_worker, check_bytes, check_numerics, mask_mod_of, random_dense
+from runtime_cases import LIB, Case, cases_worker, check_bytes, check_numerics, mask_mod_of
 from torch.nn.attention.flex_attention import create_block_mask
 
 import ultraattn
@@ -29,7 +29,7 @@ from ultraattn.planner.cost import DEFAULT_COST
 from ultraattn.planner.fast import FastPlanner
 from ultraattn.planner.plan import AttnShape, Mesh, TokenSharding
 from ultraattn.runtime.online import ONLINE, OnlinePlanner
-from ultraattn.testing import run_ranks
+from ultraattn.testing import random_block_dense, run_ranks
 
 MESHES = [Mesh(nodes=1, devices=4), Mesh(nodes=2, devices=2), Mesh(nodes=2, devices=4)]
 
@@ -193,7 +193,7 @@ def test_fast_plans_on_random_block_masks(seed):
     when chosen, meets the balance tolerance if any of its granularities does."""
     g = torch.Generator().manual_seed(seed)
     s = int(torch.randint(300, 900, (1,), generator=g))
-    dense = random_dense(seed, s, 32)
+    dense = random_block_dense(seed, s, 32)
     bm = create_block_mask(lambda b, h, q, kv: dense[q, kv], None, None, s, s, device="cpu", BLOCK_SIZE=32)
     cells = cells_from_block_mask(bm)
     pattern = cells.to_pattern()

@@ -184,6 +184,40 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), timeout: float = 18
     return [results[r] for r in range(n)]
 
 
+# ----------------------------------------------------------------------------- random masks the checks draw
+def random_block_dense(seed: int, seqlen: int, block: int) -> torch.Tensor:
+    """A random block-structured bool mask ``[S, S]``: each block EMPTY, FULL or random PARTIAL; every row attends."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-seqlen // block)
+    kind = torch.randint(0, 3, (nb, nb), generator=g)
+    fine = torch.rand(nb * block, nb * block, generator=g) < 0.5
+    kind_el = kind.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    dense = (kind_el == 2) | ((kind_el == 1) & fine)
+    dense = dense[:seqlen, :seqlen].clone()
+    dense.fill_diagonal_(True)
+    return dense
+
+
+def random_block_table(seed: int, heads: int, seqlen: int, block: int) -> torch.Tensor:
+    """bool ``[heads, nb, nb]``: the KV blocks each Q block of each head attends (about half, always its own), as in
+    attn-gym's VSA masks, whose BlockMask says it all and whose mask_mod is ``noop_mask``."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-seqlen // block)
+    table = torch.rand(heads, nb, nb, generator=g) < 0.5
+    table[:, torch.arange(nb), torch.arange(nb)] = True
+    return table
+
+
+def block_select_mask(table: torch.Tensor, block: int, seqlen: int):
+    """The BlockMask of per-head KV block lists ``table`` (``random_block_table``) under ``noop_mask``: its blocks
+    alone carry the mask."""
+    from torch.nn.attention.flex_attention import BlockMask, noop_mask
+
+    order = torch.sort(table.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    return BlockMask.from_kv_blocks(table.sum(-1)[None].to(torch.int32), order[None].to(torch.int32),
+                                    BLOCK_SIZE=block, mask_mod=noop_mask, seq_lengths=(seqlen, seqlen))
+
+
 # ----------------------------------------------------------------------------- the numerics policy
 _EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps,
         "fp16": torch.finfo(torch.float16).eps}

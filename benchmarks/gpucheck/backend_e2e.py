@@ -26,7 +26,7 @@ from ultraattn.passes import side_table
 from ultraattn.passes.opinfo import TILE_OPS
 from ultraattn.testing import check_step
 
-from .common import Ctx, error_text, sync
+from .common import Ctx, error_text, grads_of, sync
 
 NAME = "backend_e2e"
 TITLE = "backend, world 1"
@@ -38,11 +38,10 @@ def _step(model, tokens, mask, device) -> tuple[dict, float]:
     sync(device)
     t0 = time.perf_counter()
     loss = model(tokens, mask)
-    model = getattr(model, "_orig_mod", model)
     loss.backward()
     sync(device)
     seconds = time.perf_counter() - t0
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = grads_of(model)
     model.zero_grad(set_to_none=True)
     return {"loss": loss.detach(), "grads": grads}, seconds
 

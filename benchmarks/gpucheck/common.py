@@ -121,6 +121,12 @@ def write(path: Path, doc: dict) -> None:
     tmp.replace(path)
 
 
+def grads_of(model) -> dict:
+    """Every parameter's gradient by name, fp64 on the host (``model`` a module or a compiled one)."""
+    model = getattr(model, "_orig_mod", model)
+    return {n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters()}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -15,13 +15,13 @@ import os
 import time
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import ultraattn.kernels as K
 from ultraattn.kernels.triton_kernels import _JIT
 from ultraattn.masks import convert
 from ultraattn.masks.spec import MASK_NAMES, parse_mask_spec
-from ultraattn.testing import check_2x, dense_attention
+from ultraattn.testing import block_select_mask, check_2x, dense_attention, random_block_dense, random_block_table
 
 from .common import Ctx, error_text, sync
 
@@ -32,30 +32,14 @@ CORRECTNESS = True
 _DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _random_table(seed: int, heads: int, nb: int, per_head: bool) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    table = torch.rand(heads if per_head else 1, nb, nb, generator=g) < 0.5
-    table[:, torch.arange(nb), torch.arange(nb)] = True
-    return table
-
-
 def make_mask(kind: str, S: int, heads: int, block: int, seed: int = 0) -> tuple[BlockMask, torch.Tensor]:
     """A BlockMask (built on the host) and the dense bool ``[1 or B, H or 1, S, S]`` the oracle reads."""
-    nb = -(-S // block)
     if kind == "block_select":  # per-head KV block lists, noop mask_mod: the blocks alone carry the mask
-        table = _random_table(seed, heads, nb, per_head=True)
-        order = torch.sort(table.to(torch.int8), dim=-1, descending=True, stable=True).indices
-        bm = BlockMask.from_kv_blocks(table.sum(-1)[None].to(torch.int32), order[None].to(torch.int32),
-                                      BLOCK_SIZE=block, mask_mod=noop_mask, seq_lengths=(S, S))
+        table = random_block_table(seed, heads, S, block)
         dense = table.repeat_interleave(block, 1).repeat_interleave(block, 2)[None, :, :S, :S]
-        return bm, dense
+        return block_select_mask(table, block, S), dense
     if kind == "random":  # element noise inside random blocks: EMPTY, FULL and PARTIAL blocks
-        g = torch.Generator().manual_seed(100 + seed)
-        kinds = torch.randint(0, 3, (nb, nb), generator=g)
-        fine = torch.rand(nb * block, nb * block, generator=g) < 0.5
-        ke = kinds.repeat_interleave(block, 0).repeat_interleave(block, 1)
-        table = ((ke == 2) | ((ke == 1) & fine))[:S, :S].clone()
-        table.fill_diagonal_(True)
+        table = random_block_dense(100 + seed, S, block)
 
         def mask_mod(b, h, q_idx, kv_idx):
             return table[q_idx, kv_idx]
@@ -100,18 +84,17 @@ def run_case(c: dict, device: torch.device) -> dict:
     k, v = (torch.randn(B, Hk, S, D, generator=g) for _ in range(2))
     go, gl = torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, generator=g)
     dt = _DT[c["dtype"]]
-    q, k, v, go = (x.to(dt) for x in (q, k, v, go))
+    q, k, v, go, gl = (x.to(device) for x in (q.to(dt), k.to(dt), v.to(dt), go.to(dt), gl))
     t0 = time.perf_counter()
-    qd, kd, vd = (x.to(device).requires_grad_() for x in (q, k, v))
+    qd, kd, vd = (x.detach().requires_grad_() for x in (q, k, v))
     out, lse = K.block_sparse_attention(qd, kd, vd, lay, return_lse=True)
-    ((out.double() * go.to(device).double()).sum() + (lse.double() * gl.to(device).double()).sum()).backward()
+    ((out.double() * go.double()).sum() + (lse.double() * gl.double()).sum()).backward()
     sync(device)
     seconds = time.perf_counter() - t0
     got = {"out": out.detach(), "lse": lse.detach(), "dq": qd.grad, "dk": kd.grad, "dv": vd.grad}
     allowed = dense.to(device)
-    ref64 = dense_attention(q.to(device), k.to(device), v.to(device), allowed, go.to(device), gl.to(device),
-                            torch.float64)
-    ref = dense_attention(q.to(device), k.to(device), v.to(device), allowed, go.to(device), gl.to(device), dt)
+    ref64 = dense_attention(q, k, v, allowed, go, gl, torch.float64)
+    ref = dense_attention(q, k, v, allowed, go, gl, dt)
     return {"problems": check_2x(got, ref64, ref, c["dtype"]), "seconds": seconds,
             "max_err_out": float((got["out"].double() - ref64["out"]).abs().max())}
 

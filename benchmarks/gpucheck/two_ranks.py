@@ -24,7 +24,7 @@ import ultraattn
 from ultraattn.passes.opinfo import TILE_OPS
 from ultraattn.testing import RankFailure, check_step, run_ranks
 
-from .common import Ctx, sync
+from .common import Ctx, grads_of, sync
 
 NAME = "two_ranks"
 TITLE = "two ranks, one GPU"
@@ -35,11 +35,6 @@ KINDS = ("causal", "document")
 def _data(cfg: dict):
     (tokens, lengths), = batches(argparse.Namespace(seqlen=cfg["seqlen"], steps=1, seed=1, same_mask=False))
     return tokens, lengths
-
-
-def _grads(model) -> dict:
-    model = getattr(model, "_orig_mod", model)
-    return {n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters()}
 
 
 def worker(rank: int, world: int, cfg: dict, compiler: str, cuda: bool) -> dict:
@@ -66,7 +61,7 @@ def worker(rank: int, world: int, cfg: dict, compiler: str, cuda: bool) -> dict:
         loss.backward()
         sync(device)
         codes = [g.code for g in side_table().aot_graphs]
-        out[kind] = {"loss": loss.detach().double().cpu(), "grads": _grads(run),
+        out[kind] = {"loss": loss.detach().double().cpu(), "grads": grads_of(run),
                      "first_step_s": time.perf_counter() - t0,
                      "ops": {op: n for op in sorted(TILE_OPS | {"cp_start", "site_attention_local"})
                              if (n := sum(c.count(f"ultraattn.{op}.") for c in codes))},
@@ -88,7 +83,7 @@ def references(cfg: dict, device: torch.device) -> dict:
             m = copy.deepcopy(base).to(dt)
             loss = m(tokens, dense)
             loss.backward()
-            pair.append({"loss": loss.detach().double().cpu(), "grads": _grads(m)})
+            pair.append({"loss": loss.detach().double().cpu(), "grads": grads_of(m)})
         refs[kind] = pair
     return refs
 
