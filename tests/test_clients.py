@@ -18,6 +18,7 @@ import pytest
 import torch
 from client_cases import (
     ARGS,
+    CROSS,
     KEPT_CASES,
     KEPT_S,
     dense_of,
@@ -83,12 +84,12 @@ def test_every_attn_gym_mask_matches_one_process(world):
 
 
 def test_kept_and_new_flex_forms_run_exactly_under_inductor():
-    """Sites the backend keeps compile with the default compiler (Inductor) on CPU and train exactly: score_mods
-    (attn-gym's ALiBi with a causal BlockMask, soft-capping without one, a learned bias table whose gradient is
-    checked), cross-attention (flex with attn-gym's flamingo mask, SDPA), a kept site fed by a rewritten one in a
-    checkpointed region (the graph stays sequence-sharded); and two flex forms it now rewrites:
-    no block_mask (full attention) and a BlockMask built inside the compiled code. Kept sites are reported with
-    their true mask and density."""
+    """Sites the backend keeps compile with the default compiler (Inductor) on CPU and train exactly:
+    cross-attention (flex with attn-gym's flamingo mask, SDPA), a kept site (soft-capped cross-attention) fed by a
+    rewritten one in a checkpointed region (the graph stays sequence-sharded); and the flex forms it rewrites:
+    score_mods (attn-gym's ALiBi with a causal BlockMask, soft-capping without one, a learned bias table whose
+    gradient is checked), no block_mask (full attention) and a BlockMask built inside the compiled code. Sites are
+    reported with their true mask and density."""
     res = run_ranks(kept_worker, 2, args=(list(KEPT_CASES), FAST), timeout=1800)
     bm = create_block_mask(lambda b, h, q, k: q >= k, None, None, KEPT_S, KEPT_S, device="cpu")
     causal_blocks = float(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) / bm.kv_indices[0, 0].numel()
@@ -103,7 +104,7 @@ def test_kept_and_new_flex_forms_run_exactly_under_inductor():
             if not (first[0]["rewritten"] and res[0][i]["sharded"] == [True] and
                     [op for op in res[0][i]["fallbacks"] if "kept_flex" not in op] == []):
                 bad.append(f"{case}: {first} sharded {res[0][i]['sharded']} gathered {res[0][i]['fallbacks']}")
-        kept = case not in ("flex_no_mask", "mask_in_graph")
+        kept = case in CROSS  # score_mods are rewritten (tests/test_score_mods.py); cross-attention is kept
         if site["rewritten"] == kept:
             bad.append(f"{case}: rewritten={site['rewritten']} ({site['why']})")
         want_mask = {"alibi_causal": "block_mask", "softcap": "full", "learned_bias": "full",
@@ -115,6 +116,9 @@ def test_kept_and_new_flex_forms_run_exactly_under_inductor():
             bad.append(f"{case}: density {site['density']} != {causal_blocks}")
         if kept and case != "sdpa_cross" and "kept_flex" not in res[0][i]["code"][0]:
             bad.append(f"{case}: no ultraattn::kept_flex in the graph")
+        if case in ("alibi_causal", "softcap", "learned_bias") and not ("score_mod" in site["why"]
+                                                                       and site["form"] == "explicit"):
+            bad.append(f"{case}: {site['why']} ({site['form']}), not an explicit score_mod site")
     assert not bad, "\n".join(bad)
     assert res[0][KEPT_CASES.index("learned_bias")]["grads"]["rel"].abs().sum() > 0
 

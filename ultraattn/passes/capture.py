@@ -7,10 +7,11 @@ Two kinds of site, as Dynamo hands them to a backend:
   mask is absent or boolean, and the shapes are 4-D self-attention (or cross-attention at
   world size 1). An additive float mask keeps the original op.
 * ``torch.ops.higher_order.flex_attention(q, k, v, score_mod, block_mask_tuple, scale,
-  kernel_options, score_mod_buffers, mask_mod_buffers)``: rewritten when the score_mod is the
-  identity (the tile kernels apply masks, not score modifications) and the auxiliary "max"
-  output is not used. The block-mask tuple is parsed by position from both ends, because its
-  middle grew fields across torch versions.
+  kernel_options, score_mod_buffers, mask_mod_buffers)``: rewritten when the auxiliary "max"
+  output is not used. A score_mod other than the identity goes with the site (its graph, and its
+  buffers as run-time inputs after the mask's): every tile applies it with global indices
+  (``runtime.tiles.ScoreMod``). At world size 1 such a site keeps flex_attention. The block-mask
+  tuple is parsed by position from both ends, because its middle grew fields across torch versions.
 
 Every site gets a reason string, shown in reports; a site that is not rewritten runs as the
 user wrote it, so the answer is never wrong.
@@ -71,6 +72,12 @@ class Site:
     reason: str = ""
     density: float | None = None
     """Fraction of (q, kv) pairs that attend (SDPA) or of non-empty blocks (BlockMask), when known."""
+    score_mod: fx.GraphModule | None = None
+    """flex: the score_mod's graph, None for the identity."""
+    score_buffers: tuple = ()
+    """flex: the score_mod's captured tensors (nodes, or numbers ``rewrite`` makes 0-d tensors)."""
+    score_grads: tuple[bool, ...] = ()
+    """Per score buffer: a floating-point tensor that requires grad (a learned bias)."""
 
     @property
     def name(self) -> str:
@@ -81,15 +88,16 @@ class Site:
         self.reason = reason
 
     def mask_inputs(self) -> list[fx.Node]:
-        """The graph values that hold the mask's content: the bool mask, or the BlockMask's tensors and
-        mask_mod buffers (kv_num_blocks, kv_indices[, full_kv_num_blocks, full_kv_indices], buffers...)."""
+        """The graph values the site's op takes besides q, k, v: the mask's content (the bool mask, or the
+        BlockMask's tensors and mask_mod buffers: kv_num_blocks, kv_indices[, full_kv_num_blocks,
+        full_kv_indices], buffers...), then the score_mod's buffers."""
         if self.mask == "bool_mask":
             return [self.mask_node]
         if self.mask == "block_mask":
             kvn, kvi, fkn, fki = self.block_mask["tensors"]
             full = [fkn, fki] if self.has_full_blocks else []
-            return [kvn, kvi, *full, *self.block_mask["buffers"]]
-        return []
+            return [kvn, kvi, *full, *self.block_mask["buffers"], *self.score_buffers]
+        return list(self.score_buffers)
 
     @property
     def has_full_blocks(self) -> bool:
@@ -219,9 +227,10 @@ def _flex_site(index: int, node: fx.Node, world: int) -> Site:
     why_not = _flex_mask(s, bm, mask_buffers, owner)  # first: a site that is kept is reported with its true mask
     sm = getattr(owner, score_mod.target) if isinstance(score_mod, fx.Node) and score_mod.op == "get_attr" else None
     if score_buffers or not _identity_score_mod(sm):
-        s.skip("flex_attention with a score_mod: the tile kernels apply masks only, so this site keeps "
-               "flex_attention")
-        return s
+        why = _score_mod(s, sm, score_buffers, world)
+        if why:
+            s.skip(why)
+            return s
     for user in node.users:
         if user.target is operator.getitem and user.args[1] not in (0, 1) and user.users:
             s.skip("the auxiliary max output of flex_attention is used")
@@ -242,7 +251,30 @@ def _flex_site(index: int, node: fx.Node, world: int) -> Site:
         s.skip(f"{s.q_shape[1]} query heads are not a multiple of {s.kv_shape[1]} kv heads")
         return s
     s.reason = "rewritten (BlockMask)" if s.mask == "block_mask" else "rewritten (no block_mask: full)"
+    if s.score_mod is not None:
+        learned = sum(s.score_grads)
+        s.reason = s.reason[:-1] + ", score_mod" + (f" with {learned} learned buffer(s)" if learned else "") + ")"
     return s
+
+
+def _score_mod(s: Site, sm, buffers, world: int) -> str:
+    """Take a flex site's score_mod into ``s``; why it cannot go with the site ('' if it can)."""
+    if not isinstance(sm, fx.GraphModule):
+        return "the score_mod is not a graph submodule"
+    if world == 1:
+        return "a score_mod at world size 1: flex_attention itself runs the site (no context to split)"
+    phs = [n for n in sm.graph.nodes if n.op == "placeholder"]
+    if len(phs) != 5 + len(buffers):
+        return f"the score_mod graph takes {len(phs)} inputs, not score, b, h, q_idx, kv_idx and {len(buffers)} buffers"
+    grads = []
+    for b in buffers:
+        if isinstance(b, fx.Node) and tensor_value(b) is None and not isinstance(b.meta.get("val"), torch.SymInt
+                                                                                   | torch.SymFloat):
+            return f"the score_mod's captured input {b.name} is neither a tensor nor a number"
+        val = tensor_value(b) if isinstance(b, fx.Node) else None
+        grads.append(bool(val is not None and val.is_floating_point() and val.requires_grad))
+    s.score_mod, s.score_buffers, s.score_grads = sm, tuple(buffers), tuple(grads)
+    return ""
 
 
 def _flex_mask(s: Site, bm: tuple, mask_buffers, owner: fx.GraphModule) -> str:

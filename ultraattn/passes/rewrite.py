@@ -30,13 +30,15 @@ from ultraattn.passes.options import BackendOptions
 from ultraattn.passes.records import NullObserver, Observer
 from ultraattn.passes.site import SiteSpec, SiteState
 from ultraattn.passes.state import SideTable
+from ultraattn.runtime.tiles import ScoreMod
 
 
 def site_spec(s: Site, options: BackendOptions, graph_index: int, key: str) -> SiteSpec:
     scale = float(s.scale) if s.scale is not None else 1.0 / math.sqrt(s.q_shape[3])
     return SiteSpec(key=key, name=s.name, graph=graph_index, op=s.op, mask=s.mask,
                     q_shape=s.q_shape, kv_shape=s.kv_shape, dtype=s.dtype, scale=scale, options=options,
-                    flex=s.flex_info())
+                    flex=s.flex_info(),
+                    score=ScoreMod(fn=s.score_mod, grads=s.score_grads) if s.score_mod is not None else None)
 
 
 def _as_tensors(graph: fx.Graph, inputs: list, like: fx.Node) -> list[fx.Node]:

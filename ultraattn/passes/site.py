@@ -34,6 +34,7 @@ from ultraattn.planner.plan import AttnShape, Mesh
 from ultraattn.runtime.api import AttentionPlan, plan_attention
 from ultraattn.runtime.comm import ranks_differing
 from ultraattn.runtime.plan_cache import PlanCache, content_digest
+from ultraattn.runtime.tiles import ScoreMod
 
 if TYPE_CHECKING:
     from ultraattn.passes.options import BackendOptions
@@ -77,6 +78,19 @@ class SiteSpec:
     scale: float
     options: BackendOptions
     flex: FlexMaskInfo | None = None
+    score: ScoreMod | None = None
+    """A flex site's score_mod (None: the identity); its buffers follow the mask's tensors in the op's inputs."""
+
+    def split_inputs(self, tensors: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """(the mask's content, the score_mod's buffers) of the op's ``mask_tensors``."""
+        n = len(self.score.grads) if self.score is not None else 0
+        tensors = list(tensors)
+        return tensors[:len(tensors) - n], tensors[len(tensors) - n:]
+
+    @property
+    def score_wanted(self) -> list[int]:
+        """Which score_mod buffers get a gradient (positions among the buffers)."""
+        return self.score.wanted if self.score is not None else []
 
     @property
     def sync_key(self) -> str:
@@ -196,7 +210,7 @@ def make_runner(spec: SiteSpec, layout: TokenSharding | None, q_shape: tuple, kv
     return plan_attention(mask, seqlen=S, num_heads=H, head_dim=D, num_kv_heads=kv_shape[1], batch=B, mesh=opts.mesh,
                           dtype=dtype, block_size=opts.block_size, mask_mod=mask_mod, method=opts.method,
                           options=opts.planner_options(), cost=opts.cost_model(), timeout=opts.timeout,
-                          layout=layout, planner=opts.planner, debug=opts.debug)
+                          layout=layout, planner=opts.planner, debug=opts.debug, score_mod=spec.score)
 
 
 def plan_offline(spec: SiteSpec, tensors: Sequence[Tensor], *, nodes: int, devices: int

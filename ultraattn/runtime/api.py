@@ -49,7 +49,7 @@ from .costs import resolve_cost
 from .executor import Executor, run
 from .online import ONLINE
 from .sequence import SequenceShards
-from .tiles import TileGeometry, group_kind_grid
+from .tiles import ScoreMod, TileGeometry, group_kind_grid
 from .transport import transport_for
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -84,6 +84,8 @@ class AttentionPlan:
     """The fast plan was made ahead of the call, on the worker thread (``plan_ahead``)."""
     verify: bool = True
     """Compare every rank's mask, shapes, mesh and plan hashes on first use (``check_consistent``)."""
+    score_mod: ScoreMod | None = None
+    """A FlexAttention score_mod every tile applies (``tiles.ScoreMod``); None: plain scores."""
     _executor: Executor | None = field(default=None, repr=False)
     _checked: bool = field(default=False, repr=False)
     _seq: SequenceShards | None = field(default=None, repr=False)
@@ -247,6 +249,7 @@ def plan_attention(
     layout: TokenSharding | None = None,
     planner: Planner = "auto",
     debug: bool = False,
+    score_mod: Callable | ScoreMod | None = None,
 ) -> AttentionPlan:
     """Plan one attention for the ranks of ``mesh`` / ``group`` (every rank calls it; with the ILP planner it is a
     collective: rank 0 plans and broadcasts).
@@ -277,6 +280,9 @@ def plan_attention(
             or BlockPattern (content known at run time), ILP for "causal", "full" and mask_mods.
         debug: also compare every rank's fast plan (hashes of mask, shapes, mesh and plan, through the store) on
             first use; a rank that differs is named. ILP and baseline plans are always compared.
+        score_mod: a FlexAttention score_mod ``fn(score, b, h, q_idx, kv_idx)`` every tile applies with global
+            indices (or a ``runtime.tiles.ScoreMod`` with buffers, as the compiler backend passes them). Tiles with
+            a score_mod run in plain torch on every device (``tiles.ScoreMod``'s note).
 
     Returns:
         The ``AttentionPlan``; ``planner``, ``planning_seconds`` and ``planned_ahead`` say how it was made
@@ -294,6 +300,11 @@ def plan_attention(
         raise ValueError(f"`timeout` must be positive seconds, got {timeout!r}")
     if not isinstance(debug, bool):
         raise TypeError(f"`debug` must be True or False, got {debug!r}")
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):
+        if not callable(score_mod):
+            raise TypeError(f"ultraattn: `score_mod` must be a FlexAttention score_mod (a callable) or None, got "
+                            f"{score_mod!r}")
+        score_mod = ScoreMod(fn=score_mod)
     which = _resolve_planner(planner, mask, method)
     shape = AttnShape(seq_len=seqlen, num_heads=num_heads, head_dim=head_dim, num_kv_heads=num_kv_heads,
                       batch=batch, dtype=DTYPE_NAMES[dtype])
@@ -301,12 +312,15 @@ def plan_attention(
     _check_method(method, shape, pmesh)  # on every rank, before any communication
     cost = _cost_model(cost, mesh=mesh, group=group, key=(ranks, pmesh.nodes, pmesh.devices), timeout=timeout)
     if which == "fast":
-        return _plan_fast(mask, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me, dtype=dtype,
-                          block_size=block_size, mask_mod=mask_mod, options=options or PlannerOptions(), cost=cost,
-                          timeout=timeout, layout=layout, debug=debug)
-    return _plan_ilp(mask, which=which, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me,
-                     dtype=dtype, block_size=block_size, mask_mod=mask_mod, method=method, options=options, cost=cost,
-                     timeout=timeout, layout=layout)
+        ap = _plan_fast(mask, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me, dtype=dtype,
+                        block_size=block_size, mask_mod=mask_mod, options=options or PlannerOptions(), cost=cost,
+                        timeout=timeout, layout=layout, debug=debug)
+    else:
+        ap = _plan_ilp(mask, which=which, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me,
+                       dtype=dtype, block_size=block_size, mask_mod=mask_mod, method=method, options=options,
+                       cost=cost, timeout=timeout, layout=layout)
+    ap.score_mod = score_mod   # (the plan does not depend on it: only the tiles apply it)
+    return ap
 
 
 def _cost_model(cost, *, mesh, group, key: tuple, timeout: float) -> CostModel:
@@ -429,7 +443,7 @@ def _make_executor(ap: AttentionPlan) -> Executor:
     geo = TileGeometry(seq_len=s.seq_len, chunk=tp.chunk_size, q_block=ap.pattern.q_block,
                        kv_block=ap.pattern.kv_block, batch=s.batch, num_heads=s.num_heads, num_kv_heads=s.kv_heads,
                        head_groups=g_count, head_dim=s.head_dim, kind_gQK=kinds, mask_mod=ap.mask_mod,
-                       pattern=ap.pattern)
+                       pattern=ap.pattern, score_mod=ap.score_mod)
     transport = (transport_for(rank=ap.rank, global_ranks=ap.global_ranks, group_ref=ap.group_ref,
                                timeout=ap.timeout) if ap.world > 1 else None)
     return Executor(tp, ap.rank, geo, transport, ap.dtype)

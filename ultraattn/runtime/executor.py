@@ -240,15 +240,16 @@ class TileSets:
     row at a time through the IO's ``tile_fwd`` / ``tile_bwd``. An IO may run a whole set as one call instead (a
     dynamic program's ``TracedIO``: one graph node per set)."""
 
-    def tiles_fwd(self, items: list, scale: float) -> list[tuple[Tensor, Tensor]]:
+    def tiles_fwd(self, items: list, scale: float, score: list[Tensor] = ()) -> list[tuple[Tensor, Tensor]]:
         """The tiles whose inputs are here, ``items`` = [(group, row, kv chunks, q, [(k, v) per chunk])]: each row's
-        partial (o, lse)."""
-        return [self.tile_fwd(g, i, js, q, kvs, scale) for g, i, js, q, kvs in items]
+        partial (o, lse). ``score``: the score_mod's buffers (``tiles.ScoreMod``), none without one."""
+        return [self.tile_fwd(g, i, js, q, kvs, scale, score) for g, i, js, q, kvs in items]
 
-    def tiles_bwd(self, items: list, scale: float) -> tuple[list[Tensor], dict]:
+    def tiles_bwd(self, items: list, scale: float, score: list[Tensor] = ()) -> tuple[list[Tensor], dict, list]:
         """Backward tiles, ``items`` = [(group, row, kv chunks, q, dO, lse, delta, [(k, v) per chunk])]: each row's
-        dQ, and per (kv chunk, group) the dK, dV summed over the rows."""
-        return sum_columns(items, [self.tile_bwd(g, i, js, *row, kvs, scale) for g, i, js, *row, kvs in items])
+        dQ, per (kv chunk, group) the dK, dV summed over the rows, and the score_mod buffers' gradients summed."""
+        return sum_columns(items, [self.tile_bwd(g, i, js, *row, kvs, scale, score)
+                                   for g, i, js, *row, kvs in items])
 
 
 class EagerIO(TileSets):
@@ -303,11 +304,19 @@ class EagerIO(TileSets):
         self.posted.clear()
         ex.log[phase] = ex.transport.log if ex.transport is not None else CommLog()
 
-    def tile_fwd(self, g: int, i: int, js: list[int], q: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float):
-        return row_forward(self.ex.geo, g, i, js, q, kvs, scale)
+    def tile_fwd(self, g: int, i: int, js: list[int], q: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float,
+                 score: list[Tensor] = ()):
+        return row_forward(self.ex.geo, g, i, js, q, kvs, scale, score)
 
-    def tile_bwd(self, g: int, i: int, js: list[int], q, do, lse, delta, kvs, scale: float):
-        return row_backward(self.ex.geo, g, i, js, q, do, lse, delta, kvs, scale)
+    def tile_bwd(self, g: int, i: int, js: list[int], q, do, lse, delta, kvs, scale: float, score: list[Tensor] = ()):
+        return row_backward(self.ex.geo, g, i, js, q, do, lse, delta, kvs, scale, score)
+
+    def all_reduce(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Each tensor summed over the plan's ranks (the score_mod buffers' gradients)."""
+        tr = self.ex.transport
+        if tr is None:
+            return list(tensors)
+        return [tr.all_reduce(x, "the score_mod buffers' gradient all-reduce") for x in tensors]
 
 
 def _add_into(store: dict, key, pieces) -> None:
@@ -316,13 +325,16 @@ def _add_into(store: dict, key, pieces) -> None:
     store[key] = tuple(pieces) if prev is None else tuple(a + b for a, b in zip(prev, pieces, strict=True))
 
 
-def sum_columns(items: list, results: list) -> tuple[list[Tensor], dict]:
-    """(each item's dQ, {(kv chunk, group): (dK, dV) summed over the items}) from per-row backward results."""
+def sum_columns(items: list, results: list) -> tuple[list[Tensor], dict, list[Tensor]]:
+    """(each item's dQ, {(kv chunk, group): (dK, dV) summed over the items}, the score_mod buffers' gradients
+    summed over the items) from per-row backward results ``(dq, per column (dK, dV), buffer gradients)``."""
     dkvs: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
-    for (g, _i, js, *_), (_dq, per_col) in zip(items, results, strict=True):
+    dbufs: dict[int, tuple[Tensor, ...]] = {}
+    for (g, _i, js, *_), (_dq, per_col, dscore) in zip(items, results, strict=True):
         for j, dkv in zip(js, per_col, strict=True):
             _add_into(dkvs, (j, g), dkv)
-    return [dq for dq, _ in results], dkvs
+        _add_into(dbufs, 0, dscore)
+    return [dq for dq, *_ in results], dkvs, list(dbufs.get(0, ()))
 
 
 class Executor:
@@ -360,7 +372,8 @@ class Executor:
         return [(idx, t) for idx, t in level if t.dst == self.rank]
 
     # -- forward ---------------------------------------------------------------------------
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, score: list[Tensor] = ()):
+        """This rank's (out, lse, saved for the backward). ``score``: the score_mod's buffers (``geo.score_mod``)."""
         geo, prog, r, io = self.geo, self.program, self.rank, self.io
         hq, hk, g_count = geo.hq, geo.hk, geo.head_groups
         io.begin("fwd")
@@ -377,7 +390,7 @@ class Executor:
             nonlocal todo
             ready, todo = _split_ready(todo, rows, cols)
             items = [(g, i, js, rows[(i, g)], [cols[(j, g)] for j in js]) for (g, i), js in ready.items()]
-            for (g, i, *_), part in zip(items, io.tiles_fwd(items, scale), strict=True):
+            for (g, i, *_), part in zip(items, io.tiles_fwd(items, scale, score), strict=True):
                 acc[(i, g)] = merge_partial(acc.get((i, g)), part)
 
         for level in prog.inputs["fwd"]:
@@ -461,7 +474,9 @@ class Executor:
                     _add_into(store, u, pieces)
 
     # -- backward --------------------------------------------------------------------------
-    def backward(self, q, k, v, out, lse, saved, dout, dlse, scale: float):
+    def backward(self, q, k, v, out, lse, saved, dout, dlse, scale: float, score: list[Tensor] = ()):
+        """This rank's (dq, dk, dv, the score_mod buffers' gradients summed over every rank: one per
+        ``ScoreMod.wanted``)."""
         geo, prog, r, io = self.geo, self.program, self.rank, self.io
         hq, hk, g_count = geo.hq, geo.hk, geo.head_groups
         io.begin("bwd")
@@ -474,18 +489,20 @@ class Executor:
                                 self._row_slice(lse, c, g, hq), self._row_slice(delta_all, c, g, hq))
                 cols[(c, g)] = (self._row_slice(k, c, g, hk), self._row_slice(v, c, g, hk))
         cols.update(saved["kv"])
-        accs: dict[str, dict] = {"dq": {}, "dkv": {}}
+        accs: dict[str, dict] = {"dq": {}, "dkv": {}, "score": {}}
         todo = list(prog.rows)
 
         def run_ready() -> None:
             nonlocal todo
             ready, todo = _split_ready(todo, rows, cols)
             items = [(g, i, js, *rows[(i, g)], [cols[(j, g)] for j in js]) for (g, i), js in ready.items()]
-            dqs, dkvs = io.tiles_bwd(items, scale)
+            dqs, dkvs, dscore = io.tiles_bwd(items, scale, score)
             for (g, i, *_), dq in zip(items, dqs, strict=True):
                 _add_into(accs["dq"], (i, g), (dq,))
             for u, dkv in dkvs.items():
                 _add_into(accs["dkv"], u, dkv)
+            if dscore:
+                _add_into(accs["score"], 0, dscore)
 
         for level in prog.inputs["bwd"]:
             sends = []
@@ -534,7 +551,10 @@ class Executor:
                 dq_u[u] = got[0].to(q.dtype)
                 got = finals.get(("dkv_out", c, g)) or self._acc_or_empty(accs["dkv"], u, "dkv", q.device)
                 dk_u[u], dv_u[u] = got[0].to(k.dtype), got[1].to(v.dtype)
-        return self._assemble(dq_u), self._assemble(dk_u), self._assemble(dv_u)
+        wanted = geo.score_mod.wanted if geo.score_mod is not None else []
+        dscore = accs["score"].get(0) or tuple(torch.zeros(score[n].shape, device=q.device) for n in wanted)
+        dscore = io.all_reduce(list(dscore)) if dscore else []   # every rank, tiles or not: a collective
+        return self._assemble(dq_u), self._assemble(dk_u), self._assemble(dv_u), dscore
 
 
 def _split_ready(todo: list, rows: dict, cols: dict) -> tuple[dict, list]:
@@ -563,7 +583,7 @@ class _DistAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(q)
-        dq, dk, dv = ctx.executor.backward(q, k, v, out, lse, ctx.saved, dout, dlse, ctx.scale)
+        dq, dk, dv, _ = ctx.executor.backward(q, k, v, out, lse, ctx.saved, dout, dlse, ctx.scale)
         return dq, dk, dv, None, None
 
 

@@ -17,6 +17,13 @@ layout in the row's own coordinates, with fp32 partial outputs and gradients.
 GQA: Q heads are viewed as ``[B, Hk, r, L, D]`` against K/V ``[B, Hk, 1, L, D]``: K/V are
 never repeated.
 
+A FlexAttention score_mod (``ScoreMod``) is applied to every tile's scaled scores before the mask, with
+the GLOBAL batch, head, query and key indices, exactly as FlexAttention's own eager path applies it (vmap
+over the four index dimensions): the merge by log-sum-exp is then exact for any score_mod. Its gradient is
+autograd's through the score_mod; buffers that want a gradient (a learned bias) get this tile's part of it.
+Such tiles always take the plain-torch path, on CUDA too: the Triton kernels apply masks only (the
+[Note] at ``ScoreMod``).
+
 Backward takes the GLOBAL LSE and ``delta = rowsum(dO * O) - dLSE`` (plan.py): with
 ``P = exp(S - lse)``, ``dS = P * (dP - delta)``, which is exact for the distributed case
 where a tile's partial output is not the final one.
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..eager import eager_dispatch
 from ..masks.convert import eval_mask
 from ..masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
 
@@ -62,6 +70,43 @@ def group_kind_grid(pattern: BlockPattern, heads: range, padded_blocks_q: int, p
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class ScoreMod:
+    """A FlexAttention score_mod for the tiles: ``fn(score, b, h, q_idx, kv_idx, *buffers)`` on 0-d values
+    (vmapped here as FlexAttention does), with its buffers passed to every tile call.
+
+    [Note] The GPU path for score_mods. Tiles with a score_mod run the plain-torch tile below on every device.
+    The two faster ways were weighed and neither is built yet: inlining the score_mod into our Triton kernels
+    (what FlexAttention's Inductor template does: the score_mod graph is generated as Triton code between the
+    QK^T and the softmax) needs a code generator from the score_mod graph to Triton; and FlexAttention itself
+    as the tile kernel (its log-sum-exp output is differentiable since torch 2.5, so the merge's gradient can
+    flow back through it) would run each tile with index offsets folded into a wrapped score_mod and mask_mod,
+    which Inductor must compile per tile shape, and which has no backward on CPU. Neither has been measured
+    on a GPU here.
+    """
+
+    fn: Callable
+    grads: tuple[bool, ...] = ()
+    """Per buffer: whether its gradient is wanted (a learned bias); the backward returns one per True."""
+
+    @property
+    def wanted(self) -> list[int]:
+        return [n for n, want in enumerate(self.grads) if want]
+
+
+def _score_fn(score_mod: ScoreMod, n_buffers: int) -> Callable:
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    from torch.nn.attention.flex_attention import _vmap_for_bhqkv
+
+    fn = _vmap_for_bhqkv(score_mod.fn, prefix=(0,), suffix=(None,) * n_buffers)
+
+    def apply(*args):
+        with TransformGetItemToIndex():
+            return fn(*args)
+
+    return apply
+
+
 @dataclass(slots=True)
 class TileGeometry:
     """Static facts every tile call needs (one per plan; shared by forward and backward)."""
@@ -82,6 +127,8 @@ class TileGeometry:
     """The mask's block kinds per (batch, head) (``_mask``: a BlockMask's blocks decide as much as its mask_mod)."""
     mask_cache: dict = field(default_factory=dict)
     cache_bytes: int = 0
+    score_mod: ScoreMod | None = None
+    """The site's FlexAttention score_mod (None: scores are plain ``q k^T * scale``)."""
 
     @property
     def hq(self) -> int:
@@ -225,10 +272,11 @@ class TileGeometry:
         return torch.where((qi < nqp)[:, None] & (ki < nkp)[None, :], at, torch.full_like(at, EMPTY))
 
 
-def _kernels_on(t: Tensor) -> bool:
+def _kernels_on(geo: TileGeometry, t: Tensor) -> bool:
+    """Whether ``t``'s tiles run on the Triton kernels (never with a score_mod: they apply masks only)."""
     from ..kernels.ops import uses_triton
 
-    return uses_triton(t)
+    return geo.score_mod is None and uses_triton(t)
 
 
 def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: torch.device):
@@ -311,7 +359,12 @@ def _scores(geo: TileGeometry, g: int, qa0: int, nq: int, masked_ids: Tensor | N
             r: int) -> Tensor:
     """Scaled scores ``qs @ ks^T`` [B, hk, r*T, M], -inf where the mask is False (``masked_ids``: the KV block ids
     of ``ks`` when its blocks need the mask evaluated, None when they are all FULL)."""
-    s = torch.matmul(qs, ks.transpose(-1, -2))
+    return _mask_scores(geo, g, qa0, nq, masked_ids, torch.matmul(qs, ks.transpose(-1, -2)), r)
+
+
+def _mask_scores(geo: TileGeometry, g: int, qa0: int, nq: int, masked_ids: Tensor | None, s: Tensor, r: int
+                 ) -> Tensor:
+    """``s`` with -inf where the mask is False, in place (``_scores``)."""
     if masked_ids is not None:
         m = geo._mask(g, qa0, nq, masked_ids).to(s.device)
         bsz, hk = s.shape[:2]
@@ -319,19 +372,35 @@ def _scores(geo: TileGeometry, g: int, qa0: int, nq: int, masked_ids: Tensor | N
     return s
 
 
+def _apply_score(geo: TileGeometry, g: int, qa0: int, nq: int, ids: Tensor, s: Tensor, score: list[Tensor]
+                 ) -> Tensor:
+    """The score_mod of scaled scores ``s`` [B, hk, r*T, M] (Q blocks ``qa0 ..``, KV blocks ``ids``): a new fp32
+    tensor of that shape. The score_mod sees each score with its global (b, h, q_idx, kv_idx); positions in the
+    padded tail are clamped to the last token (the mask removes them)."""
+    sl, bq, bk, dev = geo.seq_len, geo.q_block, geo.kv_block, s.device
+    q_pos = (qa0 * bq + torch.arange(nq * bq, device=dev)).clamp(max=sl - 1)
+    kv_pos = (ids.to(dev)[:, None] * bk + torch.arange(bk, device=dev)).flatten().clamp(max=sl - 1)
+    b = torch.arange(s.shape[0], device=dev)
+    h = g * geo.hq + torch.arange(geo.hq, device=dev)
+    fn = _score_fn(geo.score_mod, len(score))
+    out = fn(s.view(s.shape[0], geo.hq, nq * bq, -1), b, h, q_pos, kv_pos, *score)
+    return out.to(torch.float32).reshape(s.shape)
+
+
 def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, kvs: list[tuple[Tensor, Tensor]],
-                scale: float) -> tuple[Tensor, Tensor]:
+                scale: float, score: list[Tensor] = ()) -> tuple[Tensor, Tensor]:
     """Partial attention of Q chunk ``i`` (head group ``g``) over KV chunks ``cols``.
 
     Args:
         q: [B, hq, C, D] the row's queries (any float dtype).
         kvs: per column, (K, V) each [B, hk, C, D].
+        score: the buffers of ``geo.score_mod`` (none without one).
 
     Returns:
         o fp32 [B, hq, C, D] (normalised) and lse fp32 [B, hq, C]; rows that attend nothing get
         o = 0 and lse = -inf.
     """
-    if _kernels_on(q):
+    if _kernels_on(geo, q):
         return kernel_row_forward(geo, kernel_layout(geo, g, i, cols, q.device).bwd_tensors(), q, kvs, scale)
     c, bq, hk = geo.chunk, geo.q_block, geo.hk
     bsz, hq, _, d = q.shape
@@ -349,7 +418,13 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
         vs = vb[:, :, sel].reshape(bsz, hk, -1, d)
         # [B, Hk, r*T, D]: the r query heads of a KV head share one matmul against it (GQA, no repeat)
         qs = (q5[:, :, :, rows].float() * scale).reshape(bsz, hk, r * t, d)
-        s = _scores(geo, g, i * nqb + a, b - a, kv_ids[sel] if need_mask else None, qs, ks, r)
+        if geo.score_mod is None:
+            s = _scores(geo, g, i * nqb + a, b - a, kv_ids[sel] if need_mask else None, qs, ks, r)
+        else:
+            with eager_dispatch():
+                s = _apply_score(geo, g, i * nqb + a, b - a, kv_ids[sel], torch.matmul(qs, ks.transpose(-1, -2)),
+                                 list(score))
+            s = _mask_scores(geo, g, i * nqb + a, b - a, kv_ids[sel] if need_mask else None, s, r)
         # [Note] one exp pass over the scores: subtract the row max, exponentiate in place, sum; the output is
         # normalised after the matmul (rows x D, not rows x keys) and lse = max + log(sum). (logsumexp, then
         # exp(s - lse), made a temporary the size of the scores and two exp passes: ~10% of a CPU forward step.)
@@ -366,16 +441,17 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
 
 
 def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, do: Tensor, lse: Tensor,
-                 delta: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float,
-                 ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-    """Gradients of row ``i``'s tiles: dq fp32 [B, hq, C, D] and per column (dK, dV) fp32 [B, hk, C, D].
+                 delta: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float, score: list[Tensor] = (),
+                 ) -> tuple[Tensor, list[tuple[Tensor, Tensor]], list[Tensor]]:
+    """Gradients of row ``i``'s tiles: dq fp32 [B, hq, C, D], per column (dK, dV) fp32 [B, hk, C, D], and the
+    gradient of each score_mod buffer that wants one (``ScoreMod.wanted``; fp32, this row's part).
 
     ``lse`` is the GLOBAL log-sum-exp of the row and ``delta = rowsum(dO * O) - dLSE`` (fp32 [B, hq, C]).
     """
     c, bq, bk, hk = geo.chunk, geo.q_block, geo.kv_block, geo.hk
-    if _kernels_on(q):
+    if _kernels_on(geo, q):
         lay = kernel_layout(geo, g, i, cols, q.device).bwd_tensors()
-        return kernel_row_backward(geo, lay, q, do, lse, delta, kvs, scale)
+        return (*kernel_row_backward(geo, lay, q, do, lse, delta, kvs, scale), [])
     bsz, hq, _, d = q.shape
     r = hq // hk
     kb, vb, kv_ids = _column_blocks(geo, cols, kvs)
@@ -386,6 +462,8 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
     lse5 = torch.where(torch.isinf(lse5), torch.zeros_like(lse5), lse5)
     delta5 = delta.view(bsz, hk, r, c)
     dq = torch.zeros(bsz, hk, r, c, d, dtype=torch.float32, device=q.device)
+    wanted = geo.score_mod.wanted if geo.score_mod is not None else []
+    dbufs = [torch.zeros(score[n].shape, dtype=torch.float32, device=score[n].device) for n in wanted]
     nqb = c // bq
     for a, b, sel, need_mask in geo.pieces(g, i, kv_ids):   # column pieces of a row sum into dq
         rows = slice(a * bq, b * bq)
@@ -395,11 +473,26 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
         vs = vb[:, :, sel].reshape(bsz, hk, -1, d)
         qs = (q5[:, :, :, rows].float() * scale).reshape(bsz, hk, r * t, d)
         dos = do5[:, :, :, rows].float().reshape(bsz, hk, r * t, d)
-        s = _scores(geo, g, i * nqb + a, b - a, kv_ids[sel] if need_mask else None, qs, ks, r)
+        masked = kv_ids[sel] if need_mask else None
+        if geo.score_mod is None:
+            s = _scores(geo, g, i * nqb + a, b - a, masked, qs, ks, r)
+        else:   # the score_mod recorded by autograd, for its gradient below
+            with eager_dispatch(), torch.enable_grad():
+                raw = torch.matmul(qs, ks.transpose(-1, -2)).requires_grad_()
+                bufs = [x.detach().requires_grad_(n in wanted) for n, x in enumerate(score)]
+                modded = _apply_score(geo, g, i * nqb + a, b - a, kv_ids[sel], raw, bufs)
+            s = _mask_scores(geo, g, i * nqb + a, b - a, masked, modded.detach().clone(), r)
         p = s.sub_(lse5[:, :, :, rows].reshape(bsz, hk, r * t, 1)).exp_()       # P with the GLOBAL lse
         dv = torch.matmul(p.transpose(-1, -2), dos)                              # sums the r heads
         ds = torch.matmul(dos, vs.transpose(-1, -2))
         ds.sub_(delta5[:, :, :, rows].reshape(bsz, hk, r * t, 1)).mul_(p)       # P * (dP - delta)
+        if geo.score_mod is not None:   # through the score_mod: d raw score, and its buffers' part
+            with eager_dispatch():
+                got = torch.autograd.grad(modded, [raw, *(bufs[n] for n in wanted)], ds, allow_unused=True)
+            ds = torch.zeros_like(ds) if got[0] is None else got[0]
+            for acc, gb in zip(dbufs, got[1:]):
+                if gb is not None:
+                    acc += gb
         dq[:, :, :, rows] += (torch.matmul(ds, ks) * scale).view(bsz, hk, r, t, d)
         dk = torch.matmul(ds.transpose(-1, -2), qs)                              # qs carries the scale
         dkb.index_add_(2, sel.to(dkb.device), dk.view(bsz, hk, m_sel, bk, d))
@@ -407,7 +500,7 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
     dk_cat = dkb.view(bsz, hk, -1, d)
     dv_cat = dvb.view(bsz, hk, -1, d)
     per_col = [(dk_cat[:, :, n * c:(n + 1) * c], dv_cat[:, :, n * c:(n + 1) * c]) for n in range(len(cols))]
-    return dq.view(bsz, hq, c, d), per_col
+    return dq.view(bsz, hq, c, d), per_col, dbufs
 
 
 def merge_partial(acc: tuple[Tensor, Tensor] | None, part: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:

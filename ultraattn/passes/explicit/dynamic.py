@@ -235,7 +235,8 @@ class DynamicProgram(ExplicitProgram):
         geo = TileGeometry(seq_len=S, chunk=self.chunk, q_block=pattern.q_block, kv_block=pattern.kv_block, batch=B,
                            num_heads=H, num_kv_heads=spec.kv_shape[1], head_groups=1, head_dim=D,
                            kind_gQK=[group_kind_grid(pattern, range(H), padded // pattern.q_block,
-                                                     padded // pattern.kv_block)], mask_mod=mask_mod, pattern=pattern)
+                                                     padded // pattern.kv_block)], mask_mod=mask_mod, pattern=pattern,
+                           score_mod=spec.score)
         pos = torch.arange(self.chunk)
         index = torch.cat([c * self.chunk + pos for c in plan.layout.local_chunks(self.rank)])
         tr = self.template.transport
@@ -314,8 +315,8 @@ class DynamicProgram(ExplicitProgram):
             yield (slice(a * c, (a + 1) * c), i, at, [j for *_, j in cells],
                    [(ks[m][:, :, b * c:(b + 1) * c], vs[m][:, :, b * c:(b + 1) * c]) for m, b in at])
 
-    def tiles_fwd(self, tile: int, qs: list[Tensor], ks: list[Tensor], vs: list[Tensor], plan: Tensor | None = None
-                  ) -> list[tuple[Tensor, Tensor]]:
+    def tiles_fwd(self, tile: int, qs: list[Tensor], ks: list[Tensor], vs: list[Tensor], score: list[Tensor] = (),
+                  plan: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:
         """(o, lse) fp32 of every row of tile set ``tile``: each fine row of a traced row against the global chunks
         its columns stand for, skipping the chunks this mask leaves empty there (they were never sent)."""
         run, ts = self.run_of(plan), self.tiles[tile]
@@ -329,18 +330,21 @@ class DynamicProgram(ExplicitProgram):
                     os_.append(torch.zeros(qa.shape, dtype=torch.float32, device=q.device))
                     lses.append(torch.full(qa.shape[:-1], -math.inf, dtype=torch.float32, device=q.device))
                     continue
-                o, lse = row_forward(run.geo, 0, i, cols, qa, kvs, row.scale)
+                o, lse = row_forward(run.geo, 0, i, cols, qa, kvs, row.scale, score)
                 os_.append(o)
                 lses.append(lse)
             out.append((torch.cat(os_, dim=2), torch.cat(lses, dim=2)))
         return out
 
-    def tiles_bwd(self, tile: int, qs, dos, lses, deltas, ks, vs, plan: Tensor | None = None):
-        """([dq per row], [dk per column], [dv per column]) fp32 of tile set ``tile``, a column's summed over rows."""
+    def tiles_bwd(self, tile: int, qs, dos, lses, deltas, ks, vs, score: list[Tensor] = (), plan: Tensor | None = None):
+        """([dq per row], [dk per column], [dv per column], [score_mod buffer gradients]) fp32 of tile set ``tile``,
+        a column's (and a buffer's) summed over rows."""
         run, ts, c = self.run_of(plan), self.tiles[tile], self.chunk
         col = {u[0]: m for m, u in enumerate(ts.cols)}
         dks = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for k in ks]
         dvs = [torch.zeros(v.shape, dtype=torch.float32, device=v.device) for v in vs]
+        dscore = [torch.zeros(score[n].shape, dtype=torch.float32, device=score[n].device)
+                  for n in self.state.spec.score_wanted]
         dqs = []
         for row, q, do, lse, delta in zip(ts.rows, qs, dos, lses, deltas, strict=True):
             parts = []
@@ -348,14 +352,16 @@ class DynamicProgram(ExplicitProgram):
                 if not cols:
                     parts.append(torch.zeros(q[:, :, sl].shape, dtype=torch.float32, device=q.device))
                     continue
-                dq, per_col = row_backward(run.geo, 0, i, cols, q[:, :, sl], do[:, :, sl], lse[:, :, sl],
-                                           delta[:, :, sl], kvs, row.scale)
+                dq, per_col, dbufs = row_backward(run.geo, 0, i, cols, q[:, :, sl], do[:, :, sl], lse[:, :, sl],
+                                                  delta[:, :, sl], kvs, row.scale, score)
                 parts.append(dq)
+                for acc, gb in zip(dscore, dbufs, strict=True):
+                    acc += gb
                 for (m, b), (dk, dv) in zip(at, per_col, strict=True):
                     dks[m][:, :, b * c:(b + 1) * c] += dk
                     dvs[m][:, :, b * c:(b + 1) * c] += dv
             dqs.append(torch.cat(parts, dim=2))
-        return dqs, dks, dvs
+        return dqs, dks, dvs, dscore
 
 
 def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:
@@ -387,7 +393,8 @@ def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:
     def executor(size: int, n: int) -> Executor:
         # the fixed plan's geometry: message shapes only (every tile reads its call's MaskRun.geo)
         geo = TileGeometry(seq_len=S, chunk=size, q_block=size, kv_block=size, batch=B, num_heads=H,
-                           num_kv_heads=spec.kv_shape[1], head_groups=1, head_dim=D, kind_gQK=[], mask_mod=None)
+                           num_kv_heads=spec.kv_shape[1], head_groups=1, head_dim=D, kind_gQK=[], mask_mod=None,
+                           score_mod=spec.score)
         return Executor(owner_computes_plan(mesh=mesh, shape=shape, chunk=size, chunks_per_rank=n), me, geo,
                         transport, spec.dtype)
 

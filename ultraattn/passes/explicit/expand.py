@@ -3,7 +3,7 @@
 Rewrites (forward and backward graphs alike)::
 
     out, lse, ticket = site_attention(q, k, v, masks, key)        # one opaque op
-    dq, dk, dv = site_attention_bwd(q, k, v, out, lse, do, dlse, ticket, key)
+    dq, dk, dv = site_attention_bwd(q, k, v, out, lse, do, dlse, ticket, [], key)
 
 into this rank's program, traced from the executor's schedule (``explicit/program.py``)::
 
@@ -115,13 +115,15 @@ def expand_sites(gm: fx.GraphModule, table: SideTable) -> list[str]:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in SITE_OPS + SITE_BWD_OPS:
             continue
-        state = table.sites.get(node.args[-1])
+        state = table.sites.get(next(a for a in node.args if isinstance(a, str)))
         if state is None or explicit_reason(state) is not None:
             continue
         backward = node.target in SITE_BWD_OPS
         args = list(node.args[:8] if backward else node.args[:3])
-        if not backward and not state.spec.static_mask:
-            args += list(node.args[3])  # the mask's tensors: the run-time plan's input
+        if backward:
+            args += list(node.args[8])  # the score_mod's buffers
+        else:  # the mask's tensors (a run-time plan's input) and the score_mod's buffers
+            args += list(node.args[3])
         sub = _trace(_program_of(state, backward, node.target in LOCAL_OPS), [a.meta["val"] for a in args])
         outs = splice(gm, node, sub, args, attr_name=lambda: f"_ultraattn_const_{table.next_id()}")
         _replace_outputs(node, list(outs))

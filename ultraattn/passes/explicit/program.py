@@ -145,16 +145,18 @@ class ExplicitProgram:
         """(shape, dtype, device) of what ``unstash`` returns (fake kernels)."""
         return [(shape, dt, self.device) for _kind, _u, specs in self.saved_layout for shape, dt in specs]
 
-    def tile_fwd(self, tile: int, q: Tensor, kvs: list[tuple[Tensor, Tensor]]):
+    def tile_fwd(self, tile: int, q: Tensor, kvs: list[tuple[Tensor, Tensor]], score: list[Tensor] = ()):
         """Partial attention of tile row ``tile`` (``runtime.tiles.row_forward``): (o, lse) fp32."""
         row = self.tiles[tile]
-        return row_forward(self.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, kvs, row.scale)
+        return row_forward(self.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, kvs, row.scale, score)
 
-    def tile_bwd(self, tile: int, q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, kvs: list[tuple[Tensor, Tensor]]):
-        """Gradients of tile row ``tile`` (``runtime.tiles.row_backward``): dq and per column (dK, dV), fp32."""
+    def tile_bwd(self, tile: int, q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, kvs: list[tuple[Tensor, Tensor]],
+                 score: list[Tensor] = ()):
+        """Gradients of tile row ``tile`` (``runtime.tiles.row_backward``): dq, per column (dK, dV), and the
+        score_mod buffers' part, fp32."""
         row = self.tiles[tile]
         return row_backward(self.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, do, lse, delta, kvs,
-                            row.scale)
+                            row.scale, score)
 
 
 # ----------------------------------------------------------------------------- the graph-building IO
@@ -206,30 +208,38 @@ class TracedIO(TileSets):
 
     def _tile(self, g, i, js, q, scale) -> tuple[int, bool]:
         """A tile id, and whether the tile is the Triton op in the graph: on CUDA (``kernels.uses_triton``), or on
-        CPU with ``ULTRAATTN_KERNELS=triton`` under the interpreter when the graph runs uncompiled (aot_eager).
-        (A dynamic program's tiles are tile sets, ``tiles_fwd``: their layouts change with the mask.)"""
+        CPU with ``ULTRAATTN_KERNELS=triton`` under the interpreter when the graph runs uncompiled (aot_eager);
+        never with a score_mod (``runtime.tiles.ScoreMod``). (A dynamic program's tiles are tile sets,
+        ``tiles_fwd``: their layouts change with the mask.)"""
         tid = len(self.prog.tiles)
         self.prog.tiles.append(TileRow(g, i, tuple(js), scale))
+        if self.prog.executor.geo.score_mod is not None:
+            return tid, False
         if q.device.type == "cuda":
             return tid, uses_triton(q)
         return tid, (config.kernel_mode() == "triton" and config.interpret()
                      and self.prog.state.spec.options.compiler != "inductor")
 
-    def tile_fwd(self, g, i, js, q, kvs, scale):
+    def tile_fwd(self, g, i, js, q, kvs, scale, score=()):
         tid, kernels = self._tile(g, i, js, q, scale)
         if kernels:  # the block-sparse Triton op itself, on the row's concatenated kv chunks
             lay = ops.cp_tile_layout(self.prog.key, tid)
             return kernel_row_forward(self.prog.executor.geo, lay, q, kvs, scale)
-        return ops.cp_tile_fwd(q, [k for k, _ in kvs], [v for _, v in kvs], self.prog.key, tid)
+        return ops.cp_tile_fwd(q, [k for k, _ in kvs], [v for _, v in kvs], list(score), self.prog.key, tid)
 
-    def tile_bwd(self, g, i, js, q, do, lse, delta, kvs, scale):
+    def tile_bwd(self, g, i, js, q, do, lse, delta, kvs, scale, score=()):
         tid, kernels = self._tile(g, i, js, q, scale)
         n = len(js)
         if kernels:
             lay = ops.cp_tile_layout(self.prog.key, tid)
-            return kernel_row_backward(self.prog.executor.geo, lay, q, do, lse, delta, kvs, scale)
-        outs = ops.cp_tile_bwd(q, do, lse, delta, [k for k, _ in kvs], [v for _, v in kvs], self.prog.key, tid)
-        return outs[0], list(zip(outs[1:1 + n], outs[1 + n:]))
+            return (*kernel_row_backward(self.prog.executor.geo, lay, q, do, lse, delta, kvs, scale), [])
+        outs = ops.cp_tile_bwd(q, do, lse, delta, [k for k, _ in kvs], [v for _, v in kvs], list(score),
+                               self.prog.key, tid)
+        return outs[0], list(zip(outs[1:1 + n], outs[1 + n:1 + 2 * n])), list(outs[1 + 2 * n:])
+
+    def all_reduce(self, tensors: list[Tensor]) -> list[Tensor]:
+        self.token, *sums = ops.cp_all_reduce(self.token, tensors, self.prog.key)
+        return sums
 
     def _tile_set(self, items: list, scale: float) -> tuple[int, list[Tensor], list[Tensor]]:
         """A tile set's id in the table, and the K and V of its columns (each once)."""
@@ -244,23 +254,26 @@ class TracedIO(TileSets):
         self.prog.tiles.append(TileSet(tuple(TileRow(g, i, tuple(js), scale) for g, i, js, *_ in items), tuple(cols)))
         return tid, ks, vs
 
-    def tiles_fwd(self, items, scale):
+    def tiles_fwd(self, items, scale, score=()):
         """A dynamic program's ready tiles as ONE node (``cp_tiles_fwd``): the graph holds a node per step of the
         schedule, not per row (its rows cover every chunk, most of them empty under any one mask)."""
         if not self.prog.dynamic:
-            return super().tiles_fwd(items, scale)
+            return super().tiles_fwd(items, scale, score)
         tid, ks, vs = self._tile_set(items, scale)
-        outs = ops.cp_tiles_fwd([q for _g, _i, _js, q, _kvs in items], ks, vs, self.prog.key, tid, *self.data)
+        outs = ops.cp_tiles_fwd([q for _g, _i, _js, q, _kvs in items], ks, vs, list(score), self.prog.key, tid,
+                                *self.data)
         return [(outs[2 * n], outs[2 * n + 1]) for n in range(len(items))]
 
-    def tiles_bwd(self, items, scale):
+    def tiles_bwd(self, items, scale, score=()):
         if not self.prog.dynamic:
-            return super().tiles_bwd(items, scale)
+            return super().tiles_bwd(items, scale, score)
         tid, ks, vs = self._tile_set(items, scale)
         rows = [it[3:7] for it in items]
-        outs = ops.cp_tiles_bwd(*([r[n] for r in rows] for n in range(4)), ks, vs, self.prog.key, tid, *self.data)
-        n, cols = len(items), self.prog.tiles[tid].cols
-        return outs[:n], {u: (outs[n + m], outs[n + len(cols) + m]) for m, u in enumerate(cols)}
+        outs = ops.cp_tiles_bwd(*([r[n] for r in rows] for n in range(4)), ks, vs, list(score), self.prog.key, tid,
+                                *self.data)
+        n, m_cols = len(items), len(self.prog.tiles[tid].cols)
+        dkvs = {u: (outs[n + m], outs[n + m_cols + m]) for m, u in enumerate(self.prog.tiles[tid].cols)}
+        return outs[:n], dkvs, list(outs[n + 2 * m_cols:])
 
     def gather(self, x: Tensor) -> Tensor:
         self.token, full = ops.cp_gather(self.token, x, self.prog.key, *self.data)
@@ -313,8 +326,9 @@ def forward_program(prog: ExplicitProgram, local: bool = False):
     ``local``: q, k, v are already this rank's tokens (a sequence-sharded graph) and so are out, lse:
     no dispatch, no gather."""
 
-    def fn(q, k, v, *mask):
+    def fn(q, k, v, *inputs):
         spec = prog.state.spec
+        mask, score = spec.split_inputs(list(inputs))
         ex = _traced_executor(prog)
         io = ex.io
         if prog.dynamic:
@@ -323,7 +337,7 @@ def forward_program(prog: ExplicitProgram, local: bool = False):
             io.token = ops.cp_check_inputs(io.token, [q, k, v], prog.key)
         shard = None if local else prog.dispatcher(io.plan)
         qkv = (q, k, v) if local else (shard(q), shard(k), shard(v))
-        out_l, lse_l, saved = ex.forward(*qkv, spec.scale)
+        out_l, lse_l, saved = ex.forward(*qkv, spec.scale, score)
         flat, prog.saved_layout = _flatten_saved(saved)
         if local:
             out, lse = out_l.to(q.dtype), lse_l
@@ -337,9 +351,10 @@ def forward_program(prog: ExplicitProgram, local: bool = False):
 
 
 def backward_program(prog: ExplicitProgram, local: bool = False):
-    """fn(q, k, v, out, lse, dout, dlse, ticket) -> (dq, dk, dv) (``local``: all on this rank's tokens)."""
+    """fn(q, k, v, out, lse, dout, dlse, ticket, *score_mod buffers) -> (dq, dk, dv, *buffer gradients) (``local``:
+    all on this rank's tokens; the buffers' gradients are summed over the ranks)."""
 
-    def fn(q, k, v, out, lse, dout, dlse, ticket):
+    def fn(q, k, v, out, lse, dout, dlse, ticket, *score):
         spec = prog.state.spec
         ex = _traced_executor(prog)
         io = ex.io
@@ -351,10 +366,11 @@ def backward_program(prog: ExplicitProgram, local: bool = False):
         if not local:
             shard = prog.dispatcher(io.plan)
             xs = tuple(shard(x) for x in xs)
-        dq, dk, dv = ex.backward(*xs[:5], saved, xs[5], xs[6], spec.scale)
+        dq, dk, dv, dscore = ex.backward(*xs[:5], saved, xs[5], xs[6], spec.scale, list(score))
+        dscore = tuple(g.to(score[n].dtype) for g, n in zip(dscore, spec.score_wanted, strict=True))
         if local:
-            return tuple(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
-        return tuple(io.gather(g).to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
+            return tuple(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v))) + dscore
+        return tuple(io.gather(g).to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v))) + dscore
 
     return fn
 

@@ -105,63 +105,84 @@ def _(site, tile):
     return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in _tile_layout(site, tile).bwd_tensors()]
 
 
+def _score_grads_fake(site: str, score: list[Tensor]) -> list[Tensor]:
+    """Fake gradients of the score_mod buffers that want one (fp32, the buffers' shapes)."""
+    return [score[n].new_empty(score[n].shape, dtype=torch.float32) for n in _program(site).state.spec.score_wanted]
+
+
 @custom_op("ultraattn::cp_tile_fwd", mutates_args=())
-def cp_tile_fwd(q: Tensor, ks: list[Tensor], vs: list[Tensor], site: str, tile: int) -> tuple[Tensor, Tensor]:
-    """Partial attention of one (head group, q chunk) over its kv chunks: (o fp32, lse fp32)."""
-    o, lse = _program(site).tile_fwd(tile, q, list(zip(ks, vs)))
+def cp_tile_fwd(q: Tensor, ks: list[Tensor], vs: list[Tensor], score: list[Tensor], site: str, tile: int
+                ) -> tuple[Tensor, Tensor]:
+    """Partial attention of one (head group, q chunk) over its kv chunks: (o fp32, lse fp32). ``score``: the
+    site's score_mod buffers (none without a score_mod)."""
+    o, lse = _program(site).tile_fwd(tile, q, list(zip(ks, vs)), score)
     return o.contiguous(), lse.contiguous()
 
 
 @cp_tile_fwd.register_fake
-def _(q, ks, vs, site, tile):
+def _(q, ks, vs, score, site, tile):
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @custom_op("ultraattn::cp_tile_bwd", mutates_args=())
-def cp_tile_bwd(q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, ks: list[Tensor], vs: list[Tensor], site: str,
-                tile: int) -> list[Tensor]:
-    """Gradients of one tile row (global lse and delta): [dq, dk per kv chunk..., dv per kv chunk...], fp32."""
-    dq, per_col = _program(site).tile_bwd(tile, q, do, lse, delta, list(zip(ks, vs)))
+def cp_tile_bwd(q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, ks: list[Tensor], vs: list[Tensor],
+                score: list[Tensor], site: str, tile: int) -> list[Tensor]:
+    """Gradients of one tile row (global lse and delta): [dq, dk per kv chunk..., dv per kv chunk..., this row's
+    part of each score_mod buffer gradient (``SiteSpec.score_wanted``)...], fp32."""
+    dq, per_col, dscore = _program(site).tile_bwd(tile, q, do, lse, delta, list(zip(ks, vs)), score)
     # the per-column gradients are slices of one buffer: a custom op's outputs must not share storage
     own = (lambda t: t.clone()) if len(per_col) > 1 else (lambda t: t.contiguous())
-    return [dq.contiguous()] + [own(dk) for dk, _ in per_col] + [own(dv) for _, dv in per_col]
+    return [dq.contiguous()] + [own(dk) for dk, _ in per_col] + [own(dv) for _, dv in per_col] + \
+        [t.contiguous() for t in dscore]
 
 
 @cp_tile_bwd.register_fake
-def _(q, do, lse, delta, ks, vs, site, tile):
+def _(q, do, lse, delta, ks, vs, score, site, tile):
     f32 = torch.float32
     return [q.new_empty(q.shape, dtype=f32)] + [k.new_empty(k.shape, dtype=f32) for k in ks] + \
-        [v.new_empty(v.shape, dtype=f32) for v in vs]
+        [v.new_empty(v.shape, dtype=f32) for v in vs] + _score_grads_fake(site, score)
 
 
 @custom_op("ultraattn::cp_tiles_fwd", mutates_args=())
-def cp_tiles_fwd(qs: list[Tensor], ks: list[Tensor], vs: list[Tensor], site: str, tile: int, plan: Tensor | None = None
-                 ) -> list[Tensor]:
+def cp_tiles_fwd(qs: list[Tensor], ks: list[Tensor], vs: list[Tensor], score: list[Tensor], site: str, tile: int,
+                 plan: Tensor | None = None) -> list[Tensor]:
     """Partial attention of a set of tile rows (``TileSet``: each row's queries, every column's K/V once):
     [o, lse] per row, fp32."""
-    return [t.contiguous() for o, lse in _program(site).tiles_fwd(tile, qs, ks, vs, plan) for t in (o, lse)]
+    return [t.contiguous() for o, lse in _program(site).tiles_fwd(tile, qs, ks, vs, score, plan) for t in (o, lse)]
 
 
 @cp_tiles_fwd.register_fake
-def _(qs, ks, vs, site, tile, plan=None):
+def _(qs, ks, vs, score, site, tile, plan=None):
     return [t for q in qs for t in (q.new_empty(q.shape, dtype=torch.float32),
                                      q.new_empty(q.shape[:-1], dtype=torch.float32))]
 
 
 @custom_op("ultraattn::cp_tiles_bwd", mutates_args=())
 def cp_tiles_bwd(qs: list[Tensor], dos: list[Tensor], lses: list[Tensor], deltas: list[Tensor], ks: list[Tensor],
-                 vs: list[Tensor], site: str, tile: int, plan: Tensor | None = None) -> list[Tensor]:
-    """Gradients of a set of tile rows (global lse and delta): [dq per row..., dk per column..., dv per column...],
-    fp32; a column's dK and dV summed over the rows."""
-    dqs, dks, dvs = _program(site).tiles_bwd(tile, qs, dos, lses, deltas, ks, vs, plan)
-    return [t.contiguous() for t in (*dqs, *dks, *dvs)]
+                 vs: list[Tensor], score: list[Tensor], site: str, tile: int, plan: Tensor | None = None
+                 ) -> list[Tensor]:
+    """Gradients of a set of tile rows (global lse and delta): [dq per row..., dk per column..., dv per column...,
+    score_mod buffer gradients...], fp32; a column's dK and dV, and the buffers' gradients, summed over the rows."""
+    dqs, dks, dvs, dscore = _program(site).tiles_bwd(tile, qs, dos, lses, deltas, ks, vs, score, plan)
+    return [t.contiguous() for t in (*dqs, *dks, *dvs, *dscore)]
 
 
 @cp_tiles_bwd.register_fake
-def _(qs, dos, lses, deltas, ks, vs, site, tile, plan=None):
+def _(qs, dos, lses, deltas, ks, vs, score, site, tile, plan=None):
     f32 = torch.float32
     return [q.new_empty(q.shape, dtype=f32) for q in qs] + [k.new_empty(k.shape, dtype=f32) for k in ks] + \
-        [v.new_empty(v.shape, dtype=f32) for v in vs]
+        [v.new_empty(v.shape, dtype=f32) for v in vs] + _score_grads_fake(site, score)
+
+
+@custom_op("ultraattn::cp_all_reduce", mutates_args=())
+def cp_all_reduce(token: Tensor, tensors: list[Tensor], site: str) -> list[Tensor]:
+    """[token, each tensor summed over the site's ranks] (the score_mod buffers' gradients)."""
+    return [new_token()] + [t.contiguous() for t in _program(site).executor.io.all_reduce(tensors)]
+
+
+@cp_all_reduce.register_fake
+def _(token, tensors, site):
+    return [_fake_token()] + [torch.empty_like(t) for t in tensors]
 
 
 @custom_op("ultraattn::cp_gather", mutates_args=())

@@ -11,7 +11,10 @@ Local tokens: ``site_attention_local`` takes and returns this rank's tokens in t
 layout; no dispatch, no gather.
 
 The site's static description and run-time state are in the side table under the ``site`` key
-(``passes/state.py``); the mask's content arrives as ``mask_tensors``. State between a forward
+(``passes/state.py``); the mask's content arrives as ``mask_tensors``, followed by a flex site's score_mod
+buffers (``SiteSpec.split_inputs``). The backward ops take those buffers as ``score`` and return, after dq,
+dk, dv, the gradient of each buffer that wants one (``SiteSpec.score_wanted``), summed over the ranks: the
+buffers are replicated, like a weight. State between a forward
 and its backward (what the runtime received from other ranks) is kept in the site's stash under
 an int64 ticket the forward returns: custom-op bodies run below autograd, so that state cannot
 ride on the autograd graph; the ticket is an ordinary saved activation for AOT autograd.
@@ -41,10 +44,16 @@ def kernel_site_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
     return torch.ops.ultraattn.bsa_bwd(q, k, v, dout, lse, delta, dlse.float(), *layout, q_block, kv_block, scale)
 
 
-def _grads_like(grads, inputs) -> tuple[Tensor, Tensor, Tensor]:
+def _grads_like(grads, inputs) -> list[Tensor]:
     """Each gradient in its input's dtype, contiguous like the fake kernel says (Inductor checks strides);
     zeros where a rank computed none."""
-    return tuple(x.new_zeros(x.shape) if g is None else g.to(x.dtype).contiguous() for g, x in zip(grads, inputs))
+    return [x.new_zeros(x.shape) if g is None else g.to(x.dtype).contiguous() for g, x in zip(grads, inputs,
+                                                                                               strict=True)]
+
+
+def _wanted(spec, score: list[Tensor]) -> list[Tensor]:
+    """The score_mod buffers whose gradients the backward returns."""
+    return [score[n] for n in spec.score_wanted]
 
 
 @custom_op("ultraattn::site_attention", mutates_args=())
@@ -56,6 +65,7 @@ def site_attention(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor], 
     spec = state.spec
     if spec.options.debug and spec.options.world_size > 1:
         check_same_inputs(state, (q, k, v, *mask_tensors))
+    mask_tensors, score = spec.split_inputs(mask_tensors)
     runner = runner_for(state, tuple(q.shape), tuple(k.shape), q.dtype, q.device, mask_tensors)
     if isinstance(runner, BlockLists):
         out, lse = torch.ops.ultraattn.bsa_fwd(q, k, v, *runner.bwd_tensors(), runner.q_block, runner.kv_block,
@@ -66,7 +76,7 @@ def site_attention(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor], 
     else:
         check_consistent(runner)
         ql, kl, vl = (dispatch(x, runner) for x in (q, k, v))
-        out_l, lse_l, saved = runner.executor.forward(ql, kl, vl, spec.scale)
+        out_l, lse_l, saved = runner.executor.forward(ql, kl, vl, spec.scale, score)
         out_l = out_l.to(q.dtype)
         out, lse = gather_tokens(out_l, runner), gather_tokens(lse_l, runner)
         ticket = state.put_state((runner, (ql, kl, vl, out_l, lse_l, saved)))
@@ -85,8 +95,9 @@ site_attention.register_fake(_site_fake)
 
 @custom_op("ultraattn::site_attention_bwd", mutates_args=())
 def site_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor,
-                       ticket: Tensor, site: str, after: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``site_attention`` for the full-sequence q, k, v (identical on every rank)."""
+                       ticket: Tensor, score: list[Tensor], site: str, after: Tensor | None = None) -> list[Tensor]:
+    """Gradients of ``site_attention`` for the full-sequence q, k, v (identical on every rank), then the score_mod
+    buffers' (module docstring)."""
     state = side_table().site(site)
     runner, fwd = state.take_state(int(ticket))
     spec = state.spec
@@ -97,13 +108,15 @@ def site_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
         ql, kl, vl, out_l, lse_l, saved = fwd
         do_l = dispatch(dout.to(out_l.dtype), runner)
         dl_l = dispatch(dlse.float(), runner)
-        grads = runner.executor.backward(ql, kl, vl, out_l, lse_l, saved, do_l, dl_l, spec.scale)
-        grads = tuple(gather_tokens(g, runner) for g in grads)
-    return _grads_like(grads, (q, k, v))
+        *grads, dscore = runner.executor.backward(ql, kl, vl, out_l, lse_l, saved, do_l, dl_l, spec.scale,
+                                                  list(score))
+        grads = [gather_tokens(g, runner) for g in grads] + dscore
+    return _grads_like(grads, (q, k, v, *_wanted(spec, score)))
 
 
-def _grads_fake(q, k, v, out, lse, dout, dlse, ticket, site, after=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _grads_fake(q, k, v, out, lse, dout, dlse, ticket, score, site, after=None):
+    spec = side_table().site(site).spec
+    return [x.new_empty(x.shape) for x in (q, k, v, *_wanted(spec, score))]
 
 
 site_attention_bwd.register_fake(_grads_fake)
@@ -120,9 +133,10 @@ def site_attention_local(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Ten
     spec = state.spec
     if spec.options.debug and spec.options.world_size > 1:
         check_same_inputs(state, list(mask_tensors))  # q, k, v differ per rank by design
+    mask_tensors, score = spec.split_inputs(mask_tensors)
     runner = runner_for(state, *global_shapes(spec), q.dtype, q.device, mask_tensors)
     check_consistent(runner)
-    out_l, lse_l, saved = runner.executor.forward(q, k, v, spec.scale)
+    out_l, lse_l, saved = runner.executor.forward(q, k, v, spec.scale, score)
     # q, k, v, out, lse come back to the backward as saved activations (the graph owns their buffers);
     # the units received from other ranks stay here
     ticket = state.put_state((runner, saved))
@@ -134,13 +148,15 @@ site_attention_local.register_fake(_site_fake)
 
 @custom_op("ultraattn::site_attention_local_bwd", mutates_args=())
 def site_attention_local_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-                             dlse: Tensor, ticket: Tensor, site: str, after: Tensor | None = None
-                             ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``site_attention_local``: this rank's tokens of dq, dk, dv."""
+                             dlse: Tensor, ticket: Tensor, score: list[Tensor], site: str,
+                             after: Tensor | None = None) -> list[Tensor]:
+    """Gradients of ``site_attention_local``: this rank's tokens of dq, dk, dv, then the score_mod buffers'
+    (summed over the ranks)."""
     state = side_table().site(site)
     runner, saved = state.take_state(int(ticket))
-    grads = runner.executor.backward(q, k, v, out, lse, saved, dout.to(out.dtype), dlse.float(), state.spec.scale)
-    return _grads_like(grads, (q, k, v))
+    grads = runner.executor.backward(q, k, v, out, lse, saved, dout.to(out.dtype), dlse.float(), state.spec.scale,
+                                     list(score))
+    return _grads_like([*grads[:3], *grads[3]], (q, k, v, *_wanted(state.spec, score)))
 
 
 site_attention_local_bwd.register_fake(_grads_fake)
@@ -151,14 +167,20 @@ def _setup(ctx, inputs, output):
     q, k, v, mask_tensors, site = inputs[:5]  # (``after``: never passed where autograd applies, see ops/seq.py)
     ctx.site = site
     ctx.n_mask = len(mask_tensors)
-    ctx.save_for_backward(q, k, v, output[0], output[1], output[2])
+    _mask, score = side_table().site(site).spec.split_inputs(mask_tensors)
+    ctx.n_score = len(score)
+    ctx.save_for_backward(q, k, v, output[0], output[1], output[2], *score)
 
 
 def _backward_with(op):
     def backward(ctx, dout, dlse, _dticket):
-        q, k, v, out, lse, ticket = ctx.saved_tensors
-        dq, dk, dv = op(q, k, v, out, lse, dout, dlse, ticket, ctx.site)
-        return dq, dk, dv, [None] * ctx.n_mask, None
+        q, k, v, out, lse, ticket, *score = ctx.saved_tensors
+        dq, dk, dv, *dscore = op(q, k, v, out, lse, dout, dlse, ticket, score, ctx.site)
+        per_tensor: list[Tensor | None] = [None] * ctx.n_mask
+        first = ctx.n_mask - ctx.n_score
+        for n, g in zip(side_table().site(ctx.site).spec.score_wanted, dscore, strict=True):
+            per_tensor[first + n] = g
+        return dq, dk, dv, per_tensor, None
 
     return backward
 
