@@ -33,15 +33,22 @@ VOCAB = 64
 
 # ----------------------------------------------------------------------------- llama style
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """Llama's RMSNorm (``weight * x``), or Gemma's (``gemma``: ``x * (1 + weight.float())``, the weight reaching
+    the sharded tokens through replicated ops, whose gradient must still be summed over the ranks)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, gemma: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+        self.gemma = gemma
+        self.weight = nn.Parameter(torch.zeros(dim) + 0.1 * torch.randn(dim) if gemma else
+                                   torch.ones(dim) + 0.1 * torch.randn(dim))
         self.eps = eps
 
     def forward(self, x):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
@@ -117,7 +124,7 @@ class LlamaLM(nn.Module):
         self.checkpoint = checkpoint
         self.embed_tokens = nn.Embedding(VOCAB, dim)
         self.layers = nn.ModuleList(LlamaLayer(dim, heads, kv_heads) for _ in range(layers))
-        self.norm = RMSNorm(dim)
+        self.norm = RMSNorm(dim, gemma=True)
         self.lm_head = nn.Linear(dim, VOCAB, bias=False)
         self.unknown_op = unknown_op
 

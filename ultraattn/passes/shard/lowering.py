@@ -49,6 +49,8 @@ class Lowering:
         self.rep: dict[fx.Node, fx.Node] = {}
         self.local: dict[fx.Node, fx.Node] = {}
         self.cache: dict[tuple, fx.Node] = {}
+        self.grads: dict[fx.Node, bool] = {}
+        """``carries_grad``'s answers."""
         self.current: fx.Node | None = None
 
     # ------------------------------------------------------------------ specs
@@ -119,13 +121,37 @@ class Lowering:
             self.rec.dispatched.append(m.name)
         return self.cache[key]
 
+    def carries_grad(self, m: fx.Node) -> bool:
+        """Whether a gradient can reach ``m``: its recorded value requires grad, or a floating-point value it is
+        computed from does. (Dynamo's recorded value alone is not enough: ``1.0 + w.float()``, Gemma's RMSNorm
+        scale, is recorded without requires_grad; a weight reaching the region through it must still have its
+        gradient summed over the ranks.)"""
+        todo = [m]
+        while todo:   # (iterative: a model's graph is deeper than Python's recursion limit)
+            n = todo[-1]
+            if n in self.grads:
+                todo.pop()
+                continue
+            val = meta_value(n)
+            if not isinstance(val, torch.Tensor) or not (val.is_floating_point() or val.is_complex()):
+                self.grads[n] = False
+            elif val.requires_grad:
+                self.grads[n] = True
+            else:
+                pending = [a for a in n.all_input_nodes if a not in self.grads]
+                if pending:
+                    todo.extend(pending)
+                    continue
+                self.grads[n] = any(self.grads[a] for a in n.all_input_nodes)
+            todo.pop()
+        return self.grads[m]
+
     def rep_for_sharded(self, m):
         """A replicated value used by an op in the region: its gradient is summed over the ranks."""
         if not isinstance(m, fx.Node):
             return m
         v = self.rep_of(m)
-        val = meta_value(m)
-        if not isinstance(val, torch.Tensor) or not val.requires_grad:
+        if not self.carries_grad(m):
             return v
         key = ("enter", m)
         if key not in self.cache:
