@@ -343,6 +343,42 @@ def hf_worker(rank: int, world: int, cases: list[tuple], options: dict) -> list[
     return results
 
 
+# ----------------------------------------------------------------------------- transformers' Gemma 2
+def gemma_model(impl: str, dtype=torch.float32):
+    """A tiny random Gemma 2: one sliding-window layer and one global layer, tanh soft-capping of the attention
+    logits (a score_mod under flex_attention) and of the final logits, Gemma's (1 + w) RMSNorms."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                       sliding_window=96, attn_implementation=impl)
+    assert cfg.attn_logit_softcapping and set(cfg.layer_types) == {"sliding_attention", "full_attention"}
+    return Gemma2ForCausalLM(cfg).to(dtype).train()
+
+
+def gemma_reference(S: int) -> tuple[dict, dict]:
+    """fp64 and fp32 eager single-process steps with transformers' eager attention (soft-capping and the sliding
+    window written out in plain torch)."""
+    ids, _ = hf_data(S, False)
+    return tuple(hf_step(gemma_model("eager", dt), ids, None, False) for dt in (torch.float64, torch.float32))
+
+
+def gemma_worker(rank: int, world: int, S: int, options: dict) -> dict:
+    import ultraattn
+    import ultraattn.passes
+
+    ultraattn.reset()
+    ids, _ = hf_data(S, False)
+    res = hf_step(torch.compile(gemma_model("flex_attention"), backend="ultraattn", options=dict(options)), ids, None,
+                  False)
+    recs = ultraattn.passes.side_table().graphs
+    res["sites"] = [s.to_json() for g in recs for s in g.sites]
+    res["fallbacks"] = [(f.op, f.why) for g in recs if g.shard for f in g.shard.fallbacks]
+    res["sharded"] = [g.shard.sharded_ops if g.shard else 0 for g in recs]
+    return res
+
+
 
 # ----------------------------------------------------------------------------- sites the backend keeps
 KEPT_S, KEPT_CTX = 200, 96

@@ -22,6 +22,8 @@ from client_cases import (
     KEPT_CASES,
     KEPT_S,
     dense_of,
+    gemma_reference,
+    gemma_worker,
     gym_case,
     gym_masks,
     gym_reference,
@@ -158,3 +160,16 @@ def test_gym_reference_reads_the_blocks_of_a_block_built_mask():
     want = create_mask(M.generate_vsa_mask_mod(ARGS["topk_indices"](512), 64), 1, 4, 512, 512, device="cpu")
     assert torch.equal(dense_of(case["block_mask"], 1, 4), want)
     assert not torch.equal(want, create_mask(case["block_mask"].mask_mod, 1, 4, 512, 512, device="cpu"))
+
+
+def test_transformers_gemma2_trains_exactly():
+    """transformers' Gemma 2 (tiny random config, flex_attention): tanh soft-capping of the attention logits is a
+    score_mod, one layer slides a 96-token window over 200 tokens; every site rewritten with its score_mod, the
+    graph sequence-sharded with nothing gathered, loss and every gradient exact at 2 ranks under Inductor."""
+    res = run_ranks(gemma_worker, 2, args=(200, FAST), timeout=1800)
+    ref64, ref32 = gemma_reference(200)
+    for rank, r in enumerate(res):
+        assert not check_step(r, ref64, ref32), (rank, check_step(r, ref64, ref32))
+        assert len(r["sites"]) == 2 and all(s["rewritten"] and "score_mod" in s["why"] and s["form"] == "explicit"
+                                            for s in r["sites"]), r["sites"]
+        assert r["fallbacks"] == [] and max(r["sharded"]) > 100, r  # (the graph with the layers)

@@ -224,16 +224,20 @@ _EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, dout: torch.Tensor,
-                    dlse: torch.Tensor, dtype: torch.dtype) -> dict:
+                    dlse: torch.Tensor, dtype: torch.dtype, score_mod=None) -> dict:
     """Dense single-device attention in ``dtype`` (torch.float64: the oracle) and its gradients under the loss
     ``sum(out * dout) + sum(lse * dlse)`` (so dLSE is exercised): ``out``, ``lse``, ``dq``, ``dk``, ``dv``.
 
     ``q`` ``[B, H, S, D]``, ``k`` / ``v`` ``[B, Hkv, S, D]`` (grouped-query attention when ``Hkv < H``), ``allowed``
-    a bool mask broadcastable to ``[B, H, S, S]``; the LSE is fp32 below fp64, as the kernels keep it."""
+    a bool mask broadcastable to ``[B, H, S, S]``; the LSE is fp32 below fp64, as the kernels keep it.
+    ``score_mod``: fn(scaled scores ``[B, H, S, S]``) -> modified scores, applied before the mask (a FlexAttention
+    score_mod with its indices bound by the caller); tensors it closes over that require grad get theirs."""
     q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
     r = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
     scores = (q @ kk.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if score_mod is not None:
+        scores = score_mod(scores.double() if dtype == torch.float64 else scores.float()).to(scores.dtype)
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores.float() if dtype != torch.float64 else scores, -1)
     out = torch.softmax(scores, -1).nan_to_num(0.0) @ vv
