@@ -1,10 +1,11 @@
 """One runtime fuzz case as plain data, what a rank does with it, its fp64 reference, and its reproduction.
 
 A case is a dict of literals (``world``, ``seqlen``, ``heads``, ``kv_heads``, ``head_dim``, ``batch``, ``dtype``,
-``block``, ``method``, ``planner``, ``mask_arg``, ``mask``, ``seed``), so it pickles to spawned ranks and prints as
-Python. ``mask`` names a pattern and its parameters (``dense_mask``): random block patterns with element noise,
-documents (length-1 documents included; tokens past the last document attend nowhere), windows, prefixes,
-dilations, each with optional rows that attend nowhere.
+``block``, ``method``, ``planner``, ``mask_arg``, ``mask``, ``score``, ``seed``), so it pickles to spawned ranks and
+prints as Python. ``mask`` names a pattern and its parameters (``dense_mask``): random block patterns with element
+noise, documents (length-1 documents included; tokens past the last document attend nowhere), windows, prefixes,
+dilations, each with optional rows that attend nowhere. ``score`` names a FlexAttention score_mod family and its
+parameters (``score_mod_of``: tanh soft-capping, ALiBi, a random relative-position bias table), or None.
 
 The functions marked SELF-CONTAINED use only torch, math and ultraattn's public API (imports inside), because
 ``repro`` copies their source into the reproduction it prints: the snippet runs exactly the code the fuzzer ran.
@@ -65,6 +66,29 @@ def dense_mask(case: dict):
     return out
 
 
+def score_mod_of(case: dict):
+    """The case's score_mod ``fn(score, b, h, q_idx, kv_idx)`` (plain torch on index tensors, so both the dense
+    oracle's broadcasting and FlexAttention's vmap evaluate it), or None."""
+    import torch
+
+    spec = case.get("score")
+    if spec is None:
+        return None
+    heads, s = case["heads"], case["seqlen"]
+    if spec["kind"] == "softcap":
+        cap = spec["cap"]
+        return lambda score, b, h, q_idx, kv_idx: cap * torch.tanh(score / cap)
+    if spec["kind"] == "alibi":
+        strength = spec["strength"]
+        return lambda score, b, h, q_idx, kv_idx: \
+            score - strength * torch.exp2(-8.0 * (h + 1) / heads) * (q_idx - kv_idx).abs()
+    if spec["kind"] == "relbias":
+        g = torch.Generator().manual_seed(spec["seed"])
+        table = torch.randn(heads, 2 * s - 1, generator=g) * spec["std"]
+        return lambda score, b, h, q_idx, kv_idx: score + table[h, q_idx - kv_idx + s - 1]
+    raise ValueError(f"unknown score_mod kind {spec['kind']!r}")
+
+
 def make_inputs(case: dict):
     """q, k, v, the output's gradient and the LSE's gradient (global tensors, the case's dtype; dlse fp32)."""
     import torch
@@ -106,7 +130,8 @@ def run_attention(rank: int, world: int, case: dict) -> dict:
     options = PlannerOptions(time_budget=1.0, ilp_time_limit=0.5, schedule_time_limit=0.3, heuristic_seconds=0.1)
     plan = ultraattn.plan_attention(mask, seqlen=s, num_heads=case["heads"], head_dim=case["head_dim"],
                                     num_kv_heads=case["kv_heads"], batch=b, dtype=dt, block_size=case["block"],
-                                    method=case["method"], planner=case["planner"], options=options, timeout=60)
+                                    method=case["method"], planner=case["planner"], options=options, timeout=60,
+                                    score_mod=score_mod_of(case))
     q, k, v, do, dlse = make_inputs(case)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     ql, kl, vl = (ultraattn.dispatch(x, plan) for x in (q, k, v))
@@ -128,10 +153,20 @@ def run_attention(rank: int, world: int, case: dict) -> dict:
 
 def reference(case: dict, dtype):
     """Single-device dense attention in ``dtype`` (torch.float64: the oracle): out, lse, dq, dk, dv."""
+    import torch
+
     from ultraattn.testing import dense_attention
 
     q, k, v, do, dlse = make_inputs(case)
-    return dense_attention(q, k, v, dense_mask(case)[:, None], do, dlse, dtype)
+    fn, bound = score_mod_of(case), None
+    if fn is not None:
+        b, h = torch.arange(case["batch"]).view(-1, 1, 1, 1), torch.arange(case["heads"]).view(1, -1, 1, 1)
+        qi, ki = torch.arange(case["seqlen"]).view(1, 1, -1, 1), torch.arange(case["seqlen"]).view(1, 1, 1, -1)
+
+        def bound(scores):
+            return fn(scores, b, h, qi, ki)
+
+    return dense_attention(q, k, v, dense_mask(case)[:, None], do, dlse, dtype, score_mod=bound)
 
 
 def reproduce(case: dict) -> list[str]:
@@ -149,7 +184,7 @@ def reproduce(case: dict) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the reproduction
-_SNIPPET_FUNCTIONS = (dense_mask, make_inputs, run_attention, reference, reproduce)
+_SNIPPET_FUNCTIONS = (dense_mask, score_mod_of, make_inputs, run_attention, reference, reproduce)
 
 
 def repro(case: dict) -> str:

@@ -86,6 +86,19 @@ def masks(draw, seqlen: int, batch: int, block: int) -> dict:
 
 
 @st.composite
+def score_mods(draw) -> dict | None:
+    """None four times in seven; else a score_mod family with random parameters (``fuzz_case.score_mod_of``)."""
+    kind = draw(st.sampled_from([None, None, None, None, "softcap", "alibi", "relbias"]))
+    if kind == "softcap":
+        return {"kind": kind, "cap": draw(st.floats(0.5, 30.0))}
+    if kind == "alibi":
+        return {"kind": kind, "strength": draw(st.floats(0.001, 2.0))}
+    if kind == "relbias":
+        return {"kind": kind, "seed": draw(st.integers(0, 2**16)), "std": draw(st.floats(0.1, 3.0))}
+    return None
+
+
+@st.composite
 def cases(draw, world: int) -> dict:
     block = draw(st.sampled_from([64, 128]))
     seqlen = draw(st.integers(64, 700).map(lambda s: s + 1 if s % block == 0 else s))  # never a block multiple
@@ -99,7 +112,7 @@ def cases(draw, world: int) -> dict:
         "block": block, "method": method,
         "planner": draw(st.sampled_from(["auto", "fast", "ilp"])) if method == "ultraattn" else "auto",
         "mask_arg": draw(st.sampled_from(["block_mask", "mask_mod"])),
-        "mask": draw(masks(seqlen, batch, block)), "seed": draw(st.integers(0, 2**16)),
+        "mask": draw(masks(seqlen, batch, block)), "score": draw(score_mods()), "seed": draw(st.integers(0, 2**16)),
     }
 
 
@@ -200,7 +213,7 @@ def _settings(world: int):
 def _case(world: int, **kw) -> dict:
     base = {"world": world, "seqlen": 200, "heads": 4, "kv_heads": 2, "head_dim": 16, "batch": 1, "dtype": "bf16",
             "block": 64, "method": "ultraattn", "planner": "fast", "mask_arg": "block_mask",
-            "mask": {"kind": "window", "window": 1, "causal": True, "empty_rows": []}, "seed": 0}
+            "mask": {"kind": "window", "window": 1, "causal": True, "empty_rows": []}, "score": None, "seed": 0}
     return {**base, **kw}
 
 
@@ -217,6 +230,9 @@ PINNED = [
     dict(method="ulysses", heads=4, kv_heads=4), dict(method="ulysses", heads=6, kv_heads=3),
     dict(method="usp", heads=6, kv_heads=3, batch=2, mask={"kind": "prefix", "prefix": 70, "empty_rows": [[5, 9]]}),
     dict(planner="ilp", mask_arg="mask_mod", mask={"kind": "dilated", "dilation": 2, "span": 30, "empty_rows": []}),
+    # a score_mod with a table indexed by relative position, a padded tail and rows that attend nowhere
+    dict(method="zigzag", seqlen=150, mask={"kind": "window", "window": 40, "causal": True, "empty_rows": [[3, 5]]},
+         score={"kind": "relbias", "seed": 1, "std": 2.0}),
 ]
 
 
@@ -225,6 +241,7 @@ def _fuzz_test(world: int):
         event(f"method {case['method']}" + ("" if case["method"] != "ultraattn" else f" planner {case['planner']}"))
         event(f"mask {case['mask']['kind']}" + (" with empty rows" if case["mask"]["empty_rows"] else ""))
         event("refused" if refused(case) else case["dtype"])
+        event(f"score_mod {case['score']['kind'] if case['score'] else None}")
         problems = violations(case, pools.get(world).run(case))
         assert not problems, explain(case, problems)
 
