@@ -5,8 +5,10 @@ no block_mask at all), tanh soft-capping (documents), Sandwich (causal), an acti
 (documents), Graphormer's spatial bias (a learned table indexed by per-batch distances; causal) and MLA's
 decoupled RoPE term (query/key rope vectors as fixed buffers: PyTorch's own flex_attention cannot differentiate a
 score_mod that gathers vectors from a tensor requiring grad, "idx shape must match value shape", so there is no
-reference to check such a gradient against; documents). Batch 2 and GQA (4 query heads, 2 kv heads), so the
-score_mods see every index they can read.
+reference to check such a gradient against; documents). And attention sinks as GPT-OSS has them (transformers'
+flex path): a learned per-head logit joins every row's softmax, applied after flex_attention through its
+log-sum-exp, which the rewritten site returns exact across ranks (soft-capped scores, causal). Batch 2 and GQA
+(4 query heads, 2 kv heads), so the score_mods see every index they can read.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 HEADS, KV_HEADS, DIM, BATCH, ROPE = 4, 2, 32, 2, 8
 BUCKETS = 6
 CASES = (("alibi", "causal"), ("alibi", "none"), ("softcap", "document"), ("sandwich", "causal"),
-         ("activation", "document"), ("graphormer", "causal"), ("mla_rope", "document"))
+         ("activation", "document"), ("graphormer", "causal"), ("mla_rope", "document"), ("sinks", "causal"))
 
 
 def _causal(b, h, q_idx, kv_idx):
@@ -52,6 +54,8 @@ class ScoreModel(nn.Module):
             self.spatial = nn.Parameter(0.5 * torch.randn(HEADS, BUCKETS))
             g = torch.Generator().manual_seed(3)
             self.register_buffer("distances", torch.randint(0, BUCKETS, (BATCH, S, S), generator=g, dtype=torch.int32))
+        if case == "sinks":
+            self.sinks = nn.Parameter(torch.randn(HEADS))
         if case == "mla_rope":
             g = torch.Generator().manual_seed(5)
             self.register_buffer("q_rope", torch.randn(BATCH, HEADS, S, ROPE, generator=g))
@@ -71,7 +75,7 @@ class ScoreModel(nn.Module):
         c = self.case
         if c == "alibi":
             return generate_alibi_bias(HEADS)
-        if c == "softcap":
+        if c in ("softcap", "sinks"):
             return generate_tanh_softcap(2)
         if c == "sandwich":
             return generate_sandwich_bias(HEADS, S, d_bar=16)
@@ -88,7 +92,14 @@ class ScoreModel(nn.Module):
         d = DIM // HEADS
         q = self.q(x).view(B, S, HEADS, d).transpose(1, 2)
         k, v = self.kv(x).view(B, S, 2, KV_HEADS, d).permute(2, 0, 3, 1, 4)
-        a = flex_attention(q, k, v, score_mod=self.score_mod(x), block_mask=self.block_mask, enable_gqa=True)
+        if self.case == "sinks":   # transformers' flex_attention_forward with s_aux, as GPT-OSS calls it
+            a, aux = flex_attention(q, k, v, score_mod=self.score_mod(x), block_mask=self.block_mask, enable_gqa=True,
+                                    return_aux=AuxRequest(lse=True))
+            lse = aux.lse.unsqueeze(-1)
+            both = torch.logsumexp(torch.cat([lse, self.sinks.view(1, -1, 1, 1).expand_as(lse)], dim=-1), -1, True)
+            a = a * torch.exp(lse - both)
+        else:
+            a = flex_attention(q, k, v, score_mod=self.score_mod(x), block_mask=self.block_mask, enable_gqa=True)
         y = self.o(a.transpose(1, 2).reshape(B, S, -1))
         return (y.float() ** 2).mean()
 

@@ -27,8 +27,9 @@ def _runs(world: int) -> list[tuple[str, str, int]]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_attn_gym_score_mods_train_exactly(world):
     """attn-gym's alibi (causal BlockMask, and none), softcap, sandwich, activation, graphormer (a learned table:
-    its gradient is summed over the ranks) and mla_rope (documents), batch 2, GQA: loss and every gradient by the
-    numerics policy, each site rewritten as an explicit program with its score_mod."""
+    its gradient is summed over the ranks) and mla_rope (documents), and GPT-OSS-style attention sinks through the
+    LSE; batch 2, GQA: loss and every gradient by the numerics policy, each site rewritten as an explicit program
+    with its score_mod."""
     runs = _runs(world)
     res = run_ranks(worker, world, args=(runs, FAST), timeout=1800)
     bad = []
@@ -44,8 +45,9 @@ def test_attn_gym_score_mods_train_exactly(world):
         if site["mask"] != want:
             bad.append(f"{case}/{mask}: reported mask {site['mask']}, not {want}")
     assert not bad, "\n".join(bad)
-    learned = [r for (c, _m, _s), r in zip(runs, res[0], strict=True) if c == "graphormer"]
-    assert learned[0]["grads"]["spatial"].abs().sum() > 0
+    by_case = {c: r for (c, _m, _s), r in zip(runs, res[0], strict=True)}
+    assert by_case["graphormer"]["grads"]["spatial"].abs().sum() > 0   # a learned table read by the score_mod
+    assert by_case["sinks"]["grads"]["sinks"].abs().sum() > 0          # sinks: through the site's log-sum-exp
 
 
 # ----------------------------------------------------------------------------- the tiles' score_mod path
