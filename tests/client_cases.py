@@ -364,19 +364,28 @@ def gemma_reference(S: int) -> tuple[dict, dict]:
     return tuple(hf_step(gemma_model("eager", dt), ids, None, False) for dt in (torch.float64, torch.float32))
 
 
-def gemma_worker(rank: int, world: int, S: int, options: dict) -> dict:
+def gemma_worker(rank: int, world: int, S: int, options: dict) -> list[dict]:
+    """The whole model compiled, then its decoder layers compiled block by block (``ultraattn.compile_blocks``):
+    each step with its site records."""
     import ultraattn
     import ultraattn.passes
 
-    ultraattn.reset()
-    ids, _ = hf_data(S, False)
-    res = hf_step(torch.compile(gemma_model("flex_attention"), backend="ultraattn", options=dict(options)), ids, None,
-                  False)
-    recs = ultraattn.passes.side_table().graphs
-    res["sites"] = [s.to_json() for g in recs for s in g.sites]
-    res["fallbacks"] = [(f.op, f.why) for g in recs if g.shard for f in g.shard.fallbacks]
-    res["sharded"] = [g.shard.sharded_ops if g.shard else 0 for g in recs]
-    return res
+    results = []
+    for blocks in (False, True):
+        ultraattn.reset()
+        ids, _ = hf_data(S, False)
+        model = gemma_model("flex_attention")
+        if blocks:
+            ultraattn.compile_blocks(model.model.layers, options=dict(options))
+        else:
+            model = torch.compile(model, backend="ultraattn", options=dict(options))
+        res = hf_step(model, ids, None, False)
+        recs = ultraattn.passes.side_table().graphs
+        res["sites"] = [s.to_json() for g in recs for s in g.sites]
+        res["fallbacks"] = [(f.op, f.why) for g in recs if g.shard for f in g.shard.fallbacks]
+        res["sharded"] = [g.shard.sharded_ops if g.shard else 0 for g in recs]
+        results.append(res)
+    return results
 
 
 
