@@ -12,6 +12,7 @@ of the attention calls alone) for comparison.
 
     python examples/train_cp.py                                  # spawns 4 gloo ranks on this CPU
     python examples/train_cp.py --mask document --nproc 2        # packed documents, flex_attention
+    python examples/train_cp.py --mask document --softcap 20     # and a score_mod (tanh soft-capping)
     torchrun --nproc-per-node 2 examples/train_cp.py --steps 2   # gloo ranks on CPU, launched by torchrun
     torchrun --nproc-per-node 8 examples/train_cp.py --seqlen 16384 --dim 1024 --layers 4   # NCCL, a GPU per rank
 
@@ -68,11 +69,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE; ``mask``: None (causal SDPA), a BlockMask (flex) or a dense bool mask."""
+    """Grouped-query attention with RoPE; ``mask``: None (causal SDPA), a BlockMask (flex) or a dense bool mask.
+    ``softcap``: tanh soft-capping of the scores, as Gemma 2 does (a score_mod of flex_attention; the dense path
+    writes it out)."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int):
+    def __init__(self, dim: int, heads: int, kv_heads: int, softcap: float | None = None):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.heads, self.kv_heads, self.head_dim, self.softcap = heads, kv_heads, dim // heads, softcap
         self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
         self.wkv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
@@ -82,8 +85,15 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k, v = self.wkv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cap = self.softcap
         if isinstance(mask, BlockMask):
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+            score_mod = None if cap is None else (lambda s, b, h, q_idx, kv_idx: cap * torch.tanh(s / cap))
+            out = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=True)
+        elif cap is not None:  # the single-process reference of a soft-capped run: plain torch, dense mask
+            rep = self.heads // self.kv_heads
+            s_ = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) / math.sqrt(self.head_dim)
+            s_ = (cap * torch.tanh(s_ / cap)).masked_fill(~mask, float("-inf"))
+            out = torch.softmax(s_, -1) @ v.repeat_interleave(rep, 1)
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -105,10 +115,10 @@ class SwiGLU(nn.Module):
 class Layer(nn.Module):
     """Pre-norm transformer layer: RMSNorm -> attention, RMSNorm -> SwiGLU, each with a residual."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int):
+    def __init__(self, dim: int, heads: int, kv_heads: int, softcap: float | None = None):
         super().__init__()
         self.attn_norm, self.mlp_norm = nn.RMSNorm(dim, eps=1e-6), nn.RMSNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, heads, kv_heads)
+        self.attn = Attention(dim, heads, kv_heads, softcap)
         self.mlp = SwiGLU(dim, hidden=64 * math.ceil(8 * dim / 3 / 64))  # ~8/3 dim, a multiple of 64
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: BlockMask | Tensor | None) -> Tensor:
@@ -117,11 +127,12 @@ class Layer(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, dim: int, layers: int, heads: int, kv_heads: int, vocab: int = VOCAB):
+    def __init__(self, dim: int, layers: int, heads: int, kv_heads: int, vocab: int = VOCAB,
+                 softcap: float | None = None):
         super().__init__()
         self.head_dim = dim // heads
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Layer(dim, heads, kv_heads) for _ in range(layers))
+        self.layers = nn.ModuleList(Layer(dim, heads, kv_heads, softcap) for _ in range(layers))
         self.norm = nn.RMSNorm(dim, eps=1e-6)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
 
@@ -170,7 +181,7 @@ def document_masks(lengths: list[int], device: torch.device) -> tuple[BlockMask,
 def train(args: argparse.Namespace, device: torch.device, compiled: bool, rank: int = 0) -> dict:
     """Train ``args.steps`` AdamW steps; compiled: through the ultraattn backend (on every rank), else eagerly."""
     torch.manual_seed(args.seed)
-    model = Llama(args.dim, args.layers, args.heads, args.kv_heads).to(device)
+    model = Llama(args.dim, args.layers, args.heads, args.kv_heads, softcap=args.softcap).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     options = {"report": "summary" if rank == 0 else "off", "ilp_time_limit": 1.0, "time_budget": 2.0,
                "explicit": not args.opaque, "shard": not args.attention_only}
@@ -253,6 +264,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--mask", choices=("causal", "document"), default="causal")
+    p.add_argument("--softcap", type=float, default=None,
+                   help="with --mask document: tanh soft-capping of the attention scores at this value (Gemma 2's "
+                        "score_mod), applied in every tile with global indices")
     p.add_argument("--same-mask", action="store_true",
                    help="with --mask document: the first step's documents every step (to compare with new ones)")
     p.add_argument("--plan-ahead", action="store_true",
@@ -282,6 +296,8 @@ def parse_args() -> argparse.Namespace:
                 f"(RoPE rotates pairs of channels)")
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads} (grouped-query attention)")
+    if args.softcap is not None and (args.mask != "document" or not args.softcap > 0):
+        p.error(f"--softcap {args.softcap}: needs --mask document (a flex_attention score_mod) and a positive cap")
     if args.seqlen < 2:
         p.error(f"--seqlen must be at least 2 (next-token prediction), got {args.seqlen}")
     return args

@@ -289,11 +289,12 @@ def test_report_file_and_cli(tmp_path):
 def test_main_example_runs_and_matches_a_single_process():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, os.path.join(root, "examples", "train_cp.py"), "--nproc", "2", "--steps", "2",
-                          "--seqlen", "256", "--layers", "1", "--mask", "document"],
+                          "--seqlen", "256", "--layers", "1", "--mask", "document", "--softcap", "20"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "(tolerance 0.0001): OK" in out.stdout and "per rank: 1/1, 1/1" in out.stdout, out.stdout[-2000:]
-    # its flex site is an explicit program whose new masks are planned inside each step (the "plan ms" column)
+    # its flex site (soft-capped: a score_mod) is an explicit program whose new masks are planned inside each step
+    # (the "plan ms" column)
     assert "│ explicit │" in out.stdout, out.stdout[-3000:]
     steps = [ln.split() for ln in out.stdout.splitlines() if ln.split()[:1] in (["1"], ["2"])]
     assert len(steps) == 2 and all(float(row[6]) > 0 for row in steps), steps

@@ -49,8 +49,8 @@ def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
     assert kc["compiled"]["ok"] and kc["compiled"]["op_called_from_inductor_code"]
     # 2: two ranks over the host-staged transport, every rank exact, tiles in the graphs
     tr = _load(tmp_path, "two_ranks")
-    assert len(tr["rows"]) == 4 and all(row["ok"] and row["transport"] == "StagedTransport" for row in tr["rows"])
-    assert {row["kind"] for row in tr["rows"]} == {"causal", "document"}
+    assert len(tr["rows"]) == 6 and all(row["ok"] and row["transport"] == "StagedTransport" for row in tr["rows"])
+    assert {row["kind"] for row in tr["rows"]} == {"causal", "document", "softcap"}
     # 3: world 1, both attention kinds exact at the first and last step; the kernel ops ran
     e2e = _load(tmp_path, "backend_e2e")
     for row in e2e["rows"]:

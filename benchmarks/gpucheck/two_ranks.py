@@ -5,8 +5,10 @@ NCCL refuses two ranks on one device, so the two ranks talk over gloo, and gloo 
 picks for gloo on a CUDA machine. Each rank compiles the example model (``examples/train_cp.py``) with
 ``backend="ultraattn"`` (Inductor; ``aot_eager`` in the dry run): the sequence sharded through the graph, each
 attention an explicit per-rank program whose tiles are the Triton kernels. One step each with causal SDPA (a plan
-made at compile time) and with a flex document mask (planned at run time); every rank's loss and gradients must
-pass the numerics policy against the single-process eager step (fp64 oracle, fp32 same-precision reference).
+made at compile time), with a flex document mask (planned at run time), and with that mask and tanh soft-capping
+(a score_mod: its tiles run in plain torch on the GPU, ``runtime.tiles.ScoreMod``); every rank's loss and
+gradients must pass the numerics policy against the single-process eager step (fp64 oracle, fp32 same-precision
+reference).
 The bandwidth is the host's, so no time here says anything about NCCL.
 """
 
@@ -29,7 +31,8 @@ from .common import Ctx, grads_of, sync
 NAME = "two_ranks"
 TITLE = "two ranks, one GPU"
 CORRECTNESS = True
-KINDS = ("causal", "document")
+KINDS = ("causal", "document", "softcap")
+SOFTCAP = 20.0
 
 
 def _data(cfg: dict):
@@ -52,9 +55,10 @@ def worker(rank: int, world: int, cfg: dict, compiler: str, cuda: bool) -> dict:
     for kind in KINDS:
         ultraattn.reset()
         torch.manual_seed(0)
-        model = Llama(cfg["dim"], cfg["layers"], cfg["heads"], cfg["kv_heads"]).to(device)
+        model = Llama(cfg["dim"], cfg["layers"], cfg["heads"], cfg["kv_heads"],
+                      softcap=SOFTCAP if kind == "softcap" else None).to(device)
         run = torch.compile(model, backend="ultraattn", options={"compiler": compiler, "report": "off"})
-        mask = document_masks(lengths, device)[0] if kind == "document" else None
+        mask = document_masks(lengths, device)[0] if kind != "causal" else None
         sync(device)
         t0 = time.perf_counter()
         loss = run(tokens, mask)
@@ -73,11 +77,12 @@ def references(cfg: dict, device: torch.device) -> dict:
     """The single-process eager steps (fp64 and fp32; the document mask as SDPA's dense mask) per kind."""
     tokens, lengths = _data(cfg)
     tokens = tokens.to(device)
-    torch.manual_seed(0)
-    base = Llama(cfg["dim"], cfg["layers"], cfg["heads"], cfg["kv_heads"]).to(device)
     refs = {}
     for kind in KINDS:
-        dense = document_masks(lengths, device)[1] if kind == "document" else None
+        torch.manual_seed(0)
+        base = Llama(cfg["dim"], cfg["layers"], cfg["heads"], cfg["kv_heads"],
+                     softcap=SOFTCAP if kind == "softcap" else None).to(device)
+        dense = document_masks(lengths, device)[1] if kind != "causal" else None
         pair = []
         for dt in (torch.float64, torch.float32):
             m = copy.deepcopy(base).to(dt)
