@@ -103,6 +103,8 @@ def test_plan_attention_argument_errors():
         ultraattn.plan_attention(pat, seqlen=64, num_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="lengths \\(64, 64\\) but seqlen=32"):
         ultraattn.plan_attention(pat, seqlen=32, num_heads=2, head_dim=16)
+    with pytest.raises(TypeError, match="ultraattn: `score_mod` must be a FlexAttention score_mod .* got 3.0"):
+        ultraattn.plan_attention("causal", seqlen=64, num_heads=2, head_dim=16, score_mod=3.0)
 
 
 def test_world_size_without_process_group_is_an_error(monkeypatch):
