@@ -50,6 +50,20 @@ def test_attn_gym_score_mods_train_exactly(world):
     assert by_case["sinks"]["grads"]["sinks"].abs().sum() > 0          # sinks: through the site's log-sum-exp
 
 
+def test_score_mods_in_one_op_sites():
+    """``explicit=False``: each site one op running the runtime's executor (its backward op returns the learned
+    table's gradient, summed over the ranks by the transport): exact too, with a run-time mask and with none."""
+    runs = [("graphormer", "causal", 500), ("alibi", "none", 512)]
+    res = run_ranks(worker, 2, args=(runs, dict(FAST, explicit=False)), timeout=1800)
+    for i, (case, mask, S) in enumerate(runs):
+        ref64, ref32 = reference(case, mask, S)
+        for rank, r in enumerate(res):
+            assert not check_step(r[i], ref64, ref32), (case, rank, check_step(r[i], ref64, ref32))
+            (site,) = r[i]["sites"]
+            assert site["rewritten"] and site["form"].startswith("one op"), site
+    assert res[0][0]["grads"]["spatial"].abs().sum() > 0
+
+
 # ----------------------------------------------------------------------------- the tiles' score_mod path
 def _geometry(S: int, chunk: int, block: int, heads: int, kv_heads: int, batch: int, groups: int, score: ScoreMod
               ) -> TileGeometry:
