@@ -358,3 +358,39 @@ def test_worker_never_blocks_exit():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "handed" in out.stdout, out.stderr
+
+
+# ----------------------------------------------------------------------------- regret over the cost-model band
+def test_regret_over_the_cost_model_band():
+    """``planner.robust``: a band of width 1 is the nominal model, so each eligible candidate's regret is its price
+    over the cheapest price and the chosen one (``meta["candidate"]``) has regret 1; a real band gives every candidate a
+    regret >= that, and scaling every compute rate and bandwidth of one corner is what the corner prices say."""
+    from ultraattn.planner.price import price
+    from ultraattn.planner.robust import Band, band_prices
+
+    dense = random_block_dense(3, 700, 32)
+    bm = create_block_mask(lambda b, h, q, kv: dense[q, kv], None, None, 700, 700, device="cpu", BLOCK_SIZE=32)
+    cells = cells_from_block_mask(bm)
+    fp = FastPlanner(shape=AttnShape(seq_len=700, num_heads=4, head_dim=32, num_kv_heads=2),
+                     mesh=Mesh(nodes=2, devices=2))
+    tp = fp.plan(cells)
+    flat = fp.regrets(cells, Band(rate=1.0, latency=1.0))
+    drafts = {c.name: c.get() for c in fp.candidates(cells) if c.eligible}
+    nominal = {n: price(d.kernels, d.messages, d.owner, d.assign_GPP.shape[0], fp.mesh, fp.cost)
+               for n, d in drafts.items()}
+    cheapest = min(nominal.values())
+    assert flat == pytest.approx({n: p / cheapest for n, p in nominal.items()})
+    assert flat[tp.meta["candidate"]] == pytest.approx(1.0) or tp.meta["replayed"]  # (a replayed near-tie may differ)
+    wide = fp.regrets(cells)
+    assert set(wide) == set(flat) and all(wide[n] >= flat[n] - 1e-12 for n in flat)
+    assert min(wide.values()) >= 1.0
+    # the corner "everything 1.5x slower, latencies 2x": every time term scales, so each price scales by 1.5..2
+    prices = band_prices(drafts, fp.mesh, fp.cost, Band())
+    slow = Band().corners(fp.cost).index(next(c for c in Band().corners(fp.cost)
+                                              if c[0] < 1 and c[1].intra_bw_GBps < fp.cost.intra_bw_GBps
+                                              and c[1].inter_bw_GBps < fp.cost.inter_bw_GBps
+                                              and c[1].intra_latency_us > fp.cost.intra_latency_us))
+    for n, p in prices.items():
+        assert p[0] == pytest.approx(nominal[n]) and 1.5 * p[0] * (1 - 1e-9) <= p[slow] <= 2.0 * p[0] * (1 + 1e-9)
+    with pytest.raises(ValueError, match="ultraattn: Band.rate must be >= 1"):
+        Band(rate=0.5)

@@ -58,6 +58,7 @@ from .build import kernel_groups
 from .cost import DEFAULT_COST, CostModel
 from .plan import AttnShape, Mesh, TilePlan, TokenSharding, padded_chunk
 from .price import Draft, Grid, Kernels, assemble, busy_bound, compute_bound, price, route
+from .robust import DEFAULT_BAND, Band, band_prices, regrets
 from .schedule import build_graph, simulate, workload
 
 #: chunks per rank tried for our own structure (the ILP planner starts at 2 and refines to 8)
@@ -84,6 +85,8 @@ class Candidate:
     """Builds the array-form plan (routing, kernel grouping)."""
     seconds: float | None = None
     """Closed-form fwd (+ bwd) seconds; None when skipped (its bound exceeds the best price)."""
+    eligible: bool = True
+    """False for our structure at a granularity that misses the balance tolerance while another meets it."""
     _draft: Draft | None = None
 
     def get(self) -> Draft:
@@ -203,9 +206,17 @@ class FastPlanner:
             tp = plans[best.name]
         if tp is None:
             tp = self.build(best)
-        tp.meta.update(candidates=summary, replayed={n: round(v * 1e3, 6) for n, v in replayed.items()})
+        tp.meta.update(candidates=summary, replayed={n: round(v * 1e3, 6) for n, v in replayed.items()},
+                       candidate=best.name)
         tp.meta["planning_ms"] = (time.perf_counter() - t0) * 1e3
         return tp
+
+    def regrets(self, cells: BlockCells | BlockPattern, band: Band = DEFAULT_BAND) -> dict[str, float]:
+        """Every eligible candidate's worst-case regret over ``band`` (``planner.robust``) against the others, each
+        priced in full (no pruning: for reports, not the planning budget). ``plan``'s choice is
+        ``meta["candidate"]``."""
+        cands = [c for c in self.candidates(self._check(cells)) if c.eligible]
+        return regrets(band_prices({c.name: c.get() for c in cands}, self.mesh, self.cost, band))
 
     def build(self, cand: Candidate, **meta) -> TilePlan:
         """The ``TilePlan`` of one candidate (``plan`` builds the cheapest; tests and reports any)."""
@@ -249,7 +260,9 @@ class FastPlanner:
         # our structure must balance when one of its granularities can
         tol = 1 + self.balance_tol + 1e-9
         strict = any(c.imbalance <= tol for c in cands if c.name.startswith("tiled"))
-        eligible = [c for c in cands if not (strict and c.name.startswith("tiled") and c.imbalance > tol)]
+        for c in cands:
+            c.eligible = not (strict and c.name.startswith("tiled") and c.imbalance > tol)
+        eligible = [c for c in cands if c.eligible]
         # bounds below the price, cheap to costly: compute at peak rate, then the busiest stream (needs the draft)
         for c in eligible:
             d = c.get()
