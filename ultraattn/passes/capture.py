@@ -250,10 +250,11 @@ def _flex_site(index: int, node: fx.Node, world: int) -> Site:
     if s.q_shape[1] % s.kv_shape[1]:
         s.skip(f"{s.q_shape[1]} query heads are not a multiple of {s.kv_shape[1]} kv heads")
         return s
-    s.reason = "rewritten (BlockMask)" if s.mask == "block_mask" else "rewritten (no block_mask: full)"
+    what = "BlockMask" if s.mask == "block_mask" else "no block_mask: full"
     if s.score_mod is not None:
         learned = sum(s.score_grads)
-        s.reason = s.reason[:-1] + ", score_mod" + (f" with {learned} learned buffer(s)" if learned else "") + ")"
+        what += ", score_mod" + (f" with {learned} learned buffer(s)" if learned else "")
+    s.reason = f"rewritten ({what})"
     return s
 
 

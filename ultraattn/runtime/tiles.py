@@ -31,6 +31,7 @@ where a tile's partial output is not the final one.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,7 +95,9 @@ class ScoreMod:
         return [n for n, want in enumerate(self.grads) if want]
 
 
+@functools.lru_cache(maxsize=64)
 def _score_fn(score_mod: ScoreMod, n_buffers: int) -> Callable:
+    """The score_mod vmapped over [B, H, Q, KV] (FlexAttention's own ``_vmap_for_bhqkv``), built once per site."""
     from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
     from torch.nn.attention.flex_attention import _vmap_for_bhqkv
 
@@ -355,16 +358,10 @@ def _column_blocks(geo: TileGeometry, cols: list[int], kvs: list[tuple[Tensor, T
     return k_cat.view(bsz, hk, -1, geo.kv_block, d), v_cat.view(bsz, hk, -1, geo.kv_block, d), kv_ids
 
 
-def _scores(geo: TileGeometry, g: int, qa0: int, nq: int, masked_ids: Tensor | None, qs: Tensor, ks: Tensor,
-            r: int) -> Tensor:
-    """Scaled scores ``qs @ ks^T`` [B, hk, r*T, M], -inf where the mask is False (``masked_ids``: the KV block ids
-    of ``ks`` when its blocks need the mask evaluated, None when they are all FULL)."""
-    return _mask_scores(geo, g, qa0, nq, masked_ids, torch.matmul(qs, ks.transpose(-1, -2)), r)
-
-
 def _mask_scores(geo: TileGeometry, g: int, qa0: int, nq: int, masked_ids: Tensor | None, s: Tensor, r: int
                  ) -> Tensor:
-    """``s`` with -inf where the mask is False, in place (``_scores``)."""
+    """Scores ``s`` [B, hk, r*T, M] with -inf where the mask is False, in place (``masked_ids``: the KV block ids
+    of the columns when their blocks need the mask evaluated, None when they are all FULL)."""
     if masked_ids is not None:
         m = geo._mask(g, qa0, nq, masked_ids).to(s.device)
         bsz, hk = s.shape[:2]
@@ -418,13 +415,11 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
         vs = vb[:, :, sel].reshape(bsz, hk, -1, d)
         # [B, Hk, r*T, D]: the r query heads of a KV head share one matmul against it (GQA, no repeat)
         qs = (q5[:, :, :, rows].float() * scale).reshape(bsz, hk, r * t, d)
-        if geo.score_mod is None:
-            s = _scores(geo, g, i * nqb + a, b - a, kv_ids[sel] if need_mask else None, qs, ks, r)
-        else:
+        s = torch.matmul(qs, ks.transpose(-1, -2))
+        if geo.score_mod is not None:
             with eager_dispatch():
-                s = _apply_score(geo, g, i * nqb + a, b - a, kv_ids[sel], torch.matmul(qs, ks.transpose(-1, -2)),
-                                 list(score))
-            s = _mask_scores(geo, g, i * nqb + a, b - a, kv_ids[sel] if need_mask else None, s, r)
+                s = _apply_score(geo, g, i * nqb + a, b - a, kv_ids[sel], s, list(score))
+        s = _mask_scores(geo, g, i * nqb + a, b - a, kv_ids[sel] if need_mask else None, s, r)
         # [Note] one exp pass over the scores: subtract the row max, exponentiate in place, sum; the output is
         # normalised after the matmul (rows x D, not rows x keys) and lse = max + log(sum). (logsumexp, then
         # exp(s - lse), made a temporary the size of the scores and two exp passes: ~10% of a CPU forward step.)
@@ -473,15 +468,14 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
         vs = vb[:, :, sel].reshape(bsz, hk, -1, d)
         qs = (q5[:, :, :, rows].float() * scale).reshape(bsz, hk, r * t, d)
         dos = do5[:, :, :, rows].float().reshape(bsz, hk, r * t, d)
-        masked = kv_ids[sel] if need_mask else None
-        if geo.score_mod is None:
-            s = _scores(geo, g, i * nqb + a, b - a, masked, qs, ks, r)
-        else:   # the score_mod recorded by autograd, for its gradient below
+        s = torch.matmul(qs, ks.transpose(-1, -2))
+        if geo.score_mod is not None:   # the score_mod recorded by autograd, for its gradient below
             with eager_dispatch(), torch.enable_grad():
-                raw = torch.matmul(qs, ks.transpose(-1, -2)).requires_grad_()
+                raw = s.requires_grad_()
                 bufs = [x.detach().requires_grad_(n in wanted) for n, x in enumerate(score)]
                 modded = _apply_score(geo, g, i * nqb + a, b - a, kv_ids[sel], raw, bufs)
-            s = _mask_scores(geo, g, i * nqb + a, b - a, masked, modded.detach().clone(), r)
+            s = modded.detach().clone()
+        s = _mask_scores(geo, g, i * nqb + a, b - a, kv_ids[sel] if need_mask else None, s, r)
         p = s.sub_(lse5[:, :, :, rows].reshape(bsz, hk, r * t, 1)).exp_()       # P with the GLOBAL lse
         dv = torch.matmul(p.transpose(-1, -2), dos)                              # sums the r heads
         ds = torch.matmul(dos, vs.transpose(-1, -2))
