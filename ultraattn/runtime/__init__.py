@@ -1,18 +1,11 @@
 """Runtime: execute a plan across ranks (dispatch, exchange, tile compute, LSE merge, autograd)."""
 
 from ultraattn.runtime import calibrate as _calibrate  # noqa: F401 - provides cost="auto" (costs.py)
-from ultraattn.runtime.api import (
-    METHODS,
-    AttentionPlan,
-    check_consistent,
-    dispatch,
-    dist_attention,
-    plan_attention,
-    undispatch,
-)
+from ultraattn.runtime.api import METHODS, AttentionPlan, check_consistent, plan_attention
 from ultraattn.runtime.comm import RankTimeoutError
 from ultraattn.runtime.executor import PlanExecutionError
 from ultraattn.runtime.online import plan_ahead
+from ultraattn.runtime.tokens import dispatch, dist_attention, undispatch
 
 __all__ = [
     "METHODS",

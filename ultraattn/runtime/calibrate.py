@@ -49,10 +49,11 @@ from ..planner.api import evaluate
 from ..planner.cost import DEFAULT_COST, CostModel, block_flops
 from ..planner.plan import Mesh
 from ..planner.profile import CostProfile, ProfileError, fit_cost, fit_step_scale, scale_kernels
-from .api import dispatch, dist_attention, plan_attention
+from .api import plan_attention
 from .comm import CommLog, GroupRef, resolve_group
 from .costs import provide_auto
 from .tiles import TileGeometry, merge_partial, row_backward, row_forward
+from .tokens import dispatch, dist_attention
 from .transport import Recv, Send, transport_for
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

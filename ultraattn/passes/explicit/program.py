@@ -21,10 +21,10 @@ from ultraattn.kernels import config, uses_triton
 from ultraattn.passes.ops.program import new_token
 from ultraattn.passes.ops.site import kernel_site_backward
 from ultraattn.passes.site import Runner, SiteState
-from ultraattn.runtime.api import gather_tokens
 from ultraattn.runtime.executor import TileSets
 from ultraattn.runtime.executor import layout as unit_layout
 from ultraattn.runtime.tiles import kernel_row_backward, kernel_row_forward, row_backward, row_forward
+from ultraattn.runtime.tokens import gather_tokens
 
 ops = torch.ops.ultraattn
 

@@ -33,7 +33,8 @@ from ultraattn.kernels import BlockLists
 from ultraattn.kernels.reference import softmax_delta
 from ultraattn.passes.site import check_same_inputs, global_shapes, runner_for
 from ultraattn.passes.state import side_table
-from ultraattn.runtime.api import check_consistent, dispatch, gather_tokens
+from ultraattn.runtime.api import check_consistent
+from ultraattn.runtime.tokens import dispatch, gather_tokens
 
 
 def kernel_site_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor,
