@@ -14,10 +14,11 @@ The site's static description and run-time state are in the side table under the
 (``passes/state.py``); the mask's content arrives as ``mask_tensors``, followed by a flex site's score_mod
 buffers (``SiteSpec.split_inputs``). The backward ops take those buffers as ``score`` and return, after dq,
 dk, dv, the gradient of each buffer that wants one (``SiteSpec.score_wanted``), summed over the ranks: the
-buffers are replicated, like a weight. State between a forward
-and its backward (what the runtime received from other ranks) is kept in the site's stash under
-an int64 ticket the forward returns: custom-op bodies run below autograd, so that state cannot
-ride on the autograd graph; the ticket is an ordinary saved activation for AOT autograd.
+buffers are replicated, like a weight.
+
+State between a forward and its backward (what the runtime received from other ranks) is kept in the
+site's stash under an int64 ticket the forward returns: custom-op bodies run below autograd, so that
+state cannot ride on the autograd graph; the ticket is an ordinary saved activation for AOT autograd.
 
 ``after`` (data never read): orders a communicating call after another one in graphs AOT
 autograd made (``explicit/order.py``).
