@@ -2,15 +2,17 @@
 
     python benchmarks/kernels_ptx.py [--targets sm90,sm80] [--dtypes bf16,fp16,fp32]
                                      [--head-dims 32,48,64,80,96,128,192,256] [--groups 1,4,8]
-                                     [--jobs 2] [--out benchmarks/results] [--name kernels_ptx]
+                                     [--scores softcap,relbias|none] [--jobs 2] [--out benchmarks/results]
+                                     [--name kernels_ptx]
 
 Every variant the autotuner may launch (``ultraattn.kernels.config.tile_configs``: each kernel's
 space for the row class of a head dim and dtype) is compiled ahead of time for each target by
 ``ultraattn.kernels.aot`` (TTIR -> PTX -> cubin through the ptxas inside the triton wheel, no GPU)
 and its ``ptxas -v`` line is read. Groups other than 1: dK/dV at every head dim, the forward and
-dQ at 128 and 256 (``plan_variants``). Builds run in ``--jobs`` worker processes;
-a build Triton's cache serves is built again in an empty cache (the cache skips ptxas, whose report
-is the point), so every run compiles cold.
+dQ at 128 and 256 (``plan_variants``). ``--scores``: the kernels with each sample score_mod of
+``aot.SCORES`` generated into them (bf16/fp16, group 1, on the score_mod spaces). Builds run in
+``--jobs`` worker processes; a build Triton's cache serves is built again in an empty cache (the cache
+skips ptxas, whose report is the point), so every run compiles cold.
 
 Writes ``<name>.json`` (every build; ``summary``: worst registers, spilling builds, largest shared
 memory per kernel and target) and, with matplotlib, ``<name>.png``; prints a table. Exit status 1
@@ -52,7 +54,7 @@ def _names(text: str, arg: str, allowed) -> list[str]:
     return out
 
 
-def plan_variants(targets, dtypes, head_dims, groups) -> list[aot.Variant]:
+def plan_variants(targets, dtypes, head_dims, groups, scores=()) -> list[aot.Variant]:
     """Every dtype and head dim at group 1; the other groups for dK/dV at every head dim (it loops
     over the group, which changes its register use) and for the forward and dQ at 128 and 256
     (there the group only changes index arithmetic); fp32 at group 1 only."""
@@ -64,6 +66,8 @@ def plan_variants(targets, dtypes, head_dims, groups) -> list[aot.Variant]:
         big = [d for d in head_dims if d in (128, 256)]
         if big:
             vs += aot.variants(kernels=("fwd", "dq"), targets=targets, dtypes=half, head_dims=big, groups=extra)
+    if scores and half:
+        vs += aot.variants(targets=targets, dtypes=half, head_dims=head_dims, groups=[1], scores=scores)
     return vs
 
 
@@ -73,10 +77,12 @@ def promised(b: aot.Build) -> bool:
 
 
 def table_rows(builds: list[aot.Build]) -> list[dict]:
-    """One row per (kernel, target, row class, dtype): ``aot.summary``'s figures."""
+    """One row per (kernel, target, row class, dtype): ``aot.summary``'s figures (a kernel with a sample
+    score_mod is its own row: ``dq+relbias``)."""
     def key(b: aot.Build) -> tuple:
         v = b.variant
-        return (v.kernel, v.target, config.row_class(v.head_dim, v.dtype), v.dtype)
+        return (v.kernel + (f"+{v.score}" if v.score else ""), v.target, config.row_class(v.head_dim, v.dtype),
+                v.dtype)
 
     return [{"kernel": k[0], "target": k[1], "rows": k[2], "dtype": k[3], **r}
             for k, r in aot.summary(builds, key).items()]
@@ -141,6 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="bf16,fp16,fp32")
     p.add_argument("--head-dims", default="32,48,64,80,96,128,192,256")
     p.add_argument("--groups", default="1,4,8")
+    p.add_argument("--scores", default=",".join(aot.SCORES), help="sample score_mods to build with, or 'none'")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--name", default="kernels_ptx")
@@ -150,7 +157,8 @@ def main(argv=None) -> int:
         print(f"cannot build for NVIDIA targets: {why}", file=sys.stderr)
         return 2
     vs = plan_variants(_names(a.targets, "--targets", aot.TARGETS), _names(a.dtypes, "--dtypes", aot.DTYPES),
-                       _ints(a.head_dims, "--head-dims"), _ints(a.groups, "--groups"))
+                       _ints(a.head_dims, "--head-dims"), _ints(a.groups, "--groups"),
+                       [] if a.scores == "none" else _names(a.scores, "--scores", aot.SCORES))
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     t0 = time.perf_counter()

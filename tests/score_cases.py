@@ -148,6 +148,9 @@ def worker(rank: int, world: int, cases: list[tuple[str, str, int]], options: di
         torch.manual_seed(0)
         cm = torch.compile(ScoreModel(case, mask, S), backend="ultraattn", options=dict(options))
         res = step(cm, inputs(S))
+        from ultraattn.runtime import tiles
+
+        res["generated"] = [v is not None for v in tiles._SCORE_KERNELS.values()]   # score_mods the kernels ran
         recs = ultraattn.passes.side_table().graphs
         res["sites"] = [s.to_json() for g in recs for s in g.sites]
         results.append(res)

@@ -5,7 +5,8 @@ The interpreter tests (test_kernels.py) check the arithmetic; these check what o
 a real GPU shows (kernels/aot.py: triton.compile for a named target, then ptxas -v). A subset,
 chosen to cover each axis once within about a minute on 2 cores with a cold Triton cache: every
 config of the head-dim-128 space in bf16 on both targets (the common case, the largest tiles),
-the padded-128 space (head dim 80) in fp16 at GQA group 8 on sm_90, and the 256 space on sm_90.
+the padded-128 space (head dim 80) in fp16 at GQA group 8 on sm_90, the 256 space on sm_90, and the
+head-dim-128 score_mod spaces on sm_90 with both sample score_mods generated in (``aot.SCORES``).
 ``python benchmarks/kernels_ptx.py`` builds the whole matrix (every head dim, dtype, group, both
 targets) and writes the table (benchmarks/results/kernels_ptx.json).
 """
@@ -29,7 +30,8 @@ pytestmark = pytest.mark.skipif(not _OK, reason=f"no NVIDIA backend in this Trit
 def builds() -> list[aot.Build]:
     vs = (aot.variants(targets=("sm90", "sm80"), dtypes=("bf16",), head_dims=(128,))
           + aot.variants(targets=("sm90",), dtypes=("fp16",), head_dims=(80,), groups=(8,))
-          + aot.variants(targets=("sm90",), dtypes=("bf16",), head_dims=(256,)))
+          + aot.variants(targets=("sm90",), dtypes=("bf16",), head_dims=(256,))
+          + aot.variants(targets=("sm90",), dtypes=("bf16",), head_dims=(128,), scores=tuple(aot.SCORES)))
     return aot.sweep(vs, jobs=2)
 
 
@@ -39,15 +41,16 @@ def _owned(v: aot.Variant) -> int:
 
 
 def test_every_autotune_config_builds_without_spills_within_shared_memory(builds):
-    seen = {(b.variant.kernel, b.variant.target, config.row_class(b.variant.head_dim, b.variant.dtype))
-            for b in builds}
-    assert seen == ({(k, t, "d128") for k in aot.KERNELS for t in ("sm90", "sm80")}
-                    | {(k, "sm90", rows) for k in aot.KERNELS for rows in ("d128p", "d256")})
+    seen = {(b.variant.kernel, b.variant.target, config.row_class(b.variant.head_dim, b.variant.dtype),
+             b.variant.score) for b in builds}
+    assert seen == ({(k, t, "d128", "") for k in aot.KERNELS for t in ("sm90", "sm80")}
+                    | {(k, "sm90", rows, "") for k in aot.KERNELS for rows in ("d128p", "d256")}
+                    | {(k, "sm90", "d128", sc) for k in aot.KERNELS for sc in aot.SCORES})
     # every entry of those spaces (for 128 x 128 blocks) is among the builds
-    for kernel, _, rows in seen:
-        built = {b.variant.config for b in builds if b.variant.kernel == kernel
+    for kernel, _, rows, sc in seen:
+        built = {b.variant.config for b in builds if b.variant.kernel == kernel and b.variant.score == sc
                  and config.row_class(b.variant.head_dim, b.variant.dtype) == rows}
-        assert built == set(config.tile_configs(kernel, 128, 128, rows)), (kernel, rows)
+        assert built == set(config.tile_configs(kernel, 128, 128, rows, score=bool(sc))), (kernel, rows, sc)
     failed = [f"{b.variant}: {b.error}" for b in builds if not b.ok]
     assert not failed, "\n".join(failed)
     spilled = [f"{b.variant}: {b.registers} regs, {b.spill_stores} B stores, {b.spill_loads} B loads"
@@ -70,25 +73,26 @@ _AUTOTUNED = """
 import json
 from ultraattn.kernels import config, triton_kernels as tk
 assert not config.interpret()
-print(json.dumps({f"{k} {qb} {kb} {rows}": [[c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages]
-                                            for c in tk.tuned(k, qb, kb, rows).configs]
+print(json.dumps({f"{k} {qb} {kb} {rows} {int(sc)}": [[c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
+                                                      c.num_stages] for c in tk.tuned(k, qb, kb, rows, sc).configs]
                   for k in ("fwd", "dq", "dkv") for rows in config.ROW_CLASSES
-                  for qb, kb in ((128, 128), (64, 128), (32, 32))}))
+                  for qb, kb in ((128, 128), (64, 128), (32, 32)) for sc in (False, True)}))
 """
 
 
 def test_the_autotuner_launches_exactly_the_checked_spaces():
     """What ``triton_kernels.tuned`` hands triton.autotune is ``config.tile_configs`` (so the builds
-    above are the configs a GPU may run), per row class and for blocks the tiles must divide. In a
+    above are the configs a GPU may run), per row class, with and without a score_mod, and for blocks the
+    tiles must divide. In a
     process without the interpreter (under it, kernels are launched with a given tile, untuned)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", _AUTOTUNED], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(got) == 3 * len(config.ROW_CLASSES) * 3
+    assert len(got) == 3 * len(config.ROW_CLASSES) * 3 * 2
     for key, configs in got.items():
-        kernel, qb, kb, rows = key.split()
-        want = config.tile_configs(kernel, int(qb), int(kb), rows)
+        kernel, qb, kb, rows, sc = key.split()
+        want = config.tile_configs(kernel, int(qb), int(kb), rows, score=sc == "1")
         assert [tuple(c) for c in configs] == want and want, key
         assert all(int(qb) % m == 0 and int(kb) % n == 0 for m, n, *_ in want), key
     assert [config.row_class(d, "bf16") for d in (16, 32, 48, 64, 80, 96, 128, 144, 256)] == [
@@ -102,3 +106,5 @@ def test_a_variant_outside_the_kernels_is_refused():
         aot.Variant("fwd", "sm75", "bf16", 128, 1, 64, 64, 4, 3)
     with pytest.raises(ValueError, match="dtype='fp8'"):
         aot.Variant("fwd", "sm90", "fp8", 128, 1, 64, 64, 4, 3)
+    with pytest.raises(ValueError, match="score='alibi'"):
+        aot.Variant("fwd", "sm90", "bf16", 128, 1, 64, 64, 4, 3, score="alibi")

@@ -6,7 +6,7 @@ picks for gloo on a CUDA machine. Each rank compiles the example model (``exampl
 ``backend="ultraattn"`` (Inductor; ``aot_eager`` in the dry run): the sequence sharded through the graph, each
 attention an explicit per-rank program whose tiles are the Triton kernels. One step each with causal SDPA (a plan
 made at compile time), with a flex document mask (planned at run time), and with that mask and tanh soft-capping
-(a score_mod: its tiles run in plain torch on the GPU, ``runtime.tiles.ScoreMod``); every rank's loss and
+(a score_mod, generated into the kernels: ``kernels/score_codegen.py``); every rank's loss and
 gradients must pass the numerics policy against the single-process eager step (fp64 oracle, fp32 same-precision
 reference).
 The bandwidth is the host's, so no time here says anything about NCCL.

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
+import torch
+
 from ultraattn.kernels import config
 
 KERNELS = ("fwd", "dq", "dkv")
@@ -41,10 +43,25 @@ TARGETS: dict[str, tuple[int, int]] = {"sm90": (90, 227 * 1024), "sm80": (80, 16
 """name -> (compute capability, shared memory limit in bytes)."""
 
 DTYPES = ("bf16", "fp16", "fp32")
-_INDEX_ARGS = re.compile(r"^(PAT|BITS|.*_CNT|.*_IDX|.*_TILE)$")
-_FP32_ARGS = {"LSE", "DD", "LSE2", "DLSE"}
+_INDEX_ARGS = re.compile(r"^(PAT|BITS|KV_POS|.*_CNT|.*_IDX|.*_TILE)$")
+_FP32_ARGS = {"LSE", "DD", "LSE2", "DLSE", "D0", "D1", "D2", "D3"}
 _UNIT_STRIDES = re.compile(r"^s\w*d$")  # strides along the head dim (sqd, skd, sgkd, ...): 1 when contiguous
-_NO_ALIGN = {"H", "HK", "q_len", "kv_len", "NQ", "NK"}
+_NO_ALIGN = {"H", "HK", "q_len", "kv_len", "NQ", "NK", "q0", "h0", "s_last"}
+
+
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 30.0 * torch.tanh(score / 30.0)
+
+
+def _relbias(score, b, h, q_idx, kv_idx, table):
+    return score + table[h, q_idx - kv_idx + 4095]
+
+
+SCORES = {"softcap": (_softcap, lambda: [], ()),
+          "relbias": (_relbias, lambda: [torch.zeros(32, 8191)], (True,))}
+"""Sample score_mods the kernels are built with (``Variant.score``): name -> (score_mod, its buffers, which want
+a gradient). Gemma 2's soft-capping (arithmetic only), and a learned (head, distance) bias table with its gradient
+(a gathered load per score, and atomic adds in dQ): what a score_mod adds to a kernel's registers."""
 
 
 def has_nvidia_backend() -> tuple[bool, str]:
@@ -75,6 +92,8 @@ class Variant:
     num_stages: int
     q_block: int = 128
     kv_block: int = 128
+    score: str = ""
+    """A sample score_mod generated into the kernel (``SCORES``), or "" for none."""
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
@@ -83,6 +102,8 @@ class Variant:
             raise ValueError(f"target={self.target!r}: expected one of {sorted(TARGETS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {sorted(DTYPES)}")
+        if self.score and self.score not in SCORES:
+            raise ValueError(f"score={self.score!r}: expected one of {sorted(SCORES)} or ''")
 
     @property
     def config(self) -> tuple[int, int, int, int]:
@@ -90,7 +111,8 @@ class Variant:
 
     def label(self) -> str:
         return (f"{self.kernel} {self.target} {self.dtype} D={self.head_dim} g={self.group} "
-                f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}")
+                f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
+                + (f" score={self.score}" if self.score else ""))
 
 
 @dataclass(frozen=True)
@@ -128,16 +150,21 @@ class Build:
 
 def variants(kernels: Iterable[str] = KERNELS, targets: Iterable[str] = tuple(TARGETS),
              dtypes: Iterable[str] = ("bf16",), head_dims: Iterable[int] = (64, 128),
-             groups: Iterable[int] = (1,), q_block: int = 128, kv_block: int = 128) -> list[Variant]:
-    """Every variant of the autotune spaces (``config.tile_configs``) for the given axes."""
+             groups: Iterable[int] = (1,), q_block: int = 128, kv_block: int = 128,
+             scores: Iterable[str] = ("",)) -> list[Variant]:
+    """Every variant of the autotune spaces (``config.tile_configs``) for the given axes; ``scores``: "" for the
+    kernels without a score_mod, names of ``SCORES`` for those with one (on the score_mod spaces)."""
     out = []
     for kernel in kernels:
         for target in targets:
             for dtype in dtypes:
                 for d in head_dims:
                     for g in groups:
-                        for c in config.tile_configs(kernel, q_block, kv_block, config.row_class(d, dtype)):
-                            out.append(Variant(kernel, target, dtype, d, g, *c, q_block=q_block, kv_block=kv_block))
+                        for sc in scores:   # a score_mod's kernels have their own spaces
+                            for c in config.tile_configs(kernel, q_block, kv_block, config.row_class(d, dtype),
+                                                         score=bool(sc)):
+                                out.append(Variant(kernel, target, dtype, d, g, *c, q_block=q_block,
+                                                   kv_block=kv_block, score=sc))
     return out
 
 
@@ -150,7 +177,18 @@ def _jit_fn(kernel: str):
 def _signature(fn, v: Variant) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) of ``fn`` as a launch on contiguous aligned tensors specialises them."""
     const = config.launch_constexprs(v.dtype, v.head_dim, v.group, v.q_block, v.kv_block, interpret=False)
-    const.update(BLOCK_M=v.block_m, BLOCK_N=v.block_n)
+    const.update(BLOCK_M=v.block_m, BLOCK_N=v.block_n, SCORE=None, SCORE_BWD=None)
+    ptr_types = {}
+    if v.score:
+        from ultraattn.kernels.score_codegen import MAX_BUFFERS, generate
+
+        score_mod, buffers, grads = SCORES[v.score]
+        bufs = buffers()
+        sk = generate(score_mod, bufs, grads)
+        const.update(SCORE=sk.fwd, SCORE_BWD=sk.bwd)
+        tensors = bufs + list(sk.constants)
+        ptr_types = {f"P{n}": "*" + _TYPE[t.dtype] for n, t in enumerate(tensors)}
+        ptr_types.update({f"P{n}": "*i32" for n in range(len(tensors), MAX_BUFFERS)})   # (kv_pos stands in)
     sig, constexprs, attrs = {}, {}, {}
     for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
         if p.is_constexpr:
@@ -159,6 +197,9 @@ def _signature(fn, v: Variant) -> tuple[dict, dict, dict]:
             sig[name], constexprs[(i,)] = "constexpr", const[name]
         elif _UNIT_STRIDES.match(name):
             sig[name], constexprs[(i,)] = "constexpr", 1
+        elif name in ptr_types or re.match(r"^P\d$", name):   # a score_mod's buffers (no score_mod: stand-ins)
+            sig[name] = ptr_types.get(name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
         elif name.isupper() and (_INDEX_ARGS.match(name) or name in _FP32_ARGS) and name not in _NO_ALIGN:
             sig[name] = "*i32" if _INDEX_ARGS.match(name) else "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -173,6 +214,8 @@ def _signature(fn, v: Variant) -> tuple[dict, dict, dict]:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, constexprs, attrs
 
+
+_TYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}
 
 _PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")

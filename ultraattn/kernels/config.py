@@ -57,6 +57,31 @@ _SPACES: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
     ("dkv", "d128p"): _DKV_128,
     ("dkv", "d256"): [(64, 32, 8, 2), (64, 32, 8, 1), (32, 32, 8, 2), (64, 16, 8, 1)],
 }
+# With a score_mod generated into the kernels (kernels/score_codegen.py), a kernel holds the raw score tile
+# alongside the softmax's, plus whatever the score_mod computes and loads per score; dQ also adds a learned
+# table's gradient atomically. The same tiles then spill: these spaces are the entries of the spaces above,
+# and smaller tiles, that build clean with the sample score_mods of ``aot.SCORES`` (soft-capping; a learned
+# (head, distance) table with its gradient) on sm_90 and sm_80, bf16, at head dims 32, 64, 80, 96, 128, 256,
+# at most 250 registers (a sweep of 728 builds with Triton 3.9 at group 1), less the dK/dV entries that then
+# spilled at GQA group 8 (a second sweep, 184 builds: the forward and dQ at head dims 128 and 256, dK/dV at
+# every class). A score_mod heavier than the samples may still spill.
+_SCORE_SPACES: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
+    ("fwd", "d32"): [(128, 32, 8, 3), (64, 32, 8, 2), (32, 64, 8, 2), (64, 32, 4, 2)],
+    ("fwd", "d64"): _SPACES[("fwd", "d64")],
+    ("fwd", "d128"): [(64, 64, 8, 3), (128, 32, 8, 3), (64, 32, 8, 2), (32, 64, 8, 2)],
+    ("fwd", "d128p"): [(32, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 2)],
+    ("fwd", "d256"): [(64, 32, 8, 3), (64, 32, 8, 2), (32, 64, 8, 3), (32, 64, 8, 2)],
+    ("dq", "d32"): [(128, 32, 8, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 32, 4, 2)],
+    ("dq", "d64"): [(64, 32, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
+    ("dq", "d128"): [(32, 64, 8, 2), (32, 32, 4, 2)],
+    ("dq", "d128p"): [(32, 32, 4, 2)],
+    ("dq", "d256"): [(32, 64, 8, 2), (32, 32, 8, 2), (32, 32, 4, 2)],
+    ("dkv", "d32"): [(64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 8, 2), (32, 64, 4, 2)],
+    ("dkv", "d64"): [(32, 128, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3), (32, 64, 8, 2)],
+    ("dkv", "d128"): [(64, 32, 8, 2), (64, 32, 8, 3), (32, 64, 8, 2), (32, 64, 8, 3)],
+    ("dkv", "d128p"): [(64, 32, 8, 2), (64, 32, 8, 3), (32, 64, 8, 2), (32, 64, 8, 3)],
+    ("dkv", "d256"): [(32, 32, 8, 2), (64, 16, 8, 1)],
+}
 ROW_CLASSES = tuple(dict.fromkeys(rows for _, rows in _SPACES))
 """The row classes, narrowest first (``row_class``)."""
 
@@ -77,20 +102,20 @@ def row_class(head_dim: int, dtype: str) -> str:
     return "d256"
 
 
-def tile_configs(kernel: str, qb: int, kb: int, rows: str) -> list[tuple[int, int, int, int]]:
+def tile_configs(kernel: str, qb: int, kb: int, rows: str, score: bool = False) -> list[tuple[int, int, int, int]]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner may launch for ``kernel`` ('fwd', 'dq',
-    'dkv') and row class ``rows`` (:func:`row_class`): the configs whose tiles divide the pattern
-    blocks qb x kb, or one 32 x 32 tile (at most) where none does."""
-    space = _SPACES[(kernel, rows)]
+    'dkv') and row class ``rows`` (:func:`row_class`), with a score_mod when ``score``: the configs whose
+    tiles divide the pattern blocks qb x kb, or one 32 x 32 tile (at most) where none does."""
+    space = (_SCORE_SPACES if score else _SPACES)[(kernel, rows)]
     ok = [c for c in space if qb % c[0] == 0 and kb % c[1] == 0]
     return ok or [(min(qb, 32), min(kb, 32), 4, 2)]
 
 
-def triton_configs(kernel: str, qb: int, kb: int, rows: str):
+def triton_configs(kernel: str, qb: int, kb: int, rows: str, score: bool = False):
     import triton
 
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m, n, w, s in tile_configs(kernel, qb, kb, rows)]
+            for m, n, w, s in tile_configs(kernel, qb, kb, rows, score)]
 
 
 def launch_constexprs(dtype: str, head_dim: int, group: int, q_block: int, kv_block: int, *,

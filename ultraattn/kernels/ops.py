@@ -17,7 +17,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -94,6 +95,44 @@ def _(q, k, v, do, lse, delta, dlse, pattern_of, full_cnt, full_idx, part_cnt, p
 
 
 # ----------------------------------------------------------------------------- triton ops
+@dataclass(frozen=True)
+class ScoreArgs:
+    """A score_mod for one kernel launch: its generated functions (``score_codegen.generate``), the tensors
+    they read, and where the launch's local tile sits in the global attention."""
+
+    kernels: object
+    """``score_codegen.ScoreKernels``."""
+    buffers: Sequence[Tensor]
+    """The score_mod's buffers, in its order (then the kernels' tensor constants are passed after them)."""
+    kv_pos: Tensor
+    """int32 [local KV blocks]: each block's first global key."""
+    q0: int
+    """Global position of local query 0."""
+    h0: int
+    """Global head of local head 0."""
+    seq_len: int
+    """Global sequence length: positions past it (the padded tail) are clamped to the last token."""
+
+    def pointers(self) -> list[Tensor]:
+        from ultraattn.kernels.score_codegen import MAX_BUFFERS
+
+        dev = self.kv_pos.device
+        ptrs = [t.contiguous() for t in self.buffers] + [c.to(dev) for c in self.kernels.constants]
+        return ptrs + [self.kv_pos] * (MAX_BUFFERS - len(ptrs))
+
+    def scalars(self) -> tuple[int, int, int]:
+        return self.q0, self.h0, self.seq_len - 1
+
+
+def _score_launch(score: ScoreArgs | None, dummy: Tensor) -> tuple[list[Tensor], tuple[int, int, int], dict]:
+    """(KV_POS and P0..P3, (q0, h0, s_last), constexprs) of a launch; dummies without a score_mod."""
+    from ultraattn.kernels.score_codegen import MAX_BUFFERS
+
+    if score is None:
+        return [dummy] * (1 + MAX_BUFFERS), (0, 0, 0), {}
+    return [score.kv_pos, *score.pointers()], score.scalars(), {"SCORE": score.kernels.fwd}
+
+
 def _launch_args(q: Tensor, k: Tensor, q_block: int, kv_block: int):
     """(B, H, Hk, Sq, Sk, row class (``config.row_class``: which autotune space), keyword arguments
     every kernel takes: constexprs, and the tile shape under the interpreter, where kernels are not
@@ -117,19 +156,26 @@ def bsa_fwd(q: Tensor, k: Tensor, v: Tensor, pattern_of: Tensor, full_cnt: Tenso
     if not uses_triton(q):
         return torch.ops.ultraattn.bsa_fwd_ref(q, k, v, pattern_of, full_cnt, full_idx, part_cnt, part_idx,
                                               part_tile, bits, q_block, kv_block, scale, fp32_out)
+    return _fwd_launch(q, k, v, (pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits), q_block,
+                       kv_block, scale, fp32_out, None, wrap_triton)
+
+
+def _fwd_launch(q, k, v, lay, q_block: int, kv_block: int, scale: float, fp32_out: bool, score: ScoreArgs | None,
+                wrap: Callable) -> tuple[Tensor, Tensor]:
+    """The forward kernel on the forward layout tensors ``lay`` (with a score_mod when ``score`` is given)."""
     from ultraattn.kernels import triton_kernels as tk
 
-    pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits = (
-        t.contiguous() for t in (pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits))
+    pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits = (t.contiguous() for t in lay)
     nq, nk = full_idx.shape[1], full_idx.shape[2]
     B, H, Hk, Sq, Sk, space, const = _launch_args(q, k, q_block, kv_block)
+    ptrs, scalars, extra = _score_launch(score, pattern_of)
     out = torch.empty_like(q, dtype=torch.float32 if fp32_out else q.dtype)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     rows = nq * q_block
-    wrap_triton(tk.tuned("fwd", q_block, kv_block, space))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
-        q, k, v, out, lse, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits,
+    wrap(tk.tuned("fwd", q_block, kv_block, space, score is not None))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
+        q, k, v, out, lse, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, *ptrs,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        H, Sq, Sk, nq, nk, scale * _LOG2E, **const)
+        H, Sq, Sk, nq, nk, scale * _LOG2E, scale, *scalars, **const, **extra)
     return out, lse
 
 
@@ -145,12 +191,23 @@ def bsa_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Ten
         return torch.ops.ultraattn.bsa_bwd_ref(q, k, v, do, lse, delta, dlse, pattern_of, full_cnt, full_idx,
                                               part_cnt, part_idx, part_tile, bits, q_block, kv_block, scale,
                                               fp32_grads)
+    lay = (pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, full_q_cnt, full_q_idx, part_q_cnt,
+           part_q_idx, part_q_tile)
+    dq, dk, dv, _ = _bwd_launch(q, k, v, do, lse, delta, dlse, lay, q_block, kv_block, scale, fp32_grads, None, (),
+                                wrap_triton)
+    return dq, dk, dv
+
+
+def _bwd_launch(q, k, v, do, lse, delta, dlse, lay, q_block: int, kv_block: int, scale: float, fp32_grads: bool,
+                score: ScoreArgs | None, wanted: Sequence[int], wrap: Callable
+                ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """The dQ and dK/dV kernels on the layout tensors ``lay`` (``bwd_tensors`` order); with a score_mod, also
+    the fp32 gradients of its buffers ``wanted`` (summed over this launch's scores)."""
     from ultraattn.kernels import triton_kernels as tk
+    from ultraattn.kernels.score_codegen import MAX_BUFFERS
 
     (pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, full_q_cnt, full_q_idx, part_q_cnt,
-     part_q_idx, part_q_tile) = (t.contiguous() for t in (pattern_of, full_cnt, full_idx, part_cnt, part_idx,
-                                                            part_tile, bits, full_q_cnt, full_q_idx, part_q_cnt,
-                                                            part_q_idx, part_q_tile))
+     part_q_idx, part_q_tile) = (t.contiguous() for t in lay)
     nq, nk = full_idx.shape[1], full_idx.shape[2]
     B, H, Hk, Sq, Sk, space, const = _launch_args(q, k, q_block, kv_block)
     do = do.to(q.dtype)  # the kernels' dots take one input dtype (an fp32 dO of an fp32_out forward)
@@ -160,17 +217,40 @@ def bsa_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Ten
     dd = (delta.float() - dlse.float() if dlse is not None else delta.float()).contiguous()
     # (gradients get their own strides: empty_like of a non-dense input, e.g. a head slice, is dense)
     dq, dk, dv = (torch.empty_like(x, dtype=torch.float32 if fp32_grads else x.dtype) for x in (q, k, v))
+    ptrs, scalars, extra = _score_launch(score, pattern_of)
+    dbufs = [torch.zeros(score.buffers[n].shape, dtype=torch.float32, device=q.device) for n in wanted]
+    # the unused gradient slots get their own zero: the autotuner zeroes D0..D3 between its trial launches
+    grads = [torch.zeros(1, dtype=torch.float32, device=q.device)] * MAX_BUFFERS
+    for n, g in zip(wanted, dbufs):
+        grads[n] = g
+    if score is not None:
+        extra["SCORE_BWD"] = score.kernels.bwd
     rows, cols = nq * q_block, nk * kv_block
-    wrap_triton(tk.tuned("dq", q_block, kv_block, space))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
-        q, k, v, do, lse2, dd, dq, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits,
+    wrap(tk.tuned("dq", q_block, kv_block, space, score is not None))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
+        q, k, v, do, lse2, dd, dq, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, *ptrs, *grads,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        H, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const)
-    wrap_triton(tk.tuned("dkv", q_block, kv_block, space))[lambda meta: (cols // meta["BLOCK_N"], B * Hk)](
+        H, Sq, Sk, nq, nk, scale * _LOG2E, scale, *scalars, **const, **extra)
+    wrap(tk.tuned("dkv", q_block, kv_block, space, score is not None))[lambda meta: (cols // meta["BLOCK_N"], B * Hk)](
         q, k, v, do, lse2, dd, dk, dv, pattern_of, full_q_cnt, full_q_idx, part_q_cnt, part_q_idx,
-        part_q_tile, bits,
+        part_q_tile, bits, *ptrs,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        H, Hk, Sq, Sk, nq, nk, scale * _LOG2E, scale, **const)
-    return dq, dk, dv
+        H, Hk, Sq, Sk, nq, nk, scale * _LOG2E, scale, *scalars, **const, **extra)
+    return dq, dk, dv, dbufs
+
+
+def score_fwd(q: Tensor, k: Tensor, v: Tensor, lay: Sequence[Tensor], q_block: int, kv_block: int, scale: float,
+              score: ScoreArgs) -> tuple[Tensor, Tensor]:
+    """The forward kernel with a score_mod (fp32 out, lse): a plain launch, not an op (a score_mod's generated
+    functions cannot be op arguments), for eager callers such as the tile ops (``runtime/tiles.py``)."""
+    return _fwd_launch(q, k, v, lay[:7], q_block, kv_block, scale, True, score, lambda fn: fn)
+
+
+def score_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, lay: Sequence[Tensor],
+              q_block: int, kv_block: int, scale: float, score: ScoreArgs, wanted: Sequence[int]
+              ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """The backward kernels with a score_mod: fp32 dq, dk, dv and the gradients of the buffers ``wanted``."""
+    return _bwd_launch(q, k, v, do, lse, delta, None, lay, q_block, kv_block, scale, True, score, wanted,
+                       lambda fn: fn)
 
 
 _N_LAYOUT = 12  # layout tensors passed to bsa_fwd

@@ -34,7 +34,7 @@ import triton.language as tl
 from ultraattn.kernels.config import interpret, triton_configs, tune_mode
 
 # Runtime-sized integer arguments that must not trigger a recompile when they change.
-_NO_SPEC = ["q_len", "kv_len", "NQ", "NK"]
+_NO_SPEC = ["q_len", "kv_len", "NQ", "NK", "q0", "h0", "s_last"]
 
 
 @triton.jit
@@ -56,6 +56,13 @@ def _load_bits(BITS, tile, r_in, c_in, QB: tl.constexpr, KB: tl.constexpr, BLOCK
     else:
         cols = c_in + tl.arange(0, BLOCK_N)
         return ((tl.load(base + (cols // 32)[None, :]) >> (cols % 32)[None, :]) & 1) != 0
+
+
+@triton.jit
+def _key_pos(KV_POS, start, s_last, KB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Global key positions of local keys ``start ..`` (``KV_POS``: each local KV block's first global key),
+    clamped to the last token (the mask removes the padded tail)."""
+    return tl.minimum(tl.load(KV_POS + start // KB) + start % KB + tl.arange(0, BLOCK_N), s_last)
 
 
 @triton.jit
@@ -81,9 +88,10 @@ def _load_rows(PTR, b, h, sb, sh, sm, sd, offs_m, offs_d, q_len, D: tl.constexpr
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile, start, sub_in, r_in, kv_len,
-               qk_scale, offs_d, D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr, BLOCK_M: tl.constexpr,
+               qk_scale, offs_d, b, h, qg, KV_POS, s_last, scale, P0, P1, P2, P3,
+               D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, IS_PARTIAL: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, SCORE: tl.constexpr):
     offs_n = start + tl.arange(0, BLOCK_N)
     dmask = offs_d < D
     k_ptr = K_base + offs_n[None, :].to(tl.int64) * skn + offs_d[:, None] * skd
@@ -95,7 +103,12 @@ def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile,
         kt = tl.load(k_ptr, mask=dmask[:, None], other=0.0)
     if UPCAST:
         kt = kt.to(tl.float32)
-    s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+    s = tl.dot(q, kt, input_precision=PREC)
+    if SCORE is not None:   # the score_mod on natural-log scores with global indices, then base 2
+        kg = _key_pos(KV_POS, start, s_last, KB, BLOCK_N)
+        s = SCORE(s * scale, b, h, qg[:, None], kg[None, :], P0, P1, P2, P3) * 1.4426950408889634
+    else:
+        s = s * qk_scale
     if IS_PARTIAL:
         s = tl.where(_load_bits(BITS, tile, r_in, sub_in, QB, KB, BLOCK_M, BLOCK_N), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -118,10 +131,12 @@ def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile,
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def bsa_fwd_kernel(Q, K, V, OUT, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, PART_TILE, BITS,
+                   KV_POS, P0, P1, P2, P3,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-                   H, q_len, kv_len, NQ, NK, qk_scale,
+                   H, q_len, kv_len, NQ, NK, qk_scale, scale, q0, h0, s_last,
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
-                   UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SCORE: tl.constexpr = None):
     EVEN_D: tl.constexpr = D == BLOCK_D
     SUBS: tl.constexpr = KB // BLOCK_N
     bh, b, h, kh, u, i, r_in, offs_m, offs_d = _row_program(PAT, H, GROUP, QB, BLOCK_M, BLOCK_D)
@@ -133,6 +148,7 @@ def bsa_fwd_kernel(Q, K, V, OUT, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_ID
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row = u.to(tl.int64) * NQ + i
+    qg = tl.minimum(q0 + offs_m, s_last)   # global query positions, for a score_mod
     # FULL blocks (no mask code), then PARTIAL blocks (bit tiles). Each path is ONE flat loop over
     # (listed block, BLOCK_N sub-tile): a nested static sub-tile loop would unroll the body
     # KB / BLOCK_N times, and the software pipeliner would keep every copy's loads in flight.
@@ -148,7 +164,8 @@ def bsa_fwd_kernel(Q, K, V, OUT, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_ID
             tile = tl.load(PART_TILE + row * NK + t) if partial == 1 else 0
             acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, skn, skd, svn, svd, BITS, tile,
                                        j * KB + sub, sub, r_in, kv_len, qk_scale, offs_d,
-                                       D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC)
+                                       b, h0 + h, qg, KV_POS, s_last, scale, P0, P1, P2, P3,
+                                       D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC, SCORE)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -161,9 +178,10 @@ def bsa_fwd_kernel(Q, K, V, OUT, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_ID
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS, tile, start, sub_in, r_in,
-                  kv_len, qk_scale, offs_d, D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
+                  kv_len, qk_scale, offs_d, b, h, qg, mmask, KV_POS, s_last, scale, P0, P1, P2, P3, D0, D1, D2, D3,
+                  D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
-                  UPCAST: tl.constexpr, PREC: tl.constexpr):
+                  UPCAST: tl.constexpr, PREC: tl.constexpr, SCORE: tl.constexpr, SCORE_BWD: tl.constexpr):
     offs_n = start + tl.arange(0, BLOCK_N)
     dmask = offs_d < D
     k_ptr = K_base + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :] * skd
@@ -181,23 +199,38 @@ def _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS,
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if SCORE is not None:
+        kg = _key_pos(KV_POS, start, s_last, KB, BLOCK_N)
+        raw = s * scale
+        s = SCORE(raw, b, h, qg[:, None], kg[None, :], P0, P1, P2, P3) * 1.4426950408889634
+    else:
+        s = s * qk_scale
     p = tl.math.exp2(s - lse2[:, None])
     if IS_PARTIAL:
-        p = tl.where(_load_bits(BITS, tile, r_in, sub_in, QB, KB, BLOCK_M, BLOCK_N), p, 0.0)
+        bits = _load_bits(BITS, tile, r_in, sub_in, QB, KB, BLOCK_M, BLOCK_N)
+        p = tl.where(bits, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = p * (dp - dd[:, None])
+    if SCORE is not None:   # back through the score_mod; its buffers' gradients are added here (GRADS)
+        keep = mmask[:, None] & (offs_n < kv_len)[None, :]
+        if IS_PARTIAL:
+            keep = keep & bits
+        ds = tl.where(keep, SCORE_BWD(ds, raw, b, h, qg[:, None], kg[None, :], keep, P0, P1, P2, P3,
+                                      D0, D1, D2, D3, True), 0.0)
     dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     return dq
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def bsa_bwd_dq_kernel(Q, K, V, DO, LSE2, DD, DQ, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, PART_TILE, BITS,
+                      KV_POS, P0, P1, P2, P3, D0, D1, D2, D3,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                      sgb, sgh, sgm, sgd, H, q_len, kv_len, NQ, NK, qk_scale, scale,
+                      sgb, sgh, sgm, sgd, H, q_len, kv_len, NQ, NK, qk_scale, scale, q0, h0, s_last,
                       GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr,
                       KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCORE: tl.constexpr = None,
+                      SCORE_BWD: tl.constexpr = None):
     """dQ for BLOCK_M rows of one (b, h); strides: DO sd*, DQ sg*. LSE2, DD: the per-row terms (ops.bsa_bwd)."""
     EVEN_D: tl.constexpr = D == BLOCK_D
     SUBS: tl.constexpr = KB // BLOCK_N
@@ -212,6 +245,7 @@ def bsa_bwd_dq_kernel(Q, K, V, DO, LSE2, DD, DQ, PAT, FULL_CNT, FULL_IDX, PART_C
     V_base = V + b.to(tl.int64) * svb + kh.to(tl.int64) * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row = u.to(tl.int64) * NQ + i
+    qg = tl.minimum(q0 + offs_m, s_last)
     for partial in tl.static_range(2):  # one flat loop per path, as in the forward
         if partial == 0:
             CNT, IDX = FULL_CNT, FULL_IDX
@@ -224,16 +258,18 @@ def bsa_bwd_dq_kernel(Q, K, V, DO, LSE2, DD, DQ, PAT, FULL_CNT, FULL_IDX, PART_C
             tile = tl.load(PART_TILE + row * NK + t) if partial == 1 else 0
             dq = _bwd_dq_inner(dq, q, do, lse2, dd, K_base, V_base, skn, skd, svn, svd, BITS, tile,
                                j * KB + sub, sub, r_in, kv_len, qk_scale, offs_d,
-                               D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC)
+                               b, h0 + h, qg, mmask, KV_POS, s_last, scale, P0, P1, P2, P3, D0, D1, D2, D3,
+                               D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC, SCORE, SCORE_BWD)
     tl.store(DQ + b.to(tl.int64) * sgb + h.to(tl.int64) * sgh + offs_m[:, None].to(tl.int64) * sgm
              + offs_d[None, :] * sgd, (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
 
 
 @triton.jit
 def _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE2_row, DD_row, sqm, sqd, sdm, sdd, BITS, tile, start,
-                  sub_in, c_in, q_len, qk_scale, offs_d, D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
+                  sub_in, c_in, q_len, qk_scale, offs_d, b, h, kg, nmask, q0, s_last, scale, P0, P1, P2, P3,
+                  D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_PARTIAL: tl.constexpr, EVEN_D: tl.constexpr,
-                  UPCAST: tl.constexpr, PREC: tl.constexpr):
+                  UPCAST: tl.constexpr, PREC: tl.constexpr, SCORE: tl.constexpr, SCORE_BWD: tl.constexpr):
     offs_m = start + tl.arange(0, BLOCK_M)
     dmask = offs_d < D
     mmask = offs_m < q_len
@@ -246,7 +282,13 @@ def _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE2_row, DD_row, sqm, sqd, sdm
     lse2 = tl.load(LSE2_row + offs_m, mask=mmask, other=float("inf"))
     dd = tl.load(DD_row + offs_m, mask=mmask, other=0.0)
     # Transposed scores: [BLOCK_N, BLOCK_M], rows are keys.
-    st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+    st = tl.dot(k, tl.trans(q), input_precision=PREC)
+    if SCORE is not None:
+        qg = tl.minimum(q0 + offs_m, s_last)
+        raw = st * scale
+        st = SCORE(raw, b, h, qg[None, :], kg[:, None], P0, P1, P2, P3) * 1.4426950408889634
+    else:
+        st = st * qk_scale
     pt = tl.math.exp2(st - lse2[None, :])
     if IS_PARTIAL:
         keep = _load_bits(BITS, tile, sub_in, c_in, QB, KB, BLOCK_M, BLOCK_N)
@@ -254,18 +296,26 @@ def _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE2_row, DD_row, sqm, sqd, sdm
     dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
     dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
     dst = pt * (dpt - dd[None, :])
+    if SCORE is not None:   # back through the score_mod (buffer gradients are the dQ kernel's)
+        keept = nmask[:, None] & mmask[None, :]
+        if IS_PARTIAL:
+            keept = keept & tl.trans(keep)
+        dst = tl.where(keept, SCORE_BWD(dst, raw, b, h, qg[None, :], kg[:, None], keept, P0, P1, P2, P3,
+                                        P0, P0, P0, P0, False), 0.0)
     dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE2, DD, DK, DV, PAT, FULL_Q_CNT, FULL_Q_IDX, PART_Q_CNT, PART_Q_IDX,
-                       PART_Q_TILE, BITS,
+                       PART_Q_TILE, BITS, KV_POS, P0, P1, P2, P3,
                        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                        sgkb, sgkh, sgkn, sgkd, sgvb, sgvh, sgvn, sgvd, H, HK, q_len, kv_len, NQ, NK, qk_scale, scale,
+                       q0, h0, s_last,
                        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr,
                        KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCORE: tl.constexpr = None,
+                       SCORE_BWD: tl.constexpr = None):
     """dK, dV for BLOCK_N keys of one (b, kv head), summed over its GROUP query heads; strides: DK sgk*, DV sgv*."""
     EVEN_D: tl.constexpr = D == BLOCK_D
     SUBS: tl.constexpr = QB // BLOCK_M
@@ -289,6 +339,8 @@ def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE2, DD, DK, DV, PAT, FULL_Q_CNT, FULL_Q_ID
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    nmask = offs_n < kv_len
+    kg = _key_pos(KV_POS, col0, s_last, KB, BLOCK_N) if SCORE is not None else offs_n
     for g in range(0, GROUP):
         h = kh * GROUP + g
         bh = b * H + h
@@ -310,7 +362,9 @@ def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE2, DD, DK, DV, PAT, FULL_Q_CNT, FULL_Q_ID
                 tile = tl.load(PART_Q_TILE + col * NQ + t) if partial == 1 else 0
                 dk, dv = _bwd_kv_inner(dk, dv, k, v, Q_base, DO_base, LSE2_row, DD_row, sqm, sqd, sdm, sdd,
                                        BITS, tile, i * QB + sub, sub, c_in, q_len, qk_scale, offs_d,
-                                       D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC)
+                                       b, h0 + h, kg, nmask, q0, s_last, scale, P0, P1, P2, P3,
+                                       D, QB, KB, BLOCK_M, BLOCK_N, partial == 1, EVEN_D, UPCAST, PREC,
+                                       SCORE, SCORE_BWD)
     b64, kh64, n64 = b.to(tl.int64), kh.to(tl.int64), offs_n[:, None].to(tl.int64)
     dk_off = b64 * sgkb + kh64 * sgkh + n64 * sgkn + offs_d[None, :] * sgkd
     dv_off = b64 * sgvb + kh64 * sgvh + n64 * sgvn + offs_d[None, :] * sgvd
@@ -321,19 +375,20 @@ def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE2, DD, DK, DV, PAT, FULL_Q_CNT, FULL_Q_ID
 _JIT = {"fwd": bsa_fwd_kernel, "dq": bsa_bwd_dq_kernel, "dkv": bsa_bwd_dkv_kernel}
 
 
-def tuned(kernel: str, qb: int, kb: int, rows: str):
+def tuned(kernel: str, qb: int, kb: int, rows: str, score: bool = False):
     """``kernel`` ('fwd', 'dq', 'dkv') for pattern blocks qb x kb and row class ``rows``
-    (``config.row_class``), autotuned over ``config.tile_configs`` (the kernel itself under the
-    interpreter, which launches the tile shape it is given). One autotuner per space, so each
-    (head dim, dtype, group, block) key is timed once; with ``ULTRAATTN_TUNE=first`` each space's
+    (``config.row_class``), autotuned over ``config.tile_configs`` (the score_mod spaces when ``score``; the
+    kernel itself under the interpreter, which launches the tile shape it is given). One autotuner per space,
+    so each (head dim, dtype, group, block) key is timed once; with ``ULTRAATTN_TUNE=first`` each space's
     first entry alone, untimed (``config.tune_mode``)."""
-    return _tuned(kernel, qb, kb, rows, tune_mode())
+    return _tuned(kernel, qb, kb, rows, tune_mode(), score)
 
 
 @functools.cache
-def _tuned(kernel: str, qb: int, kb: int, rows: str, mode: str):
+def _tuned(kernel: str, qb: int, kb: int, rows: str, mode: str, score: bool = False):
     if interpret():
         return _JIT[kernel]
-    configs = triton_configs(kernel, qb, kb, rows)
-    return triton.autotune(configs=configs[:1] if mode == "first" else configs,
-                           key=["GROUP", "D", "QB", "KB"])(_JIT[kernel])
+    configs = triton_configs(kernel, qb, kb, rows, score)
+    # dQ adds a score_mod's buffer gradients atomically into D0..D3: zeroed before each trial and the real launch
+    return triton.autotune(configs=configs[:1] if mode == "first" else configs, key=["GROUP", "D", "QB", "KB"],
+                           reset_to_zero=["D0", "D1", "D2", "D3"] if kernel == "dq" else None)(_JIT[kernel])

@@ -45,7 +45,7 @@ from .costs import resolve_cost
 from .executor import Executor
 from .online import ONLINE
 from .sequence import SequenceShards
-from .tiles import ScoreMod, TileGeometry, group_kind_grid
+from .tiles import ScoreMod, TileGeometry, forget_score_kernels, group_kind_grid
 from .transport import transport_for
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -492,8 +492,10 @@ _CHECK_COUNT: dict[tuple[int, ...], int] = {}
 
 
 def forget_runtime_state() -> None:
-    """Forget the online planners, plans and handed-over masks (``ultraattn.reset``).
+    """Forget the online planners, plans and handed-over masks, and the score_mods' generated Triton functions
+    (``ultraattn.reset``).
 
     ``_CHECK_COUNT`` stays: it numbers the keys the consistency check writes in the process group's store, which
     outlive any reset, so counting again from 0 would read another check's values."""
     ONLINE.clear()
+    forget_score_kernels()

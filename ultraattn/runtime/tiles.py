@@ -21,8 +21,8 @@ A FlexAttention score_mod (``ScoreMod``) is applied to every tile's scaled score
 the GLOBAL batch, head, query and key indices, exactly as FlexAttention's own eager path applies it (vmap
 over the four index dimensions): the merge by log-sum-exp is then exact for any score_mod. Its gradient is
 autograd's through the score_mod; buffers that want a gradient (a learned bias) get this tile's part of it.
-Such tiles always take the plain-torch path, on CUDA too: the Triton kernels apply masks only (the
-[Note] at ``ScoreMod``).
+On the kernels, the score_mod is generated into them as Triton code (the [Note] at ``ScoreMod``); one the
+generator cannot translate keeps the plain-torch path, on CUDA too, with a warning.
 
 Backward takes the GLOBAL LSE and ``delta = rowsum(dO * O) - dLSE`` (plan.py): with
 ``P = exp(S - lse)``, ``dS = P * (dP - delta)``, which is exact for the distributed case
@@ -76,14 +76,17 @@ class ScoreMod:
     """A FlexAttention score_mod for the tiles: ``fn(score, b, h, q_idx, kv_idx, *buffers)`` on 0-d values
     (vmapped here as FlexAttention does), with its buffers passed to every tile call.
 
-    [Note] The GPU path for score_mods. Tiles with a score_mod run the plain-torch tile below on every device.
-    The two faster ways were weighed and neither is built yet: inlining the score_mod into our Triton kernels
-    (what FlexAttention's Inductor template does: the score_mod graph is generated as Triton code between the
-    QK^T and the softmax) needs a code generator from the score_mod graph to Triton; and FlexAttention itself
-    as the tile kernel (its log-sum-exp output is differentiable since torch 2.5, so the merge's gradient can
-    flow back through it) would run each tile with index offsets folded into a wrapped score_mod and mask_mod,
-    which Inductor must compile per tile shape, and which has no backward on CPU. Neither has been measured
-    on a GPU here.
+    [Note] The GPU path for score_mods. Where the kernels run (``_kernels_on``), the score_mod is generated into
+    them: ``kernels/score_codegen.py`` traces it on 0-d inputs (forward, and the joint graph of its backward) and
+    writes each aten graph as a Triton function that the forward, dQ and dK/dV kernels call between QK^T and the
+    softmax, with the global indices (``_score_args``: the row's query offset, head offset, and each local KV
+    block's first global key). That is what FlexAttention's Inductor template does, without Inductor: the tiles
+    are custom ops that run eagerly, so the generated functions go to the kernels as compile-time arguments.
+    The other way, FlexAttention itself as the tile kernel with index offsets folded into a wrapped score_mod
+    and mask_mod, was not taken: every tile shape would be an Inductor compile inside a running op, and our
+    layouts (concatenated, non-contiguous KV chunks) would become BlockMasks per tile. A score_mod the
+    generator does not translate (a gather of vectors, MLA's RoPE term) runs the plain-torch tile below, and
+    ``score_kernels`` warns once. Nothing of this has been timed on a GPU; the kernels build for sm_90.
     """
 
     fn: Callable
@@ -275,11 +278,61 @@ class TileGeometry:
         return torch.where((qi < nqp)[:, None] & (ki < nkp)[None, :], at, torch.full_like(at, EMPTY))
 
 
-def _kernels_on(geo: TileGeometry, t: Tensor) -> bool:
-    """Whether ``t``'s tiles run on the Triton kernels (never with a score_mod: they apply masks only)."""
+def _kernels_on(geo: TileGeometry, t: Tensor, score: list[Tensor]) -> bool:
+    """Whether ``t``'s tiles run on the Triton kernels: on CUDA (or the interpreter when asked for), and with a
+    score_mod only when it has a Triton translation (``score_kernels``)."""
     from ..kernels.ops import uses_triton
 
-    return geo.score_mod is None and uses_triton(t)
+    if not uses_triton(t):
+        return False
+    return geo.score_mod is None or score_kernels(geo.score_mod, score) is not None
+
+
+_SCORE_KERNELS: dict = {}
+"""(ScoreMod, buffer shapes and dtypes) -> its generated Triton functions, or None where there are none."""
+
+
+def score_kernels(score_mod: ScoreMod, buffers: list[Tensor]):
+    """The score_mod's generated Triton functions (``kernels.score_codegen``) for these buffers, or None (with one
+    warning naming the reason) when it has no translation: its tiles then take the plain-torch path."""
+    key = (score_mod, tuple((tuple(t.shape), t.dtype) for t in buffers))
+    if key in _SCORE_KERNELS:
+        return _SCORE_KERNELS[key]
+    from ..kernels.score_codegen import Unsupported, generate
+
+    try:
+        with eager_dispatch():
+            got = generate(score_mod.fn, [t.detach() for t in buffers], score_mod.grads)
+    except Unsupported as e:
+        import warnings
+
+        warnings.warn(f"ultraattn: a score_mod has no Triton translation ({e}); its tiles run on the plain-torch "
+                      f"path, which is exact but slower on a GPU", stacklevel=2)
+        got = None
+    _SCORE_KERNELS[key] = got
+    return got
+
+
+def forget_score_kernels() -> None:
+    """Drop the generated score_mod functions (``ultraattn.reset``)."""
+    _SCORE_KERNELS.clear()
+
+
+def _score_args(geo: TileGeometry, g: int, i: int, cols: list[int], score: list[Tensor], device: torch.device):
+    """The kernels' ``ScoreArgs`` for row ``i`` (head group ``g``) against KV chunks ``cols``, or None without a
+    score_mod."""
+    if geo.score_mod is None:
+        return None
+    from ..kernels.ops import ScoreArgs
+
+    key = ("kv_pos", tuple(cols), str(device))
+    kv_pos = geo.mask_cache.get(key)
+    if kv_pos is None:
+        nbk = geo.chunk // geo.kv_block
+        ids = torch.cat([j * nbk + torch.arange(nbk) for j in cols])
+        kv_pos = geo.mask_cache[key] = (ids * geo.kv_block).to(torch.int32).to(device)
+    return ScoreArgs(kernels=score_kernels(geo.score_mod, score), buffers=list(score), kv_pos=kv_pos,
+                     q0=i * geo.chunk, h0=g * geo.hq, seq_len=geo.seq_len)
 
 
 def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: torch.device):
@@ -324,21 +377,34 @@ def _kv_cat(kvs: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tenso
 
 
 def kernel_row_forward(geo: TileGeometry, lay: tuple[Tensor, ...], q: Tensor, kvs: list[tuple[Tensor, Tensor]],
-                       scale: float) -> tuple[Tensor, Tensor]:
-    """``row_forward`` on the block-sparse kernel op, given the row's ``kernel_layout`` tensors (fp32 out)."""
+                       scale: float, score=None) -> tuple[Tensor, Tensor]:
+    """``row_forward`` on the block-sparse kernel op, given the row's ``kernel_layout`` tensors (fp32 out);
+    with a score_mod (``score``: the row's ``ScoreArgs``) on the plain kernel launch that takes one."""
     k_cat, v_cat = _kv_cat(kvs, q.dtype)
+    if score is not None:
+        from ..kernels.ops import score_fwd
+
+        return score_fwd(q, k_cat, v_cat, lay, geo.q_block, geo.kv_block, scale, score)
     return torch.ops.ultraattn.bsa_fwd(q, k_cat, v_cat, *lay, geo.q_block, geo.kv_block, scale, True)
 
 
 def kernel_row_backward(geo: TileGeometry, lay: tuple[Tensor, ...], q: Tensor, do: Tensor, lse: Tensor,
-                        delta: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float,
-                        ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-    """``row_backward`` on the block-sparse kernel op: dq and per column (dK, dV), fp32."""
+                        delta: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float, score=None,
+                        ) -> tuple[Tensor, list[tuple[Tensor, Tensor]], list[Tensor]]:
+    """``row_backward`` on the block-sparse kernels: dq, per column (dK, dV), and the wanted score_mod buffers'
+    gradients, fp32."""
     k_cat, v_cat = _kv_cat(kvs, q.dtype)
-    dq, dk_cat, dv_cat = torch.ops.ultraattn.bsa_bwd(q, k_cat, v_cat, do, lse, delta, None, *lay, geo.q_block,
-                                                     geo.kv_block, scale, True)
+    dbufs: list[Tensor] = []
+    if score is not None:
+        from ..kernels.ops import score_bwd
+
+        dq, dk_cat, dv_cat, dbufs = score_bwd(q, k_cat, v_cat, do, lse, delta, lay, geo.q_block, geo.kv_block,
+                                              scale, score, geo.score_mod.wanted)
+    else:
+        dq, dk_cat, dv_cat = torch.ops.ultraattn.bsa_bwd(q, k_cat, v_cat, do, lse, delta, None, *lay, geo.q_block,
+                                                         geo.kv_block, scale, True)
     c = geo.chunk
-    return dq, [(dk_cat[:, :, n * c:(n + 1) * c], dv_cat[:, :, n * c:(n + 1) * c]) for n in range(len(kvs))]
+    return dq, [(dk_cat[:, :, n * c:(n + 1) * c], dv_cat[:, :, n * c:(n + 1) * c]) for n in range(len(kvs))], dbufs
 
 
 def _view5(x: Tensor, hk: int) -> Tensor:
@@ -397,8 +463,9 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
         o fp32 [B, hq, C, D] (normalised) and lse fp32 [B, hq, C]; rows that attend nothing get
         o = 0 and lse = -inf.
     """
-    if _kernels_on(geo, q):
-        return kernel_row_forward(geo, kernel_layout(geo, g, i, cols, q.device).bwd_tensors(), q, kvs, scale)
+    if _kernels_on(geo, q, list(score)):
+        return kernel_row_forward(geo, kernel_layout(geo, g, i, cols, q.device).bwd_tensors(), q, kvs, scale,
+                                  _score_args(geo, g, i, cols, list(score), q.device))
     c, bq, hk = geo.chunk, geo.q_block, geo.hk
     bsz, hq, _, d = q.shape
     r = hq // hk
@@ -444,9 +511,10 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
     ``lse`` is the GLOBAL log-sum-exp of the row and ``delta = rowsum(dO * O) - dLSE`` (fp32 [B, hq, C]).
     """
     c, bq, bk, hk = geo.chunk, geo.q_block, geo.kv_block, geo.hk
-    if _kernels_on(geo, q):
+    if _kernels_on(geo, q, list(score)):
         lay = kernel_layout(geo, g, i, cols, q.device).bwd_tensors()
-        return (*kernel_row_backward(geo, lay, q, do, lse, delta, kvs, scale), [])
+        return kernel_row_backward(geo, lay, q, do, lse, delta, kvs, scale,
+                                   _score_args(geo, g, i, cols, list(score), q.device))
     bsz, hq, _, d = q.shape
     r = hq // hk
     kb, vb, kv_ids = _column_blocks(geo, cols, kvs)

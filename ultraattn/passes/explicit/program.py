@@ -209,7 +209,8 @@ class TracedIO(TileSets):
     def _tile(self, g, i, js, q, scale) -> tuple[int, bool]:
         """A tile id, and whether the tile is the Triton op in the graph: on CUDA (``kernels.uses_triton``), or on
         CPU with ``ULTRAATTN_KERNELS=triton`` under the interpreter when the graph runs uncompiled (aot_eager);
-        never with a score_mod (``runtime.tiles.ScoreMod``). (A dynamic program's tiles are tile sets,
+        never with a score_mod, whose tiles are ``cp_tile_fwd`` ops (a generated score_mod function is no op argument;
+        inside the op, ``runtime.tiles`` runs the kernels with it on CUDA). (A dynamic program's tiles are tile sets,
         ``tiles_fwd``: their layouts change with the mask.)"""
         tid = len(self.prog.tiles)
         self.prog.tiles.append(TileRow(g, i, tuple(js), scale))
@@ -232,7 +233,7 @@ class TracedIO(TileSets):
         n = len(js)
         if kernels:
             lay = ops.cp_tile_layout(self.prog.key, tid)
-            return (*kernel_row_backward(self.prog.executor.geo, lay, q, do, lse, delta, kvs, scale), [])
+            return kernel_row_backward(self.prog.executor.geo, lay, q, do, lse, delta, kvs, scale)
         outs = ops.cp_tile_bwd(q, do, lse, delta, [k for k, _ in kvs], [v for _, v in kvs], list(score),
                                self.prog.key, tid)
         return outs[0], list(zip(outs[1:1 + n], outs[1 + n:1 + 2 * n])), list(outs[1 + 2 * n:])
