@@ -212,6 +212,8 @@ class _Writer:
     def node(self, n: torch.fx.Node) -> tuple:
         target = n.target
         name = getattr(target, "__name__", str(target)).split(".")[0]
+        if name.endswith("_") and not name.startswith("_"):   # an in-place op: its value (``run`` rebinds the input)
+            name = name[:-1]
         packet = getattr(target, "_schema", None)
         overload = str(packet.name) if packet is not None else ""
         out = n.meta.get("val")
@@ -361,6 +363,9 @@ class _Writer:
                 self.axes[n.name] = frozenset().union(*(self.axes.get(x.name, frozenset()) for x in n.all_input_nodes))
                 got = self.add_scatters(n) if getattr(n.target, "__name__", "").startswith("add") else None
                 self.env[n.name] = got if got is not None else self.node(n)
+                name = getattr(n.target, "__name__", "").split(".")[0]
+                if name.endswith("_") and not name.startswith("_") and isinstance(n.args[0], torch.fx.Node):
+                    self.env[n.args[0].name] = self.env[n.name]   # later reads of the mutated input see its value
             elif n.op == "output":
                 return n.args[0]
             elif n.op != "placeholder":
