@@ -47,6 +47,7 @@ def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
     assert {t for _, _, t, _ in cases} == {"bf16", "fp16"} and any(row["tune"] == "full" for row in kc["rows"])
     assert all(row["seqlen"] % row["block"] for row in kc["rows"])  # every case has a tail
     assert kc["compiled"]["ok"] and kc["compiled"]["op_called_from_inductor_code"]
+    assert kc["score_mod"]["ok"] and kc["score_mod"]["generated"] and not kc["score_mod"]["problems"]
     # 2: two ranks over the host-staged transport, every rank exact, tiles in the graphs
     tr = _load(tmp_path, "two_ranks")
     assert len(tr["rows"]) == 6 and all(row["ok"] and row["transport"] == "StagedTransport" for row in tr["rows"])

@@ -6,7 +6,9 @@ the same-precision dense reference (``ultraattn.testing.check_2x``). Cases: ever
 BlockMasks and per-head block selections (whose mask_mod is ``noop_mask``), head dims 64/80/128 in bf16 and fp16,
 GQA groups 1/4/8, a batch of two, all at a length that is not a multiple of the block (a tail). The breadth runs
 with ``ULTRAATTN_TUNE=first`` (one compile per key); a last group autotunes as a user's run does. Then
-``block_sparse_attention`` inside ``torch.compile``: the op reaches Inductor and the result still passes.
+``block_sparse_attention`` inside ``torch.compile``: the op reaches Inductor and the result still passes. Last, a
+score_mod generated into the kernels (``kernels/score_codegen.py``): a learned (head, distance) bias under tanh
+soft-capping on one causal tile row, its table's gradient included.
 """
 
 from __future__ import annotations
@@ -133,6 +135,61 @@ def compiled_case(ctx: Ctx) -> dict:
             "reaches_inductor": bool(kernels_inlined) if ctx.device.type == "cuda" else op_called}
 
 
+def score_case(ctx: Ctx) -> dict:
+    """One tile row (the whole sequence, causal) through ``runtime.tiles`` with a score_mod generated into the
+    kernels: 3 tanh((s + table[h, q - kv]) / 3), the table learned. out, lse, dq, dk, dv and the table's gradient
+    by the 2x rule against the dense oracle with the same score_mod (autotuned, as a user's run is)."""
+    from ultraattn.masks.pattern import EMPTY, FULL, PARTIAL
+    from ultraattn.runtime.tiles import ScoreMod, TileGeometry, row_backward, row_forward, score_kernels
+
+    os.environ["ULTRAATTN_TUNE"] = "full"
+    S, block, H, Hk, D = ctx.pick(1000, 80), ctx.pick(128, 32), 4, 2, ctx.pick(128, 32)
+    dev, dt = ctx.device, torch.bfloat16
+    chunk = -(-S // block) * block
+    nb = chunk // block
+    ar = torch.arange(nb)
+    kinds = torch.where(ar[:, None] > ar[None, :], FULL, torch.where(ar[:, None] == ar[None, :], PARTIAL, EMPTY))
+    g = torch.Generator().manual_seed(5)
+    table = (0.3 * torch.randn(H, 2 * S - 1, generator=g)).to(dev)
+
+    def fn(score, b, h, q_idx, kv_idx, tab):
+        return 3.0 * torch.tanh((score + tab[h, q_idx - kv_idx + S - 1]) / 3.0)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    sm = ScoreMod(fn=fn, grads=(True,))
+    geo = TileGeometry(seq_len=S, chunk=chunk, q_block=block, kv_block=block, batch=1, num_heads=H, num_kv_heads=Hk,
+                       head_groups=1, head_dim=D, kind_gQK=[kinds.to(torch.int8)], mask_mod=causal, score_mod=sm)
+    q = torch.randn(1, H, S, D, generator=g).to(dt)
+    k, v = (torch.randn(1, Hk, S, D, generator=g).to(dt) for _ in range(2))
+    go, gl = torch.randn(1, H, S, D, generator=g).to(dt), torch.randn(1, H, S, generator=g)
+    q, k, v, go, gl = (x.to(dev) for x in (q, k, v, go, gl))
+    pad = chunk - S
+    qp, kp, vp, gop = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v, go))
+    scale = D ** -0.5
+    t0 = time.perf_counter()
+    out, lse = row_forward(geo, 0, 0, [0], qp, [(kp, vp)], scale, [table])
+    delta = (gop.float() * out).sum(-1) - torch.nn.functional.pad(gl, (0, pad))
+    dq, ((dk, dv),), (dtab,) = row_backward(geo, 0, 0, [0], qp, gop, lse, delta, [(kp, vp)], scale, [table])
+    sync(dev)
+    seconds = time.perf_counter() - t0
+    got = {"out": out[:, :, :S], "lse": lse[:, :, :S], "dq": dq[:, :, :S], "dk": dk[:, :, :S], "dv": dv[:, :, :S]}
+    allowed = torch.ones(S, S, dtype=torch.bool, device=dev).tril()
+    ii = torch.arange(S, device=dev)
+    refs = []
+    for rdt in (torch.float64, dt):
+        tab = table.to(rdt if rdt == torch.float64 else torch.float32).detach().requires_grad_()
+        ref = dense_attention(q, k, v, allowed, go, gl, rdt, score_mod=lambda s, tab=tab: fn(
+            s, 0, torch.arange(H, device=dev).view(1, -1, 1, 1), ii.view(1, 1, -1, 1), ii.view(1, 1, 1, -1), tab))
+        refs.append(dict(ref, dtab=tab.grad))
+    problems = check_2x(got, refs[0], refs[1], "bf16")
+    err, base = (float((x.double() - refs[0]["dtab"]).abs().max()) for x in (dtab, refs[1]["dtab"]))
+    if not err <= 2 * base + 4 * torch.finfo(dt).eps * float(refs[0]["dtab"].abs().max()):
+        problems.append(f"table gradient: err {err:.3g} > 2 x {base:.3g}")
+    return {"problems": problems, "seconds": seconds, "generated": score_kernels(sm, [table]) is not None}
+
+
 def run(ctx: Ctx) -> None:
     rows = []
     todo = cases(ctx)
@@ -160,6 +217,14 @@ def run(ctx: Ctx) -> None:
     comp["ok"] = "error" not in comp and not comp["problems"] and comp["reaches_inductor"]
     if not comp["ok"]:
         ctx.fail(f"inside torch.compile: {comp.get('error', '').splitlines()[0] if 'error' in comp else comp}")
+    try:
+        score = score_case(ctx)
+    except Exception as exc:  # noqa: BLE001
+        score = {"error": error_text(exc)}
+    score["ok"] = "error" not in score and not score["problems"] and score["generated"]
+    if not score["ok"]:
+        ctx.fail(f"score_mod in the kernels: {score.get('error', '').splitlines()[0] if 'error' in score else score}")
     passed = sum(r["ok"] for r in rows)
-    ctx.save(compiled=comp, summary=f"{passed}/{len(todo)} cases within 2x; inside torch.compile: "
-                                    f"{'ok' if comp['ok'] else 'FAILED'}")
+    ctx.save(compiled=comp, score_mod=score,
+             summary=f"{passed}/{len(todo)} cases within 2x; inside torch.compile: {'ok' if comp['ok'] else 'FAILED'}; "
+                     f"score_mod in the kernels: {'ok' if score['ok'] else 'FAILED'}")
