@@ -26,7 +26,7 @@ from ultraattn.masks.pattern import FULL, PARTIAL
 from ultraattn.planner.api import baseline_plan, evaluate, work_imbalance, workload
 from ultraattn.planner.baselines import BASELINES, NotApplicable
 from ultraattn.planner.cost import DEFAULT_COST
-from ultraattn.planner.fast import FastPlanner
+from ultraattn.planner.fast import FINALISTS, REGRET_TIE, ROBUST_WINDOW, FastPlanner
 from ultraattn.planner.plan import AttnShape, Mesh, TokenSharding
 from ultraattn.runtime.online import ONLINE, OnlinePlanner
 from ultraattn.testing import random_block_dense, run_ranks
@@ -135,13 +135,21 @@ def test_fast_plans_on_every_library_mask(mesh, cost):
                 ref = baseline_plan(c.name, pattern, shape, mesh)
                 assert ref.owner == p.owner and torch.equal(ref.assign_GPP, p.assign_GPP), (name, c.name)
                 assert ref.kernels == p.kernels and ref.transfers == p.transfers, (name, c.name)
-        # the cheapest price wins, unless the two cheapest were a near-tie replayed by the simulator
-        replayed = tp.meta["replayed"]
+        # the most robust finalist wins (planner.robust): priced within ROBUST_WINDOW of the cheapest, the least
+        # worst-case regret among the finalists (up to REGRET_TIE), the cheapest of those, unless the two cheapest of
+        # those were a near-tie replayed by the simulator
+        chosen, reg, replayed = tp.meta["candidate"], tp.meta["regrets"], tp.meta["replayed"]
+        assert priced[chosen] <= min(priced.values()) * ROBUST_WINDOW * (1 + 1e-12), (name, chosen)
+        finalists = sorted((n for n, p in priced.items() if p <= min(priced.values()) * ROBUST_WINDOW),
+                           key=lambda n: (priced[n], n))[:FINALISTS]
+        assert set(reg) == (set(finalists) if len(finalists) > 1 else set()), (name, reg, finalists)
+        robust = [n for n in finalists if reg.get(n, 1.0) <= min(reg.values(), default=1.0) + REGRET_TIE]
+        assert tp.meta["regret"] == reg.get(chosen, 1.0) and chosen in robust, (name, chosen, reg)
         if replayed:
-            assert len(replayed) == 2 and any(tp.meta["estimate_ms"] == pytest.approx(v * 1e3) for v in priced.values())
+            assert len(replayed) == 2 and set(replayed) <= set(robust) and chosen in replayed
             assert min(replayed.values()) == pytest.approx(evaluate(tp, pattern, cost=cost).total_ms(), abs=1e-6)
         else:
-            assert tp.meta["estimate_ms"] == pytest.approx(min(priced.values()) * 1e3)
+            assert chosen == robust[0], (name, chosen, robust)
 
 
 @pytest.mark.parametrize("backward", [True, False], ids=["fwd+bwd", "fwd"])
@@ -372,8 +380,9 @@ def test_regret_over_the_cost_model_band():
     bm = create_block_mask(lambda b, h, q, kv: dense[q, kv], None, None, 700, 700, device="cpu", BLOCK_SIZE=32)
     cells = cells_from_block_mask(bm)
     fp = FastPlanner(shape=AttnShape(seq_len=700, num_heads=4, head_dim=32, num_kv_heads=2),
-                     mesh=Mesh(nodes=2, devices=2))
+                     mesh=Mesh(nodes=2, devices=2), band=None)   # no band: the nominal cheapest is chosen
     tp = fp.plan(cells)
+    assert tp.meta["regrets"] == {} and tp.meta["band"] is None
     flat = fp.regrets(cells, Band(rate=1.0, latency=1.0))
     drafts = {c.name: c.get() for c in fp.candidates(cells) if c.eligible}
     nominal = {n: price(d.kernels, d.messages, d.owner, d.assign_GPP.shape[0], fp.mesh, fp.cost)
@@ -394,3 +403,31 @@ def test_regret_over_the_cost_model_band():
         assert p[0] == pytest.approx(nominal[n]) and 1.5 * p[0] * (1 - 1e-9) <= p[slow] <= 2.0 * p[0] * (1 + 1e-9)
     with pytest.raises(ValueError, match="ultraattn: Band.rate must be >= 1"):
         Band(rate=0.5)
+
+
+def test_the_plan_is_the_most_robust_finalist():
+    """The fast planner's choice under the default band: its finalists' regrets are ``planner.robust``'s over their
+    band prices, and on a mask where the nominally cheapest finalist loses more in some corner of the band, another
+    finalist is chosen (with a smaller worst-case regret); without a band the nominal cheapest is. A calibrated
+    profile's band is its fits' worst errors."""
+    from ultraattn.planner.robust import Band, band_prices, regrets
+
+    from ultraattn.masks.factories import generate_document
+
+    shape = AttnShape(seq_len=8192, num_heads=8, head_dim=64, num_kv_heads=2)
+    fp = FastPlanner(shape=shape, mesh=Mesh(nodes=2, devices=4))
+    nominal = FastPlanner(shape=shape, mesh=Mesh(nodes=2, devices=4), band=None)
+    # two documents: all-gather is the cheapest under the nominal model, but loses 9 % in a corner of the band
+    bm = create_block_mask(generate_document([480, 7712]), None, None, 8192, 8192, device="cpu", BLOCK_SIZE=128)
+    cells = cells_from_block_mask(bm)
+    tp, tn = fp.plan(cells), nominal.plan(cells)
+    cands = {c.name: c for c in fp.candidates(cells)}
+    want = regrets(band_prices({n: cands[n].get() for n in tp.meta["regrets"]}, fp.mesh, fp.cost, fp.band))
+    assert tp.meta["regrets"] == pytest.approx(want, abs=1e-4)
+    assert tn.meta["candidate"] != tp.meta["candidate"], (tn.meta, tp.meta)
+    assert tp.meta["regret"] < want[tn.meta["candidate"]] - REGRET_TIE
+    assert tp.meta["band"] == {"rate": 1.5, "latency": 2.0} and fp.key != nominal.key
+    fit = {"kernel": {"samples": 9, "median_rel_err": 0.02, "max_rel_err": 0.06},
+           "message": {"intra": {"samples": 6, "median_rel_err": 0.01, "max_rel_err": 0.09}}}
+    assert Band.of_profile(fit) == Band(rate=1.09, latency=1.09)
+    assert Band.of_profile({}) == Band()   # nothing fitted: the default band

@@ -203,7 +203,11 @@ def _summary_json(args, res, shape, mesh) -> dict:
         "backward": bool(args.backward),
         "planner": {"name": res.solver["planner"], "seconds": res.seconds, "ilp_status": status, "ilp_gap": gap,
                     "structure": res.plan.meta.get("structure"), "plan_hash": res.plan.content_hash(),
-                    "levels": res.solver["levels"], "schedule": res.solver["schedule"], "notes": res.notes},
+                    "levels": res.solver["levels"], "schedule": res.solver["schedule"], "notes": res.notes,
+                    # the fast planner's robust choice (planner/robust.py): the chosen plan's worst-case regret over
+                    # the cost-model band against its finalists, each finalist's, and the band
+                    "regret": res.plan.meta.get("regret"), "regrets": res.plan.meta.get("regrets"),
+                    "band": res.plan.meta.get("band")},
         "methods": methods,
     }
     if best:

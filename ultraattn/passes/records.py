@@ -232,6 +232,9 @@ class PlanEvent:
     stages: dict | None = None
     """A run-time program's plan facts: bytes all ranks send per stage ('fwd', 'bwd': lists), 'imbalance',
     'ownership' (None for other plans)."""
+    regret: float | None = None
+    """A fast plan's worst-case regret over the cost-model band, against the planner's finalists
+    (``planner.robust``; None for other plans)."""
     result: Any = field(default=None, compare=False)
     """The planner's full result (for the full live report); not saved."""
 

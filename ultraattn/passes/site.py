@@ -249,7 +249,8 @@ def plan_event(state: SiteState, runner: Runner, seconds: float) -> PlanEvent:
                          hash=runner.tile_plan.content_hash()[:16],
                          structure=str(runner.tile_plan.meta.get("structure")),
                          method=runner.tile_plan.method, comparison=method_summaries(res) if res is not None else None,
-                         result=res, planner=runner.planner, ahead=runner.planned_ahead, call=state.calls)
+                         result=res, planner=runner.planner, ahead=runner.planned_ahead, call=state.calls,
+                         regret=runner.tile_plan.meta.get("regret"))
     return PlanEvent(site=spec.name, graph=spec.graph, rank=0, world=1, seconds=seconds, hash="kernels",
                      structure=repr(runner), planner="kernels", call=state.calls)
 

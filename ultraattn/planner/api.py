@@ -330,6 +330,11 @@ def _plan_fast(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: Cos
                        if v is not None)
     notes = [f"fast planner: {meta['structure']} (closed-form price {meta['estimate_ms']:.3f} ms); candidates priced "
              f"(ms): {priced}"]
+    if meta.get("regrets"):
+        band = meta["band"]
+        notes.append(f"robust choice: worst-case regret {meta['regret']:.3f} over the cost-model band (rates and "
+                     f"bandwidths x{band['rate']:g} either way, latencies x{band['latency']:g}); finalists: "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in sorted(meta["regrets"].items())))
     skipped = SolveInfo(name="schedule", status="Skipped", note="fast planner: no ILP").to_dict()
     solver = {"planner": "fast", "seconds": planning_seconds,
               "comparison_seconds": time.perf_counter() - t0 - planning_seconds, "levels": [],

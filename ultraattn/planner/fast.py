@@ -25,11 +25,14 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
 4. Every candidate gets cheap bounds (its busiest rank's work at peak rate, its busiest stream); in
    increasing bound order, candidates are priced in closed form (``price.replay_bound``: a lower bound
    of the simulator's replay, from release times of every task on every stream), skipping those whose
-   bound exceeds the best price so far. The cheapest is built as the ``TilePlan``; when the runner-up
-   is priced within ``NEAR_TIE`` of it and both plans are small (``REPLAY_TASKS``), the simulator
-   replays both and the faster replay wins (a size bound, not a time limit: still deterministic). Our
-   structure must meet the balance tolerance when one of its granularities does (the ILP planner's
-   rule); a baseline is taken on its price alone.
+   bound exceeds the best price so far. Our structure must meet the balance tolerance when one of its
+   granularities does (the ILP planner's rule); a baseline is taken on its price alone.
+5. The robust choice: the candidates priced within ``ROBUST_WINDOW`` of the cheapest (at most
+   ``FINALISTS``) are priced again under every corner of the cost-model band (``planner.robust``), and
+   the one with the smallest worst-case regret among them is built as the ``TilePlan`` (the cheapest of
+   those within ``REGRET_TIE``). When the runner-up of those is priced within ``NEAR_TIE`` and both plans
+   are small (``REPLAY_TASKS``), the simulator replays both and the faster replay wins (a size bound, not
+   a time limit: still deterministic).
 
 Determinism: integer and float64 arithmetic in a fixed order (bincounts and sorts, no threaded BLAS in
 a decision), ties broken by index; pruning only skips candidates that cannot win.
@@ -63,6 +66,13 @@ from .schedule import build_graph, simulate, workload
 
 #: chunks per rank tried for our own structure (the ILP planner starts at 2 and refines to 8)
 CHUNKS_PER_RANK = (1, 2, 4, 8)
+#: candidates priced within this factor of the cheapest are the finalists (at most ``FINALISTS`` of them, cheapest
+#: first): the plan is the finalist whose worst-case regret over the cost-model band is smallest
+#: (``planner.robust``), priced under every corner of the band only for them (the planning budget)
+ROBUST_WINDOW = 1.5
+FINALISTS = 3
+#: finalists whose worst-case regrets differ by less than this are equally robust: the nominal price decides
+REGRET_TIE = 0.02
 #: the runner-up priced within this fraction of the cheapest is a near-tie ...
 NEAR_TIE = 0.10
 #: ... and both are replayed by the simulator when they have at most this many tasks together (kernels x phases
@@ -129,6 +139,10 @@ class FastPlanner:
     """Plan (and price) the backward too."""
     baselines: tuple[str, ...] = BASELINES
     """Baseline structures considered as candidates."""
+    band: Band | None = DEFAULT_BAND
+    """How wrong the cost model may be (``planner.robust``): the plan is the finalist with the smallest worst-case
+    regret over it. Narrow it to a calibrated profile's fit errors (``Band.of_profile``); None picks the nominal
+    cheapest."""
     _scales: dict = field(default_factory=dict, repr=False)
     _fixed: dict = field(default_factory=dict, repr=False)
 
@@ -156,7 +170,7 @@ class FastPlanner:
     def key(self) -> tuple:
         """Everything a plan depends on besides the mask."""
         return planner_key(self.shape, self.mesh, self.cost, self.layout, self.balance_tol, self.backward,
-                           self.baselines)
+                           self.baselines, self.band)
 
     @property
     def _phases(self) -> tuple[int, ...]:
@@ -187,18 +201,25 @@ class FastPlanner:
 
     # ------------------------------------------------------------------ plan
     def plan(self, mask: BlockCells | BlockPattern) -> TilePlan:
-        """The cheapest candidate's ``TilePlan``; ``meta`` says planner ("fast"), structure, estimate_ms,
-        planning_ms and every candidate's price (None: skipped)."""
+        """The most robust finalist's ``TilePlan`` (``ROBUST_WINDOW``); ``meta`` says planner ("fast"), structure,
+        estimate_ms, planning_ms, every candidate's price (None: skipped), the finalists' worst-case regrets over
+        the band (``regrets``; ``regret``: the chosen plan's) and the band."""
         t0 = time.perf_counter()
         cells = self._check(mask)
         cands = self.candidates(cells)
         priced = sorted((c for c in cands if c.seconds is not None), key=lambda c: (c.seconds, c.name))
         summary = {c.name: None if c.seconds is None else round(c.seconds * 1e3, 6) for c in cands}
-        best, tp, replayed = priced[0], None, {}
+        finalists = [c for c in priced if c.seconds <= priced[0].seconds * ROBUST_WINDOW][:FINALISTS]
+        reg: dict[str, float] = {}
+        if self.band is not None and len(finalists) > 1:
+            reg = regrets(band_prices({c.name: c.get() for c in finalists}, self.mesh, self.cost, self.band))
+        least = min(reg.values(), default=1.0)
+        robust = [c for c in finalists if reg.get(c.name, 1.0) <= least + REGRET_TIE]   # cheapest first
+        best, tp, replayed = robust[0], None, {}
         # [Note] near-ties: the price is a lower bound of the replay, closer for some structures than for others;
-        # the cheapest two, when within NEAR_TIE and small (a task count, not a time limit: still deterministic),
-        # are replayed to decide
-        close = [c for c in priced if c.seconds <= priced[0].seconds * (1 + NEAR_TIE)][:2]
+        # the cheapest two of the most robust, when within NEAR_TIE and small (a task count, not a time limit:
+        # still deterministic), are replayed to decide
+        close = [c for c in robust if c.seconds <= best.seconds * (1 + NEAR_TIE)][:2]
         if len(close) > 1 and sum(_tasks(c.get()) for c in close) <= REPLAY_TASKS:
             plans = {c.name: self.build(c) for c in close}
             replayed = {n: evaluate_plan(p, cells, self.cost, backward=self.backward) for n, p in plans.items()}
@@ -207,7 +228,9 @@ class FastPlanner:
         if tp is None:
             tp = self.build(best)
         tp.meta.update(candidates=summary, replayed={n: round(v * 1e3, 6) for n, v in replayed.items()},
-                       candidate=best.name)
+                       candidate=best.name, regrets={n: round(r, 4) for n, r in reg.items()},
+                       regret=round(reg.get(best.name, 1.0), 4),
+                       band=None if self.band is None else {"rate": self.band.rate, "latency": self.band.latency})
         tp.meta["planning_ms"] = (time.perf_counter() - t0) * 1e3
         return tp
 
@@ -357,11 +380,12 @@ def evaluate_plan(plan: TilePlan, cells: BlockCells, cost: CostModel, *, backwar
 
 
 def planner_key(shape: AttnShape, mesh: Mesh, cost: CostModel, layout: TokenSharding | None, balance_tol: float,
-                backward: bool, baselines: tuple[str, ...]) -> tuple:
+                backward: bool, baselines: tuple[str, ...], band: Band | None = DEFAULT_BAND) -> tuple:
     """``FastPlanner.key`` from its arguments (to find a cached planner before making one)."""
     s = shape
     return ((s.seq_len, s.num_heads, s.head_dim, s.kv_heads, s.batch, s.dtype), (mesh.nodes, mesh.devices), cost,
-            None if layout is None else (layout.chunk_size, layout.owner), balance_tol, backward, tuple(baselines))
+            None if layout is None else (layout.chunk_size, layout.owner), balance_tol, backward, tuple(baselines),
+            band)
 
 
 def _work_per_rank(weight, assign: np.ndarray, world: int) -> np.ndarray:

@@ -15,8 +15,10 @@ regret is the largest over the corners and the nominal model. A plan with worst-
 than 10 % slower than the best candidate would have been, whichever corner the hardware is in (as far as the
 price can tell).
 
-Reporting only, so far: the fast planner still picks the nominal cheapest (``FastPlanner.regrets`` gives every
-candidate's regret; ``benchmarks/replan.py`` reports the chosen plan's).
+The fast planner chooses by it: among its finalists (the candidates priced near the cheapest) the one with the
+smallest worst-case regret (``FastPlanner.plan``; ``meta["regret"]``). ``FastPlanner.regrets`` gives every
+candidate's regret against all the others, priced in full (for reports: ``benchmarks/replan.py``). A calibrated
+profile knows how wrong it is: ``Band.of_profile`` narrows the band to its fits' worst relative errors.
 """
 
 from __future__ import annotations
@@ -46,6 +48,27 @@ class Band:
             if not getattr(self, name) >= 1:
                 raise ValueError(f"ultraattn: Band.{name} must be >= 1 (a factor either way), got "
                                  f"{getattr(self, name)!r}")
+
+    @classmethod
+    def of_profile(cls, fit) -> Band:
+        """The band of a calibrated profile (``CostProfile.fit``): compute and bandwidth off by at most 1 + the
+        worst relative error of the kernel, message and merge fits; latencies by 1 + the message fits' worst
+        (each at least 1 %: no fit is exact). A term the profile did not fit keeps the default band's factor."""
+        def worst(*terms) -> float | None:
+            errs = [float(fit[t]["max_rel_err"]) for t in terms if isinstance(fit.get(t), dict)
+                    and "max_rel_err" in fit[t]]
+            return max(errs) if errs else None
+
+        def links(msg) -> list:
+            return [v for v in (msg or {}).values() if isinstance(v, dict) and "max_rel_err" in v]
+
+        kern = worst("kernel")
+        msgs = [float(v["max_rel_err"]) for v in links(fit.get("message"))]
+        merge = [float(v["max_rel_err"]) for v in links(fit.get("merge"))]
+        rate_errs = [e for e in (kern, *msgs, *merge) if e is not None]
+        rate = 1 + max(0.01, max(rate_errs)) if kern is not None and msgs else DEFAULT_BAND.rate
+        latency = 1 + max(0.01, max(msgs)) if msgs else DEFAULT_BAND.latency
+        return cls(rate=rate, latency=latency)
 
     def corners(self, cost: CostModel) -> list[tuple[float, CostModel]]:
         """(compute factor, model) for the nominal model and every corner: 1 + 2^4 models."""

@@ -159,8 +159,9 @@ def _planner_words(ev: PlanEvent) -> str:
 
 
 def plan_line(ev: PlanEvent) -> str:
+    regret = "" if ev.regret is None else f", worst-case regret {ev.regret:.2f}"
     return (f"[bold]ultraattn[/bold] {ev.site} (call {ev.call}): planned in {duration(ev.seconds)} "
-            f"({_planner_words(ev)}{ev.structure}, plan {ev.hash}, {ev.world} ranks)")
+            f"({_planner_words(ev)}{ev.structure}{regret}, plan {ev.hash}, {ev.world} ranks)")
 
 
 def planning_table(history: tuple[PlanEvent, ...] | list[PlanEvent], *, last: int | None = None) -> Table:
@@ -170,8 +171,10 @@ def planning_table(history: tuple[PlanEvent, ...] | list[PlanEvent], *, last: in
     t = Table(title="planning per step" + (f" (last {len(rows)})" if last and len(history) > last else ""),
               title_justify="left")
     staged = any(ev.stages for ev in rows)
+    robust = any(ev.regret is not None for ev in rows)
     cols = ("site", "call", "planner", "ahead", "on the step") + \
-        (("fwd bytes / stage", "bwd bytes / stage", "imbalance") if staged else ()) + ("structure", "plan")
+        (("fwd bytes / stage", "bwd bytes / stage", "imbalance") if staged else ()) + \
+        (("regret",) if robust else ()) + ("structure", "plan")
     for col in cols:
         t.add_column(col, justify="left" if col in ("site", "planner", "ahead", "structure", "plan") else "right")
     for ev in rows:
@@ -180,6 +183,8 @@ def planning_table(history: tuple[PlanEvent, ...] | list[PlanEvent], *, last: in
             st = ev.stages or {}
             facts = (" ".join(str(b) for b in st.get("fwd", ())), " ".join(str(b) for b in st.get("bwd", ())),
                      f"{st['imbalance']:.2f}" if "imbalance" in st else "")
+        if robust:
+            facts = (*facts, "" if ev.regret is None else f"{ev.regret:.2f}")
         t.add_row(ev.site, str(ev.call), ev.planner or "?", "yes" if ev.ahead else "", duration(ev.seconds), *facts,
                   ev.structure, ev.hash)
     return t
