@@ -327,9 +327,16 @@ def test_backend_options_take_a_profile(tmp_path, monkeypatch):
 
     monkeypatch.setenv("ULTRAATTN_CACHE_DIR", str(tmp_path / "cache"))
     path = profile_of(TRUE).save(tmp_path / "p.json")
-    assert parse_options({"cost": str(path)}).cost == CostProfile.load(path).cost
-    assert parse_options({"cost": profile_of(TRUE)}).cost == profile_of(TRUE).cost
+    assert parse_options({"cost": str(path)}).cost_model() == CostProfile.load(path).cost
+    assert parse_options({"cost": profile_of(TRUE)}).cost_model() == profile_of(TRUE).cost
     assert parse_options({"cost": "auto"}).cost == DEFAULT_COST      # one rank plans nothing: nothing measured
+    # the profile stays whole: its fits' worst errors are the fast planner's band (planner/robust.py)
+    from ultraattn.planner.robust import DEFAULT_BAND, Band
+    from ultraattn.runtime.costs import band_of
+
+    band = band_of(parse_options({"cost": str(path)}).cost)
+    assert band == Band.of_profile(profile_of(TRUE).fit) and band != DEFAULT_BAND and band.rate < DEFAULT_BAND.rate
+    assert band_of(parse_options({}).cost) == DEFAULT_BAND
     with pytest.raises(ValueError, match=r"options\['cost'\]: cost profile .*does not exist"):
         parse_options({"cost": str(tmp_path / "missing.json")})
     with pytest.raises(ValueError, match=r"options\['cost'\]='auto' needs this machine's profile for 4 ranks"):

@@ -410,9 +410,8 @@ def test_the_plan_is_the_most_robust_finalist():
     band prices, and on a mask where the nominally cheapest finalist loses more in some corner of the band, another
     finalist is chosen (with a smaller worst-case regret); without a band the nominal cheapest is. A calibrated
     profile's band is its fits' worst errors."""
-    from ultraattn.planner.robust import Band, band_prices, regrets
-
     from ultraattn.masks.factories import generate_document
+    from ultraattn.planner.robust import Band, band_prices, regrets
 
     shape = AttnShape(seq_len=8192, num_heads=8, head_dim=64, num_kv_heads=2)
     fp = FastPlanner(shape=shape, mesh=Mesh(nodes=2, devices=4))

@@ -20,9 +20,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from ultraattn.planner.baselines import Method
 from ultraattn.planner.cost import DEFAULT_COST, CostModel
 from ultraattn.planner.plan import Mesh
+from ultraattn.planner.profile import CostProfile, cost_model_of
 from ultraattn.planner.tiling import PlannerOptions
 from ultraattn.runtime.calibrate import cached_profile_path, default_device
-from ultraattn.runtime.costs import resolve_cost
+from ultraattn.runtime.costs import resolve_source
 
 ReportMode = Literal["off", "summary", "full"]
 Outputs = Literal["global", "sharded"]
@@ -52,11 +53,12 @@ class BackendOptions:
     ilp_time_limit: float | None = None
     balance_tol: float | None = None
     time_budget: float | None = None
-    cost: CostModel = DEFAULT_COST
+    cost: CostModel | CostProfile = DEFAULT_COST
     """The cost model the planner uses. Users pass a dict of ``CostModel`` fields (overrides of the H100 defaults),
     a ``CostModel``, a ``CostProfile`` or its path (``ultraattn calibrate``), or ``"auto"``: this machine's
     calibrated profile, cached under the user's cache directory and measured at the first compile when missing
-    (every rank compiles, so the measurement is a collective). ``parse_options`` resolves it to the model."""
+    (every rank compiles, so the measurement is a collective). ``parse_options`` resolves it to the model, or to
+    the profile (whose fit errors also narrow the fast planner's band: ``runtime.costs.band_of``)."""
     method: Method = "ultraattn"
     """The planner, or a baseline plan for comparisons."""
     planner: PlannerName = "auto"
@@ -86,7 +88,7 @@ class BackendOptions:
         return PlannerOptions(**kw)
 
     def cost_model(self) -> CostModel:
-        return self.cost
+        return cost_model_of(self.cost)
 
 
 VALID = tuple(f.name for f in fields(BackendOptions))
@@ -114,8 +116,8 @@ def _check_values(opts: BackendOptions) -> None:
         raise ValueError(f"options['world_size']={w!r}: expected a positive int (or leave it unset)")
 
 
-def _check_cost(cost, *, grouped: bool, mesh, world: int) -> CostModel:
-    """``options['cost']`` as a model (see ``BackendOptions.cost``)."""
+def _check_cost(cost, *, grouped: bool, mesh, world: int) -> CostModel | CostProfile:
+    """``options['cost']`` as a model or a profile (see ``BackendOptions.cost``)."""
     if isinstance(cost, Mapping):
         names = {f.name for f in fields(CostModel)}
         bad = sorted(set(cost) - names)
@@ -137,7 +139,7 @@ def _check_cost(cost, *, grouped: bool, mesh, world: int) -> CostModel:
                              f"path or a dict of CostModel fields")
         cost = path
     try:
-        return resolve_cost(cost, mesh=mesh)
+        return resolve_source(cost, mesh=mesh)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"options['cost']: {exc}") from None
 

@@ -209,7 +209,7 @@ def make_runner(spec: SiteSpec, layout: TokenSharding | None, q_shape: tuple, kv
                            block_size=opts.block_size, device=device)
     return plan_attention(mask, seqlen=S, num_heads=H, head_dim=D, num_kv_heads=kv_shape[1], batch=B, mesh=opts.mesh,
                           dtype=dtype, block_size=opts.block_size, mask_mod=mask_mod, method=opts.method,
-                          options=opts.planner_options(), cost=opts.cost_model(), timeout=opts.timeout,
+                          options=opts.planner_options(), cost=opts.cost, timeout=opts.timeout,
                           layout=layout, planner=opts.planner, debug=opts.debug, score_mod=spec.score)
 
 

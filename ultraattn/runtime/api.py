@@ -39,9 +39,10 @@ from ..planner.cost import DEFAULT_COST, CostModel
 from ..planner.fast import FastPlanner, planner_key
 from ..planner.plan import AttnShape, Mesh, TilePlan, TokenSharding
 from ..planner.profile import CostProfile, cost_model_of
+from ..planner.robust import DEFAULT_BAND, Band
 from ..planner.tiling import PlannerOptions
 from .comm import GroupRef, resolve_group, store_exchange
-from .costs import resolve_cost
+from .costs import band_of, resolve_source
 from .executor import Executor
 from .online import ONLINE
 from .sequence import SequenceShards
@@ -306,11 +307,11 @@ def plan_attention(
                       batch=batch, dtype=DTYPE_NAMES[dtype])
     pmesh, ranks, comm_group, me = resolve_group(mesh, group)
     _check_method(method, shape, pmesh)  # on every rank, before any communication
-    cost = _cost_model(cost, mesh=mesh, group=group, key=(ranks, pmesh.nodes, pmesh.devices), timeout=timeout)
+    cost, band = _cost_model(cost, mesh=mesh, group=group, key=(ranks, pmesh.nodes, pmesh.devices), timeout=timeout)
     if which == "fast":
         ap = _plan_fast(mask, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me, dtype=dtype,
                         block_size=block_size, mask_mod=mask_mod, options=options or PlannerOptions(), cost=cost,
-                        timeout=timeout, layout=layout, debug=debug)
+                        timeout=timeout, layout=layout, debug=debug, band=band)
     else:
         ap = _plan_ilp(mask, which=which, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me,
                        dtype=dtype, block_size=block_size, mask_mod=mask_mod, method=method, options=options,
@@ -319,16 +320,20 @@ def plan_attention(
     return ap
 
 
-def _cost_model(cost, *, mesh, group, key: tuple, timeout: float) -> CostModel:
-    """``cost`` as a ``CostModel``; a path or ``"auto"`` is resolved once per process (``ONLINE.cost_model``)."""
+def _cost_model(cost, *, mesh, group, key: tuple, timeout: float) -> tuple[CostModel, Band]:
+    """``cost`` as a ``CostModel``, and the band the fast planner chooses robustly over (a profile's fit errors, else
+    the default: ``runtime.costs.band_of``); a path or ``"auto"`` is resolved once per process
+    (``ONLINE.cost_model``)."""
     if isinstance(cost, str) and cost == "auto":
-        return ONLINE.cost_model(("auto", *key), lambda: resolve_cost("auto", group=group, mesh=mesh,
-                                                                      timeout=timeout))
-    if isinstance(cost, str | os.PathLike):
+        src = ONLINE.cost_model(("auto", *key), lambda: resolve_source("auto", group=group, mesh=mesh,
+                                                                       timeout=timeout))
+    elif isinstance(cost, str | os.PathLike):
         path = os.path.abspath(os.fspath(cost))
         stamp = os.stat(path).st_mtime_ns if os.path.exists(path) else None
-        return ONLINE.cost_model(("path", path, stamp), lambda: resolve_cost(path))
-    return cost_model_of(cost)   # a model or a profile; anything else is a TypeError naming `cost`
+        src = ONLINE.cost_model(("path", path, stamp), lambda: resolve_source(path))
+    else:
+        src = resolve_source(cost)   # a model or a profile; anything else is a TypeError naming `cost`
+    return cost_model_of(src), band_of(src)
 
 
 def _check_method(method: str, shape: AttnShape, pmesh: Mesh) -> None:
@@ -400,16 +405,16 @@ def _plan_ilp(mask, *, which: str, shape: AttnShape, pmesh: Mesh, ranks, comm_gr
 
 def _plan_fast(mask, *, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: int, dtype: torch.dtype,
                block_size: int, mask_mod, options: PlannerOptions, cost: CostModel, timeout: float,
-               layout: TokenSharding | None, debug: bool) -> AttentionPlan:
+               layout: TokenSharding | None, debug: bool, band: Band = DEFAULT_BAND) -> AttentionPlan:
     """Every rank plans for itself with the fast planner (no broadcast: the plan is a pure function)."""
     t0 = time.perf_counter()
     cells, mm = _resolve_cells(mask, seqlen=shape.seq_len, batch=shape.batch, num_heads=shape.num_heads,
                                block_size=block_size, mask_mod=mask_mod)
     if cells.num_batch not in (1, shape.batch):
         raise ValueError(f"the mask has {cells.num_batch} batch entries but batch={shape.batch}")
-    key = planner_key(shape, pmesh, cost, layout, options.balance_tol, True, BASELINES)
+    key = planner_key(shape, pmesh, cost, layout, options.balance_tol, True, BASELINES, band)
     fp = ONLINE.planner(key, lambda: FastPlanner(shape=shape, mesh=pmesh, cost=cost, layout=layout,
-                                                 balance_tol=options.balance_tol))
+                                                 balance_tol=options.balance_tol, band=band))
     tile_plan, ahead = ONLINE.plan(fp, cells)
     ap = AttentionPlan(tile_plan=tile_plan, mask=cells, mask_mod=mm, rank=me, global_ranks=ranks,
                        group_ref=GroupRef(comm_group if pmesh.world > 1 else None), dtype=dtype, timeout=timeout,

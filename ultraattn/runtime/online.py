@@ -118,9 +118,9 @@ class OnlinePlanner:
             self._planners.put(key, hit)
         return hit
 
-    def cost_model(self, key: tuple, make: Callable[[], CostModel]) -> CostModel:
-        """The cost model a ``cost=`` argument names (a profile path, ``"auto"``), resolved by ``make`` once per
-        ``key``: a step's planning neither reads the profile again nor, for ``"auto"``, meets the other ranks."""
+    def cost_model(self, key: tuple, make: Callable[[], object]):
+        """The cost model or profile a ``cost=`` argument names (a profile path, ``"auto"``), resolved by ``make`` once
+        per ``key``: a step's planning neither reads the profile again nor, for ``"auto"``, meets the other ranks."""
         hit = self._costs.get(key)
         if hit is None:
             hit = make()
