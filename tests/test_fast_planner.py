@@ -416,12 +416,15 @@ def test_the_plan_is_the_most_robust_finalist():
     shape = AttnShape(seq_len=8192, num_heads=8, head_dim=64, num_kv_heads=2)
     fp = FastPlanner(shape=shape, mesh=Mesh(nodes=2, devices=4))
     nominal = FastPlanner(shape=shape, mesh=Mesh(nodes=2, devices=4), band=None)
-    # two documents: all-gather is the cheapest under the nominal model, but loses 9 % in a corner of the band
-    bm = create_block_mask(generate_document([480, 7712]), None, None, 8192, 8192, device="cpu", BLOCK_SIZE=128)
+    # four documents: our tiled plan is the cheapest under the nominal model, the ring loses less in the band's worst
+    # corner for it
+    bm = create_block_mask(generate_document([1107, 3635, 2427, 1023]), None, None, 8192, 8192, device="cpu",
+                           BLOCK_SIZE=128)
     cells = cells_from_block_mask(bm)
     tp, tn = fp.plan(cells), nominal.plan(cells)
     cands = {c.name: c for c in fp.candidates(cells)}
-    want = regrets(band_prices({n: cands[n].get() for n in tp.meta["regrets"]}, fp.mesh, fp.cost, fp.band))
+    want = regrets(band_prices({n: cands[n].get() for n in tp.meta["regrets"]}, fp.mesh, fp.cost, fp.band,
+                               half=True))   # (two nodes: the planner prices half the corners, Band.corners)
     assert tp.meta["regrets"] == pytest.approx(want, abs=1e-4)
     assert tn.meta["candidate"] != tp.meta["candidate"], (tn.meta, tp.meta)
     assert tp.meta["regret"] < want[tn.meta["candidate"]] - REGRET_TIE
@@ -430,3 +433,12 @@ def test_the_plan_is_the_most_robust_finalist():
            "message": {"intra": {"samples": 6, "median_rel_err": 0.01, "max_rel_err": 0.09}}}
     assert Band.of_profile(fit) == Band(rate=1.09, latency=1.09)
     assert Band.of_profile({}) == Band()   # nothing fitted: the default band
+    # the corners: 16 (+ nominal); on one node the inter-node bandwidth's are dropped; half of them on several nodes
+    # still meet every pair of axes in all four combinations
+    from itertools import combinations
+
+    from ultraattn.planner.cost import DEFAULT_COST as C
+    assert len(Band().corners(C, 2)) == 17 and len(Band().corners(C, 1)) == len(Band().corners(C, 2, half=True)) == 9
+    signs = [(c > 1, m.intra_bw_GBps > C.intra_bw_GBps, m.inter_bw_GBps > C.inter_bw_GBps,
+              m.intra_latency_us > C.intra_latency_us) for c, m in Band().corners(C, 2, half=True)[1:]]
+    assert all(len({(s[a], s[b]) for s in signs}) == 4 for a, b in combinations(range(4), 2))

@@ -212,7 +212,9 @@ class FastPlanner:
         finalists = [c for c in priced if c.seconds <= priced[0].seconds * ROBUST_WINDOW][:FINALISTS]
         reg: dict[str, float] = {}
         if self.band is not None and len(finalists) > 1:
-            reg = regrets(band_prices({c.name: c.get() for c in finalists}, self.mesh, self.cost, self.band))
+            # (on several nodes, half the corners: ``Band.corners``; the planning budget)
+            reg = regrets(band_prices({c.name: c.get() for c in finalists}, self.mesh, self.cost, self.band,
+                                      half=True))
         least = min(reg.values(), default=1.0)
         robust = [c for c in finalists if reg.get(c.name, 1.0) <= least + REGRET_TIE]   # cheapest first
         best, tp, replayed = robust[0], None, {}
@@ -269,7 +271,8 @@ class FastPlanner:
         return mask
 
     def candidates(self, cells: BlockCells) -> list[Candidate]:
-        """Every structure with its bound, priced in increasing bound order while it can still win."""
+        """Every structure with its bound, priced in increasing bound order while it can still win (be a finalist:
+        within ``ROBUST_WINDOW`` of the cheapest price, with a band)."""
         w, block = self.mesh.world, cells.q_block
         if self.layout is not None:
             ks = [(self.layout.chunks_per_rank, self.layout.chunk_size)]
@@ -291,8 +294,9 @@ class FastPlanner:
             d = c.get()
             c.bound = max(c.bound, busy_bound(d.kernels, d.messages, self.mesh, self.cost))
         best = math.inf
+        reach = ROBUST_WINDOW if self.band is not None else 1.0   # a finalist may cost up to ROBUST_WINDOW x the best
         for c in sorted(eligible, key=lambda c: (c.bound, c.name)):
-            if c.bound > best:
+            if c.bound > best * reach:
                 continue
             d = c.get()
             c.seconds = price(d.kernels, d.messages, d.owner, d.assign_GPP.shape[0], self.mesh, self.cost)

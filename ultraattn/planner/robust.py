@@ -70,11 +70,17 @@ class Band:
         latency = 1 + max(0.01, max(msgs)) if msgs else DEFAULT_BAND.latency
         return cls(rate=rate, latency=latency)
 
-    def corners(self, cost: CostModel) -> list[tuple[float, CostModel]]:
-        """(compute factor, model) for the nominal model and every corner: 1 + 2^4 models."""
+    def corners(self, cost: CostModel, nodes: int = 2, half: bool = False) -> list[tuple[float, CostModel]]:
+        """(compute factor, model) for the nominal model and every corner: 1 + 2^4 models; 1 + 2^3 on one node,
+        where the inter-node bandwidth prices nothing (its corners would repeat the others' prices). ``half``: on
+        several nodes, the half of the corners whose latency is slow exactly when an odd number of the three rates
+        is (a 2^(4-1) design: every pair of axes still meets in all four combinations), 1 + 2^3 models."""
         out = [(1.0, cost)]
         r, lat = self.rate, self.latency
-        for c, fi, fo, fl in itertools.product((1 / r, r), (1 / r, r), (1 / r, r), (1 / lat, lat)):
+        inter = (1 / r, r) if nodes > 1 else (1.0,)
+        for c, fi, fo, fl in itertools.product((1 / r, r), (1 / r, r), inter, (1 / lat, lat)):
+            if half and nodes > 1 and ((c < 1) + (fi < 1) + (fo < 1)) % 2 != (fl > 1):
+                continue
             out.append((c, dataclasses.replace(
                 cost, hbm_GBps=cost.hbm_GBps * c, lse_merge_GBps=cost.lse_merge_GBps * c,
                 intra_bw_GBps=cost.intra_bw_GBps * fi, inter_bw_GBps=cost.inter_bw_GBps * fo,
@@ -86,10 +92,10 @@ class Band:
 DEFAULT_BAND = Band()
 
 
-def band_prices(drafts: dict[str, Draft], mesh: Mesh, cost: CostModel, band: Band = DEFAULT_BAND
-                ) -> dict[str, np.ndarray]:
-    """Each draft's price under every model of ``band.corners(cost)`` (seconds, in that order)."""
-    models = band.corners(cost)
+def band_prices(drafts: dict[str, Draft], mesh: Mesh, cost: CostModel, band: Band = DEFAULT_BAND, *,
+                half: bool = False) -> dict[str, np.ndarray]:
+    """Each draft's price under every model of ``band.corners(cost, mesh.nodes, half)`` (seconds, in that order)."""
+    models = band.corners(cost, mesh.nodes, half)
     out = {}
     for name, d in drafts.items():
         groups = d.assign_GPP.shape[0]
