@@ -190,6 +190,19 @@ def score_case(ctx: Ctx) -> dict:
     return {"problems": problems, "seconds": seconds, "generated": score_kernels(sm, [table]) is not None}
 
 
+def _checked(ctx: Ctx, case, what: str, key: str) -> dict:
+    """One more case (``case(ctx)``): ok when it raised nothing, broke no rule and its ``key`` holds; a failure is
+    recorded (``what``) and the part goes on."""
+    try:
+        res = case(ctx)
+    except Exception as exc:  # noqa: BLE001 - a case that raises is recorded
+        res = {"error": error_text(exc)}
+    res["ok"] = "error" not in res and not res["problems"] and res[key]
+    if not res["ok"]:
+        ctx.fail(f"{what}: {res['error'].splitlines()[0] if 'error' in res else res}")
+    return res
+
+
 def run(ctx: Ctx) -> None:
     rows = []
     todo = cases(ctx)
@@ -210,20 +223,8 @@ def run(ctx: Ctx) -> None:
         print(f"[{NAME}] {'ok  ' if ok else 'FAIL'} {row['case']} ({row.get('seconds', 0):.2f} s)", flush=True)
         rows.append(row)
         ctx.save(rows=rows)
-    try:
-        comp = compiled_case(ctx)
-    except Exception as exc:  # noqa: BLE001
-        comp = {"error": error_text(exc)}
-    comp["ok"] = "error" not in comp and not comp["problems"] and comp["reaches_inductor"]
-    if not comp["ok"]:
-        ctx.fail(f"inside torch.compile: {comp.get('error', '').splitlines()[0] if 'error' in comp else comp}")
-    try:
-        score = score_case(ctx)
-    except Exception as exc:  # noqa: BLE001
-        score = {"error": error_text(exc)}
-    score["ok"] = "error" not in score and not score["problems"] and score["generated"]
-    if not score["ok"]:
-        ctx.fail(f"score_mod in the kernels: {score.get('error', '').splitlines()[0] if 'error' in score else score}")
+    comp = _checked(ctx, compiled_case, "inside torch.compile", "reaches_inductor")
+    score = _checked(ctx, score_case, "score_mod in the kernels", "generated")
     passed = sum(r["ok"] for r in rows)
     ctx.save(compiled=comp, score_mod=score,
              summary=f"{passed}/{len(todo)} cases within 2x; inside torch.compile: {'ok' if comp['ok'] else 'FAILED'}; "
