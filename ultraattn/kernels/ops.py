@@ -103,7 +103,10 @@ class ScoreArgs:
     kernels: object
     """``score_codegen.ScoreKernels``."""
     buffers: Sequence[Tensor]
-    """The score_mod's buffers, in its order (then the kernels' tensor constants are passed after them)."""
+    """The score_mod's buffers, in its order."""
+    constants: Sequence[Tensor]
+    """The kernels' tensor constants (``ScoreKernels.constants``) on the launch's device, passed after the
+    buffers."""
     kv_pos: Tensor
     """int32 [local KV blocks]: each block's first global key."""
     q0: int
@@ -116,8 +119,7 @@ class ScoreArgs:
     def pointers(self) -> list[Tensor]:
         from ultraattn.kernels.score_codegen import MAX_BUFFERS
 
-        dev = self.kv_pos.device
-        ptrs = [t.contiguous() for t in self.buffers] + [c.to(dev) for c in self.kernels.constants]
+        ptrs = [t.contiguous() for t in self.buffers] + list(self.constants)
         return ptrs + [self.kv_pos] * (MAX_BUFFERS - len(ptrs))
 
     def scalars(self) -> tuple[int, int, int]:

@@ -124,6 +124,14 @@ _IDENTITY = {"detach", "alias", "clone", "lift_fresh_copy", "view", "_unsafe_vie
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+def _op_name(target) -> tuple[str, bool]:
+    """An aten op's name without overload and in-place suffix (``add_.Tensor`` -> ``add``), and whether it is
+    in place."""
+    name = getattr(target, "__name__", str(target)).split(".")[0]
+    inplace = name.endswith("_") and not name.startswith("_")
+    return (name[:-1] if inplace else name), inplace
+
+
 def _lit(x) -> tuple:
     """A Python scalar as a literal value, with the dtype torch gives it."""
     return ("lit", x, torch.float32 if isinstance(x, float) else torch.bool if isinstance(x, bool) else torch.int64)
@@ -214,9 +222,7 @@ class _Writer:
 
     def node(self, n: torch.fx.Node) -> tuple:
         target = n.target
-        name = getattr(target, "__name__", str(target)).split(".")[0]
-        if name.endswith("_") and not name.startswith("_"):   # an in-place op: its value (``run`` rebinds the input)
-            name = name[:-1]
+        name, _ = _op_name(target)   # an in-place op: its value (``run`` rebinds the input)
         packet = getattr(target, "_schema", None)
         overload = str(packet.name) if packet is not None else ""
         out = n.meta.get("val")
@@ -366,8 +372,7 @@ class _Writer:
                 self.axes[n.name] = frozenset().union(*(self.axes.get(x.name, frozenset()) for x in n.all_input_nodes))
                 got = self.add_scatters(n) if getattr(n.target, "__name__", "").startswith("add") else None
                 self.env[n.name] = got if got is not None else self.node(n)
-                name = getattr(n.target, "__name__", "").split(".")[0]
-                if name.endswith("_") and not name.startswith("_") and isinstance(n.args[0], torch.fx.Node):
+                if _op_name(n.target)[1] and isinstance(n.args[0], torch.fx.Node):
                     self.env[n.args[0].name] = self.env[n.name]   # later reads of the mutated input see its value
             elif n.op == "output":
                 return n.args[0]

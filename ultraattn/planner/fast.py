@@ -28,7 +28,8 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    bound exceeds the best price so far. Our structure must meet the balance tolerance when one of its
    granularities does (the ILP planner's rule); a baseline is taken on its price alone.
 5. The robust choice: the candidates priced within ``ROBUST_WINDOW`` of the cheapest (at most
-   ``FINALISTS``) are priced again under every corner of the cost-model band (``planner.robust``), and
+   ``FINALISTS``) are priced again under the corners of the cost-model band (``planner.robust``; half of
+   them on several nodes, ``Band.corners``), and
    the one with the smallest worst-case regret among them is built as the ``TilePlan`` (the cheapest of
    those within ``REGRET_TIE``). When the runner-up of those is priced within ``NEAR_TIE`` and both plans
    are small (``REPLAY_TASKS``), the simulator replays both and the faster replay wins (a size bound, not
@@ -217,7 +218,7 @@ class FastPlanner:
         if self.band is not None and len(finalists) > 1:
             # (on several nodes, half the corners: ``Band.corners``; the planning budget)
             reg = regrets(band_prices({c.name: c.get() for c in finalists}, self.mesh, self.cost, self.band,
-                                      half=True))
+                                      half=True, nominal={c.name: c.seconds for c in finalists}))
         least = min(reg.values(), default=1.0)
         robust = [c for c in finalists if reg.get(c.name, 1.0) <= least + REGRET_TIE]   # cheapest first
         best, tp, replayed = robust[0], None, {}

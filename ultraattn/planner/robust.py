@@ -93,14 +93,18 @@ DEFAULT_BAND = Band()
 
 
 def band_prices(drafts: dict[str, Draft], mesh: Mesh, cost: CostModel, band: Band = DEFAULT_BAND, *,
-                half: bool = False) -> dict[str, np.ndarray]:
-    """Each draft's price under every model of ``band.corners(cost, mesh.nodes, half)`` (seconds, in that order)."""
+                half: bool = False, nominal: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+    """Each draft's price under every model of ``band.corners(cost, mesh.nodes, half)`` (seconds, in that order);
+    ``nominal``: prices under ``cost`` itself already known (the first model's, not computed again)."""
     models = band.corners(cost, mesh.nodes, half)
     out = {}
     for name, d in drafts.items():
         groups = d.assign_GPP.shape[0]
         prices = []
-        for c, model in models:
+        for n, (c, model) in enumerate(models):
+            if n == 0 and nominal is not None and name in nominal:
+                prices.append(nominal[name])
+                continue
             kern = dataclasses.replace(d.kernels, seconds={ph: s / c for ph, s in d.kernels.seconds.items()})
             prices.append(price(kern, d.messages, d.owner, groups, mesh, model))
         out[name] = np.array(prices)

@@ -318,6 +318,12 @@ def forget_score_kernels() -> None:
     _SCORE_KERNELS.clear()
 
 
+def kv_block_ids(geo: TileGeometry, cols: list[int]) -> Tensor:
+    """Global KV block id of each block of the KV chunks ``cols`` concatenated (a row's keys, in column order)."""
+    nbk = geo.chunk // geo.kv_block
+    return torch.cat([j * nbk + torch.arange(nbk) for j in cols])
+
+
 def _score_args(geo: TileGeometry, g: int, i: int, cols: list[int], score: list[Tensor], device: torch.device):
     """The kernels' ``ScoreArgs`` for row ``i`` (head group ``g``) against KV chunks ``cols``, or None without a
     score_mod."""
@@ -328,11 +334,14 @@ def _score_args(geo: TileGeometry, g: int, i: int, cols: list[int], score: list[
     key = ("kv_pos", tuple(cols), str(device))
     kv_pos = geo.mask_cache.get(key)
     if kv_pos is None:
-        nbk = geo.chunk // geo.kv_block
-        ids = torch.cat([j * nbk + torch.arange(nbk) for j in cols])
-        kv_pos = geo.mask_cache[key] = (ids * geo.kv_block).to(torch.int32).to(device)
-    return ScoreArgs(kernels=score_kernels(geo.score_mod, score), buffers=list(score), kv_pos=kv_pos,
-                     q0=i * geo.chunk, h0=g * geo.hq, seq_len=geo.seq_len)
+        kv_pos = geo.mask_cache[key] = (kv_block_ids(geo, cols) * geo.kv_block).to(torch.int32).to(device)
+    kernels = score_kernels(geo.score_mod, score)
+    key = ("score constants", str(device))   # (moved to the device once, not at every launch)
+    hit = geo.mask_cache.get(key)
+    if hit is None or hit[0] is not kernels:
+        hit = geo.mask_cache[key] = (kernels, [c.to(device) for c in kernels.constants])
+    return ScoreArgs(kernels=kernels, buffers=list(score), constants=hit[1], kv_pos=kv_pos, q0=i * geo.chunk,
+                     h0=g * geo.hq, seq_len=geo.seq_len)
 
 
 def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: torch.device):
@@ -348,8 +357,8 @@ def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: to
     from ..kernels.block_lists import layout_from_pattern
 
     c, bq, bk, s = geo.chunk, geo.q_block, geo.kv_block, geo.seq_len
-    nqb, nbk = c // bq, c // bk
-    kv_ids = torch.cat([j * nbk + torch.arange(nbk) for j in cols])
+    nqb = c // bq
+    kv_ids = kv_block_ids(geo, cols)
     per = geo.kinds_bh(g, i * nqb + torch.arange(nqb), kv_ids)  # per (batch, head): the layout is exact per head
     kinds = (geo.kind_gQK[g][i * nqb:(i + 1) * nqb][:, kv_ids][None, None] if per is None else per).clone()
     touch = ((i * nqb + torch.arange(nqb) + 1) * bq > s)[:, None] | ((kv_ids + 1) * bk > s)[None, :]
@@ -419,9 +428,8 @@ def _column_blocks(geo: TileGeometry, cols: list[int], kvs: list[tuple[Tensor, T
     k_cat = torch.cat([k for k, _ in kvs], dim=2).float()
     v_cat = torch.cat([v for _, v in kvs], dim=2).float()
     bsz, hk, _, d = k_cat.shape
-    nbk = geo.chunk // geo.kv_block
-    kv_ids = torch.cat([j * nbk + torch.arange(nbk) for j in cols])
-    return k_cat.view(bsz, hk, -1, geo.kv_block, d), v_cat.view(bsz, hk, -1, geo.kv_block, d), kv_ids
+    return (k_cat.view(bsz, hk, -1, geo.kv_block, d), v_cat.view(bsz, hk, -1, geo.kv_block, d),
+            kv_block_ids(geo, cols))
 
 
 def _mask_scores(geo: TileGeometry, g: int, qa0: int, nq: int, masked_ids: Tensor | None, s: Tensor, r: int
