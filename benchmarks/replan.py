@@ -137,7 +137,7 @@ def run_config(seq_name: str, mesh_name: str, masks: list, ilp_masks: int) -> di
         ev = evaluate(tp, cells)
         base = {}
         for c in planner.candidates(cells):  # the baselines in array form equal their builders (tested)
-            if not c.name.startswith("tiled"):
+            if c.baseline or c.name == "balanced":
                 base[c.name] = evaluate(planner.build(c), cells).total_ms()
         regret = planner.regrets(cells)
         row = {"docs": len(lengths), "longest": max(lengths), "cells": cells.num_cells, "fast_plan_ms": fast_ms,

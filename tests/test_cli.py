@@ -33,6 +33,10 @@ def test_plan_json_schema(tmp_path, capsys):
         assert set(m) >= {"fwd_ms", "bwd_ms", "max_rank_bytes", "max_rank_inter_node_bytes", "compute_imbalance"}
         assert m["fwd_ms"] > 0 and m["bwd_ms"] > 0
     assert d["methods"]["ultraattn"]["compute_imbalance"] <= 1.05 + 1e-9
+    ours = d["methods"]["ultraattn"]
+    assert d["compute_bound_ms"] > 0
+    assert d["vs_compute_bound"] == pytest.approx((ours["fwd_ms"] + ours["bwd_ms"]) / d["compute_bound_ms"])
+    assert d["vs_compute_bound"] >= 1 and f"{d['vs_compute_bound']:.2f}x the compute bound" in " ".join(out.split())
     # the report names every section
     for title in ("mask", "tile assignment", "per rank", "forward schedule", "solver", "baselines"):
         assert title in out

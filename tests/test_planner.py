@@ -10,7 +10,7 @@ import torch
 from plan_checks import check_plan
 
 from ultraattn.masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
-from ultraattn.planner.api import baseline_plan, plan
+from ultraattn.planner.api import baseline_plan, compute_bound_ms, plan
 from ultraattn.planner.baselines import BASELINES, METHODS, REGISTRY, Method, NotApplicable, Ring, baseline_of, register
 from ultraattn.planner.partition import Level, heuristic, solve_ilp
 from ultraattn.planner.partition import evaluate as level_eval
@@ -65,6 +65,9 @@ def test_plan_invariants_and_baselines(mask, mesh):
         ev.bwd.check()
     ours = res.ours
     assert ours.compute_imbalance <= 1.05 + 1e-9
+    # no plan beats the compute bound (the whole attention spread evenly at one device's kernel efficiency)
+    assert res.compute_bound_ms == pytest.approx(compute_bound_ms(pat, shape, mesh))
+    assert all(ev.total_ms() >= res.compute_bound_ms for ev in res.evaluations.values())
     # never slower than a baseline plan that also meets the balance tolerance (the planner adopts those)
     for name, ev in res.evaluations.items():
         if name != "ultraattn" and ev.compute_imbalance <= 1.05 + 1e-9:

@@ -23,7 +23,7 @@ import torch
 from ..masks.pattern import BlockPattern
 from .baselines import BASELINES, NotApplicable, baseline_of
 from .build import make_plan
-from .cost import DEFAULT_COST, CostModel
+from .cost import DEFAULT_COST, CostModel, block_flops
 from .fast import FastPlanner
 from .ilp import SolveInfo, have_pulp, require_pulp
 from .plan import AttnShape, Mesh, TilePlan, TokenSharding, padded_chunk
@@ -144,6 +144,29 @@ def lower_bound_ms(plan: TilePlan, pattern: BlockPattern, *, cost: CostModel = D
     return total * 1e3
 
 
+def compute_bound_ms(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel = DEFAULT_COST,
+                     backward: bool = True) -> float:
+    """The compute bound: every cost-weighted block (PARTIAL at its overhead) at the kernel rate, every non-empty
+    query block row launched once, spread evenly over the mesh with nothing moved. No plan's modeled time is below
+    it: a kernel's time is ``launches x launch + flops / rate x (1 + half / L)`` with ``L`` its keys per row, so its
+    efficiency term is at least ``half`` x its query block rows' worth of work (each row in it counts once, PARTIAL
+    blocks only add), and every non-empty row is in some kernel. A plan's time over it is what imbalance,
+    communication not hidden, split rows and launches cost."""
+    work = workload(pattern, shape, num_chunks=1)
+    blocks = float(work.cell_blocks(cost).sum())
+    per_group = pattern.heads_per_group(shape.num_heads)
+    batch = shape.batch if pattern.num_batch_patterns == 1 else 1
+    live = (pattern.kind_BGQK != 0).any(-1).sum(-1).to(torch.float64)   # [B, G] non-empty block rows
+    rows = float((live * torch.tensor(per_group, dtype=torch.float64)).sum()) * batch
+    if blocks == 0:
+        return 0.0
+    flops = blocks * block_flops(pattern.q_block, pattern.kv_block, shape.head_dim, 1, 1)
+    phases = ("fwd", "bwd") if backward else ("fwd",)
+    sec = sum(cost.kernel_seconds(flops=flops, kv_tokens_per_row=blocks * pattern.kv_block / rows, phase=ph)
+              - cost.launch_us * 1e-6 for ph in phases)
+    return sec * 1e3 / mesh.world / cost.alone_speedup
+
+
 def baseline_plan(name: str, pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, backward: bool = True) -> TilePlan:
     """One baseline's plan (``baselines.REGISTRY``); raises ``NotApplicable`` with the reason when it cannot run."""
     base = baseline_of(name)
@@ -162,6 +185,8 @@ class PlanResult:
     seconds: float
     pattern: BlockPattern
     notes: list[str] = field(default_factory=list)
+    compute_bound_ms: float | None = None
+    """The compute bound of the planned phases (``compute_bound_ms``): what the plan's modeled time is held to."""
 
     @property
     def ours(self) -> Evaluation:
@@ -266,7 +291,8 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
         "symmetry_cache_hits": tiling.cache_hits,
     }
     return PlanResult(plan=chosen.plan, evaluations=evals, not_applicable=na, solver=solver,
-                      seconds=planning_seconds, pattern=pattern, notes=notes)
+                      seconds=planning_seconds, pattern=pattern, notes=notes,
+                      compute_bound_ms=compute_bound_ms(pattern, shape, mesh, cost=cost, backward=backward))
 
 
 def _tiled_plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel, options: PlannerOptions,
@@ -340,7 +366,8 @@ def _plan_fast(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: Cos
               "comparison_seconds": time.perf_counter() - t0 - planning_seconds, "levels": [],
               "schedule": skipped, "symmetry_cache_hits": 0}
     return PlanResult(plan=tile_plan, evaluations=evals, not_applicable=na, solver=solver, seconds=planning_seconds,
-                      pattern=pattern, notes=notes)
+                      pattern=pattern, notes=notes,
+                      compute_bound_ms=compute_bound_ms(pattern, shape, mesh, cost=cost, backward=backward))
 
 
 def overall_ilp_status(result: PlanResult) -> tuple[str, float | None]:

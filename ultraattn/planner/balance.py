@@ -133,6 +133,14 @@ def ownership(weight_PP: np.ndarray, mesh: Mesh, k: int, tol: float, *, block_se
     return owner
 
 
+def balanced_ownership(weight_PP: np.ndarray, mesh: Mesh, k: int) -> np.ndarray:
+    """int64 [P]: the rank owning each chunk when balance is all that counts (MagiAttention's dispatch): every
+    chunk, by decreasing row work, to the least loaded rank with room for it (``k`` chunks each), over the whole
+    mesh: no node affinity, so the work per rank is as even as chunks allow and remote K/V is the price paid.
+    The fast planner's ``balanced`` candidate, computed where its query rows live."""
+    return _lpt(weight_PP.sum(1), np.arange(weight_PP.shape[0]), mesh.world, k)
+
+
 def place(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float, row_cost: np.ndarray,
           col_cost: np.ndarray) -> np.ndarray:
     """int64 [P, P]: the rank computing each cell (-1 empty): the row owner, then cells move off ranks above

@@ -20,14 +20,19 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    only K/V move, the cheap side with GQA. A rank still above ``(1 + tol) x mean`` hands cells of one
    row at a time to the rank with room where they add the least traffic per unit of work (``place``).
    A given token layout (a sequence-sharded model's) fixes ownership: only placement is chosen.
-3. Every registered baseline (``baselines.REGISTRY``: ring, zigzag, all-gather, Ulysses, USP) in its array form
+3. The balanced fine-chunk candidate (``balanced``): the finest granularity tried, chunks dealt to ranks by
+   longest processing time first over the whole mesh (no node affinity: MagiAttention's dispatch), cells computed
+   where their query rows live, the K/V each rank needs routed hierarchically (a remote unit crosses a node link
+   once). Near-perfect balance for more K/V traffic: the plan for when the model's bandwidths are too kind.
+   Skipped where it equals a tiled candidate (one node: the same LPT, no cells moved).
+4. Every registered baseline (``baselines.REGISTRY``: ring, zigzag, all-gather, Ulysses, USP) in its array form
    (``Baseline.fixed``, ``assign``, ``draft``).
-4. Every candidate gets cheap bounds (its busiest rank's work at peak rate, its busiest stream); in
+5. Every candidate gets cheap bounds (its busiest rank's work at peak rate, its busiest stream); in
    increasing bound order, candidates are priced in closed form (``price.replay_bound``: a lower bound
    of the simulator's replay, from release times of every task on every stream), skipping those whose
    bound exceeds the best price so far. Our structure must meet the balance tolerance when one of its
    granularities does (the ILP planner's rule); a baseline is taken on its price alone.
-5. The robust choice: the candidates priced within ``ROBUST_WINDOW`` of the cheapest (at most
+6. The robust choice: the candidates priced within ``ROBUST_WINDOW`` of the cheapest (at most
    ``FINALISTS``) are priced again under the corners of the cost-model band (``planner.robust``; half of
    them on several nodes, ``Band.corners``), and
    the one with the smallest worst-case regret among them is built as the ``TilePlan`` (the cheapest of
@@ -56,7 +61,7 @@ import numpy as np
 
 from ..masks.cells import BlockCells, cells_from_pattern
 from ..masks.pattern import BlockPattern
-from .balance import ownership, place
+from .balance import balanced_ownership, ownership, place
 from .baselines import BASELINES, REGISTRY, Baseline, NotApplicable
 from .build import kernel_groups
 from .cost import DEFAULT_COST, CostModel
@@ -101,7 +106,14 @@ class Candidate:
     """Closed-form fwd (+ bwd) seconds; None when skipped (its bound exceeds the best price)."""
     eligible: bool = True
     """False for our structure at a granularity that misses the balance tolerance while another meets it."""
+    same_as: tuple | None = None
+    """What makes two of our candidates the same plan (grid, ownership, placement): a duplicate is not priced."""
     _draft: Draft | None = None
+
+    @property
+    def baseline(self) -> bool:
+        """A registered baseline (``baselines.REGISTRY``), not one of our structures."""
+        return self.name in REGISTRY
 
     def get(self) -> Draft:
         if self._draft is None:
@@ -285,6 +297,10 @@ class FastPlanner:
         else:
             ks = [(k, None) for k in CHUNKS_PER_RANK if k <= 2 or w * k * block <= self.shape.seq_len]
         cands = [self._tiled(cells, k, chunk) for k, chunk in ks]
+        if w > 1 and self.layout is None:
+            fine = self._balanced(cells, max(k for k, _ in ks))
+            if fine.same_as not in {c.same_as for c in cands}:
+                cands.append(fine)
         if w > 1:
             cands += [c for c in (self._baseline(cells, name) for name in self.baselines) if c is not None]
         # our structure must balance when one of its granularities can
@@ -309,27 +325,43 @@ class FastPlanner:
 
     # ------------------------------------------------------------------ our structure
     def _tiled(self, cells: BlockCells, k: int, chunk: int | None) -> Candidate:
-        mesh, w = self.mesh, self.mesh.world
-        sc = self._scale(w * k, cells.q_block, chunk)
+        sc = self._scale(self.mesh.world * k, cells.q_block, chunk)
         grid = self._grid(cells, sc)
         weight = grid.blocks_GPP[0]
         if self.layout is not None:
             owner = np.asarray(self.layout.owner, dtype=np.int64)
         else:
-            owner = ownership(weight, mesh, k, self.balance_tol, block_seconds=self._block_seconds(grid),
+            owner = ownership(weight, self.mesh, k, self.balance_tol, block_seconds=self._block_seconds(grid),
                               col_cost_inter=float(sc.col_cost[1]))
-        assign = place(weight, owner, mesh, self.balance_tol, sc.row_cost, sc.col_cost)[None]
-        per_rank = _work_per_rank(weight, assign, w)
+        assign = place(weight, owner, self.mesh, self.balance_tol, sc.row_cost, sc.col_cost)
+        return self._at(grid, owner, assign, name="tiled" if self.layout is not None else f"tiled-k{k}",
+                        meta={"structure": "tiled", "chunks_per_rank": k})
+
+    def _balanced(self, cells: BlockCells, k: int) -> Candidate:
+        """The balanced fine-chunk candidate (``balance.balanced_ownership``): ``k`` chunks per rank dealt by
+        longest processing time first over the whole mesh, every cell computed where its query rows live; only
+        the K/V a rank needs move, crossing a node link once (``route``)."""
+        sc = self._scale(self.mesh.world * k, cells.q_block)
+        grid = self._grid(cells, sc)
+        weight = grid.blocks_GPP[0]
+        owner = balanced_ownership(weight, self.mesh, k)
+        assign = np.where(weight > 0, owner[:, None], -1)
+        return self._at(grid, owner, assign, name="balanced", meta={"structure": "balanced", "chunks_per_rank": k})
+
+    def _at(self, grid: Grid, owner: np.ndarray, assign: np.ndarray, *, name: str, meta: dict) -> Candidate:
+        """A candidate of our own from its ownership and placement (one head group): kernels grouped per rank and
+        row, messages routed hierarchically."""
+        assign = assign[None]
+        per_rank = _work_per_rank(grid.blocks_GPP[0], assign, self.mesh.world)
 
         def draft() -> Draft:
             kern = Kernels.of_groups(grid, kernel_groups(owner, assign), head_dim=self.shape.head_dim,
                                      cost=self.cost, phases=self._phases)
-            msgs = route(owner, assign, mesh, self.shape, sc.chunk, self.backward)
-            return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=msgs, chunk=sc.chunk,
-                         meta={"structure": "tiled", "chunks_per_rank": k})
+            msgs = route(owner, assign, self.mesh, self.shape, grid.chunk, self.backward)
+            return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=msgs, chunk=grid.chunk, meta=meta)
 
-        return Candidate(name="tiled" if self.layout is not None else f"tiled-k{k}", draft=draft,
-                         bound=self._bound(per_rank, grid), imbalance=_ratio(per_rank))
+        return Candidate(name=name, draft=draft, bound=self._bound(per_rank, grid), imbalance=_ratio(per_rank),
+                         same_as=(grid.chunk, owner.tobytes(), assign.tobytes()))
 
     def _block_seconds(self, grid: Grid) -> float:
         """Seconds of one cost-weighted block at the peak rates (fwd + bwd when planned)."""

@@ -33,5 +33,9 @@ def print_plan_result(console, res, mesh, *, backward: bool = True, title: str |
     info["schedule"] = {**info["schedule"], "level": "schedule"}
     info["notes"] = list(res.notes) + [f"plan structure: {plan.meta.get('structure')}",
                                        f"plan hash: {plan.content_hash()[:16]}"]
+    if res.compute_bound_ms:
+        t = ours.total_ms() if backward else ours.fwd_ms
+        info["notes"].append(f"compute bound {res.compute_bound_ms:.3f} ms (the whole attention spread evenly, "
+                             f"nothing moved): the plan models {t / res.compute_bound_ms:.3f}x it")
     console.print(solver_panel(info))
     console.print(comparison_table(method_summaries(res), title="modeled time against the baselines"))
