@@ -15,8 +15,11 @@ Per configuration:
 * the ILP planner (``planner.api.plan``, what ``plan_attention`` ran before) on the first ``--ilp-masks`` masks
   (it takes seconds to minutes): its planning time and modeled time;
 * quality, every mask: the fast plan's modeled fwd+bwd time (the schedule simulator's replay) over the ILP plan's
-  and over the best baseline's (ring, zigzag, all-gather, Ulysses, USP, replayed the same way); its compute
-  imbalance (max over mean of per-rank work);
+  and over the best baseline's (ring, zigzag, all-gather, Ulysses, USP, and the balanced fine-chunk dispatch
+  ``balanced``, MagiAttention's, replayed the same way); its compute imbalance (max over mean of per-rank work) in
+  cost-weighted blocks (what the planner balances, PARTIAL blocks at 1.1) and in exact pairs (counted token by token
+  from the document lengths); its busiest rank's bytes (max over ranks of bytes in or out), beside the balanced
+  dispatch's; the kernel batch the planner chose;
 * robustness, every mask: the chosen candidate's worst-case regret over the cost-model band
   (``planner.robust``: compute rates and bandwidths x 1/1.5 .. x 1.5, latencies x 1/2 .. x 2, every corner; its
   price over the cheapest candidate's under the same model), and the smallest any candidate has.
@@ -99,6 +102,40 @@ def document_block_mask(lengths: list[int], seq: int, block: int = BLOCK) -> Blo
                                     seq_lengths=(seq, seq), compute_q_blocks=False)
 
 
+def exact_pairs(lengths: list[int], cells, block: int = BLOCK) -> np.ndarray:
+    """int64 per cell of ``cells`` (a ``BlockCells``): the (query, key) pairs the causal document mask attends there,
+    counted token by token (a PARTIAL block's area overstates it): for query q of a document starting at s, the keys
+    [max(s, k0), min(q, k1 - 1)] of the cell's column block [k0, k1)."""
+    seq = sum(lengths)
+    start = np.repeat(np.cumsum(lengths) - np.asarray(lengths), lengths)   # each token's document start
+    out = np.zeros(cells.row_N.size, dtype=np.int64)
+    offs = np.arange(block)
+    for lo in range(0, out.size, 4096):
+        r, c = cells.row_N[lo:lo + 4096], cells.col_N[lo:lo + 4096]
+        q = r[:, None] * block + offs[None, :]
+        live = q < seq
+        qc = np.minimum(q, seq - 1)
+        first = np.maximum(start[qc], (c * block)[:, None])
+        last = np.minimum(qc, (c * block + block - 1)[:, None])
+        out[lo:lo + 4096] = np.where(live, np.maximum(last - first + 1, 0), 0).sum(1)
+    return out
+
+
+def pair_imbalance(plan, cells, pairs: np.ndarray) -> float:
+    """Max over mean of the exact pairs each rank computes under ``plan`` (every head group of a cell: the mask is
+    the same for every head)."""
+    per = plan.chunk_size // cells.q_block
+    ci, cj = cells.row_N // per, cells.col_N // per
+    chunk_pairs = np.zeros((plan.num_chunks, plan.num_chunks))
+    np.add.at(chunk_pairs, (ci, cj), pairs)
+    a = plan.assign_GPP.numpy()
+    work = np.zeros(plan.world)
+    for g in range(a.shape[0]):
+        sel = a[g] >= 0
+        work += np.bincount(a[g][sel], chunk_pairs[sel], minlength=plan.world)
+    return float(work.max() / work.mean()) if work.mean() > 0 else 1.0
+
+
 def self_check() -> None:
     """The block-by-block BlockMask equals create_block_mask's on a small sequence (kinds and lists)."""
     lengths, seq = [700, 90, 1500, 200, 1606], 4096
@@ -106,6 +143,13 @@ def self_check() -> None:
     got = document_block_mask(lengths, seq)
     a, b = cells_from_block_mask(ref), cells_from_block_mask(got)
     assert a.content_hash() == b.content_hash(), "document_block_mask differs from create_block_mask"
+    # exact pairs: per cell against the dense mask, in total against sum n (n + 1) / 2
+    ids = np.repeat(np.arange(len(lengths)), lengths)
+    q, k = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    dense = (ids[:, None] == ids[None, :]) & (k <= q)
+    per = dense.reshape(seq // BLOCK, BLOCK, seq // BLOCK, BLOCK).sum((1, 3))
+    got_pairs = exact_pairs(lengths, b)
+    assert (got_pairs == per[b.row_N, b.col_N]).all() and got_pairs.sum() == sum(n * (n + 1) // 2 for n in lengths)
 
 
 @contextlib.contextmanager
@@ -135,15 +179,22 @@ def run_config(seq_name: str, mesh_name: str, masks: list, ilp_masks: int) -> di
         tp = planner.plan(cells)
         fast_ms = (time.perf_counter() - t0) * 1e3
         ev = evaluate(tp, cells)
-        base = {}
+        pairs = exact_pairs(lengths, cells)
+        base, base_bytes, base_pairs = {}, {}, {}
         for c in planner.candidates(cells):  # the baselines in array form equal their builders (tested)
             if c.baseline or c.name == "balanced":
-                base[c.name] = evaluate(planner.build(c), cells).total_ms()
+                bp = planner.build(c)
+                bev = evaluate(bp, cells)
+                base[c.name], base_bytes[c.name] = bev.total_ms(), bev.max_rank_bytes
+                base_pairs[c.name] = pair_imbalance(bp, cells, pairs)
         regret = planner.regrets(cells)
         row = {"docs": len(lengths), "longest": max(lengths), "cells": cells.num_cells, "fast_plan_ms": fast_ms,
                "structure": tp.meta["structure"], "chunks_per_rank": tp.meta.get("chunks_per_rank"),
+               "kernel_batch": tp.meta.get("kernel_batch", 1),
                "estimate_ms": tp.meta["estimate_ms"], "fast_model_ms": ev.total_ms(),
-               "imbalance": ev.compute_imbalance, "baselines_ms": base,
+               "imbalance": ev.compute_imbalance, "pair_imbalance": pair_imbalance(tp, cells, pairs),
+               "max_rank_bytes": ev.max_rank_bytes, "baselines_ms": base, "baselines_max_rank_bytes": base_bytes,
+               "baselines_pair_imbalance": base_pairs,
                "regret": regret[tp.meta["candidate"]], "min_regret": min(regret.values()), "regrets": regret}
         best = min(base, key=base.get)
         row.update(best_baseline=best, vs_best_baseline=ev.total_ms() / base[best])
@@ -175,6 +226,17 @@ def run_config(seq_name: str, mesh_name: str, masks: list, ilp_masks: int) -> di
         "vs_ilp_median": float(np.median(vi)) if vi.size else None, "vs_ilp_max": float(vi.max()) if vi.size else None,
         "vs_best_baseline_median": float(np.median(vb)), "vs_best_baseline_max": float(vb.max()),
         "imbalance_median": float(np.median(imb)), "imbalance_max": float(imb.max()),
+        "pair_imbalance_median": float(np.median([r["pair_imbalance"] for r in rows])),
+        "pair_imbalance_max": float(max(r["pair_imbalance"] for r in rows)),
+        "max_rank_MB_median": float(np.median([r["max_rank_bytes"] for r in rows])) / 2**20,
+        "balanced_max_rank_MB_median": (float(np.median([r["baselines_max_rank_bytes"]["balanced"] for r in rows]))
+                                        / 2**20 if all("balanced" in r["baselines_ms"] for r in rows) else None),
+        "balanced_pair_imbalance_median": (float(np.median([r["baselines_pair_imbalance"]["balanced"] for r in rows]))
+                                           if all("balanced" in r["baselines_ms"] for r in rows) else None),
+        "over_1.5_imbalance_regret_over_1.15": int(sum(r["pair_imbalance"] > 1.5 and r["regret"] > 1.15
+                                                       for r in rows)),
+        "kernel_batches": {str(b): sum(r["kernel_batch"] == b for r in rows)
+                           for b in sorted({r["kernel_batch"] for r in rows})},
         "imbalance_over_1.05": int((imb > 1.05 + 1e-9).sum()),
         "regret_median": float(np.median(reg)), "regret_max": float(reg.max()),
         "regret_over_1.15": int((reg > 1.15).sum()),
@@ -191,6 +253,7 @@ def run_config(seq_name: str, mesh_name: str, masks: list, ilp_masks: int) -> di
         "never>1.02x_best_baseline": bool(vb.max() <= 1.02),
         "imbalance<=1.05": bool(imb.max() <= 1.05 + 1e-9),
         "worst_regret<=1.15": bool(reg.max() <= 1.15),
+        "no_pair_imbalance>1.5_without_regret<=1.15": summary["over_1.5_imbalance_regret_over_1.15"] == 0,
     }
     return {"summary": summary, "masks": rows}
 
@@ -200,7 +263,7 @@ def draw(results: list[dict], path: str) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(19, 4.8))
+    fig, ((ax1, ax2, ax3), (ax4, ax5, ax6)) = plt.subplots(2, 3, figsize=(19, 9.6))
     labels = [f"{r['summary']['seq']}\n{r['summary']['mesh']}" for r in results]
     x = np.arange(len(results))
     med = [r["summary"]["fast_ms_median"] for r in results]
@@ -236,6 +299,33 @@ def draw(results: list[dict], path: str) -> bool:
     ax3.set_xticks(x, labels, fontsize=8)
     ax3.set_ylabel("worst-case regret over the cost-model band")
     ax3.set_title("robustness (black: chosen plan, green: best candidate; red: 1.15)")
+    ax4.boxplot([[m["pair_imbalance"] for m in r["masks"]] for r in results], positions=x - 0.2, widths=0.35)
+    ax4.boxplot([[m["imbalance"] for m in r["masks"]] for r in results], positions=x + 0.2, widths=0.35,
+                boxprops={"color": "tab:blue"}, medianprops={"color": "tab:blue"})
+    ax4.axhline(1.05, color="tab:red", ls="--", lw=0.8)
+    ax4.set_xticks(x, labels, fontsize=8)
+    ax4.set_ylabel("compute imbalance (max / mean over ranks)")
+    ax4.set_title("chosen plan's imbalance (black: exact pairs, blue: cost-weighted blocks)")
+    mb = [[m["max_rank_bytes"] / 2**20 for m in r["masks"]] for r in results]
+    bal = [[m["baselines_max_rank_bytes"].get("balanced", np.nan) / 2**20 for m in r["masks"]] for r in results]
+    ax5.bar(x - 0.2, [np.median(v) for v in mb], 0.4, label="chosen plan")
+    ax5.bar(x + 0.2, [np.nanmedian(v) if not np.all(np.isnan(v)) else np.nan for v in bal], 0.4,
+            label="balanced dispatch", color="tab:gray")
+    ax5.set_yscale("log")
+    ax5.set_xticks(x, labels, fontsize=8)
+    ax5.set_ylabel("busiest rank's bytes, fwd+bwd (MiB, median)")
+    ax5.set_title("communication of the busiest rank")
+    ax5.legend(fontsize=8)
+    batches = sorted({m["kernel_batch"] for r in results for m in r["masks"]})
+    bottom = np.zeros(len(results))
+    for b in batches:
+        v = np.array([sum(m["kernel_batch"] == b for m in r["masks"]) / len(r["masks"]) for r in results])
+        ax6.bar(x, v, 0.6, bottom=bottom, label=f"{b} chunk(s) a launch")
+        bottom += v
+    ax6.set_xticks(x, labels, fontsize=8)
+    ax6.set_ylabel("share of masks")
+    ax6.set_title("kernel batch the fast planner chose")
+    ax6.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
@@ -292,14 +382,15 @@ def main() -> int:
     write()
     draw(results, os.path.join(args.out, f"{args.name}.png"))
     print(f"{'config':>12} {'fast med':>9} {'p95':>7} {'first':>7} {'ILP med':>8} {'/ILP med':>8} {'max':>6} "
-          f"{'/base med':>9} {'max':>6} {'imb max':>7}")
+          f"{'/base med':>9} {'max':>6} {'imb max':>7} {'pairs':>6} {'regret':>6} {'MiB':>7} {'bal MiB':>7}")
     for r in results:
         s = r["summary"]
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
         print(f"{s['seq'] + ' ' + s['mesh']:>12} {s['fast_ms_median']:9.1f} {s['fast_ms_p95']:7.1f} "
               f"{s['fast_ms_first']:7.1f} {f(s['ilp_s_median'], '8.1f')} {f(s['vs_ilp_median'], '8.3f')} "
               f"{f(s['vs_ilp_max'], '6.3f')} {s['vs_best_baseline_median']:9.3f} {s['vs_best_baseline_max']:6.3f} "
-              f"{s['imbalance_max']:7.3f}")
+              f"{s['imbalance_max']:7.3f} {s['pair_imbalance_max']:6.3f} {s['regret_max']:6.3f} "
+              f"{s['max_rank_MB_median']:7.0f} {f(s['balanced_max_rank_MB_median'], '7.0f')}")
     return 0
 
 

@@ -187,7 +187,8 @@ def run_case(case: Case, rank: int, world: int, timeout: float = 60.0) -> dict:
         tp = plan.tile_plan
         res.update(out=out.detach(), lse=lse_g.detach(), dq=grads[0], dk=grads[1], dv=grads[2],
                    transfers=[(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst, t.nbytes) for t in tp.transfers],
-                   structure=tp.meta.get("structure", tp.method), world=tp.world)
+                   structure=tp.meta.get("structure", tp.method), world=tp.world,
+                   kernel_batch=tp.meta.get("kernel_batch", 1))
     return res
 
 

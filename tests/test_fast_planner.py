@@ -147,7 +147,12 @@ def test_fast_plans_on_every_library_mask(mesh, cost):
         assert tp.meta["regret"] == reg.get(chosen, 1.0) and chosen in robust, (name, chosen, reg)
         if replayed:
             assert len(replayed) == 2 and set(replayed) <= set(robust) and chosen in replayed
-            assert min(replayed.values()) == pytest.approx(evaluate(tp, pattern, cost=cost).total_ms(), abs=1e-6)
+            # (the kernel level may regroup the winner's launches: replayed again, kept only when faster)
+            replay = evaluate(tp, pattern, cost=cost).total_ms()
+            if "kernel_batch" in tp.meta:
+                assert replay < min(replayed.values())
+            else:
+                assert min(replayed.values()) == pytest.approx(replay, abs=1e-6)
         else:
             assert chosen == robust[0], (name, chosen, robust)
 

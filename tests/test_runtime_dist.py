@@ -25,7 +25,8 @@ from runtime_cases import (
 from ultraattn.testing import RankFailure, run_ranks
 
 
-def run_and_check(cases: list[Case], world: int, timeout: float = 420.0, env: dict | None = None) -> None:
+def run_and_check(cases: list[Case], world: int, timeout: float = 420.0, env: dict | None = None) -> set[int]:
+    """Every case exact and moving the plan's bytes; returns the kernel batches the plans used (``build.BATCHES``)."""
     per_rank = run_ranks(cases_worker, world, args=(cases,), timeout=timeout, env=env)
     problems = []
     for n, case in enumerate(cases):
@@ -34,6 +35,7 @@ def run_and_check(cases: list[Case], world: int, timeout: float = 420.0, env: di
         problems += check_numerics(case, results[0])
         problems += [f"{case.name}: {m}" for m in check_bytes(results)]
     assert not problems, "\n".join(problems)
+    return {per_rank[0][n]["kernel_batch"] for n in range(len(cases))}
 
 
 def _lib(**kw) -> list[Case]:
@@ -94,7 +96,8 @@ def test_world4_every_mask_and_baselines():
               for m in ("ring", "zigzag", "allgather", "usp")]
     cases += [Case(mask="document", kwargs=(("lengths", (50, 90, 60, 50)),), seqlen=250, method=m)
               for m in ("ulysses", "allgather")]
-    run_and_check(cases, 4)
+    # the planner's plans run with their remote cells batched in longer launches and without (build.kernel_groups)
+    assert len(run_and_check(cases, 4)) > 1
 
 
 def test_world4_low_precision():
@@ -108,7 +111,8 @@ def test_mesh_2x2_two_nodes():
     cases = [Case(mask=m, kwargs=a, seqlen=256, heads=4, kv_heads=2, mesh=(2, 2)) for m, a in LIB
              if m in ("causal", "global_local", "document", "random")]
     cases.append(Case(mask="causal", seqlen=256, heads=4, kv_heads=2, mesh=(2, 2), method="usp"))
-    run_and_check(cases, 4)
+    cases.append(Case(mask="strided", kwargs=(("block", 32),), seqlen=256, heads=4, kv_heads=2, mesh=(2, 2)))
+    assert max(run_and_check(cases, 4)) > 1   # batched launches over inputs from the other node too
 
 
 def test_world8():

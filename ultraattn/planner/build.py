@@ -13,6 +13,13 @@ the first messages fly, and a remote-dependent launch can slip in between), then
 launch per remote KV column (over all local rows), per remote Q row, and per (row,
 column) pair needing both. Fewer launches cost overlap, more cost launch overhead and efficiency on
 short tiles; the cost model prices both.
+
+Batched kernels (``batch`` >= 2): the same local launches, but a rank's remote cells of one query row go in
+launches of ``batch`` cells each, in the order their inputs are expected (inside the node before across nodes,
+then by column), so each launch runs over ``batch`` chunks of keys: a chunk of 4096 keys per row runs at 91 % of
+the kernel's peak under the cost model (``eff_half_tokens``), four of them at 98 %; but a launch waits for the
+last of its inputs. The planners try ``BATCHES`` on the plan they chose and keep the fastest (``api.plan``:
+replayed; ``fast``: priced, which favours the longest launches: its bound of a launch's wait is loose).
 """
 
 from __future__ import annotations
@@ -82,43 +89,69 @@ def route_transfers(
     return out
 
 
-def kernel_groups(owner, assign_GPP) -> tuple[np.ndarray, ...]:
+#: batch sizes the planners try for remote cells (``kernel_groups``; 1: the unbatched launches)
+BATCHES = (1, 4, 8)
+
+
+def kernel_groups(owner, assign_GPP, *, batch: int = 1, devices: int = 1) -> tuple[np.ndarray, ...]:
     """Kernel-level tiling as arrays (vectorised): the cells of every kernel, in ``group_kernels`` order.
 
     Returns ``(g_N, i_N, j_N, start_K, rank_K, group_K, stage_K, col_kernel_K)``: the non-empty cells
     sorted kernel by kernel (cells of kernel k are ``start_K[k]:start_K[k + 1]``, in (row, column)
     order); per kernel its rank, head group, stage, and whether it is a one-column launch over several
     local rows (its rows are distinct: as many as its cells) rather than a launch on one row.
+    ``batch`` >= 2: remote cells in per-row launches of ``batch`` cells (module docstring); ``devices``
+    per node tells inputs from inside the node from those that cross nodes.
     """
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"`batch` must be a positive int, got {batch!r}")
     a = assign_GPP.numpy() if isinstance(assign_GPP, torch.Tensor) else np.asarray(assign_GPP)
     own = np.asarray(owner, dtype=np.int64)
     g, i, j = np.nonzero(a >= 0)
     r = a[g, i, j].astype(np.int64)
     li, lj = own[i] == r, own[j] == r
-    # local rows x local columns: one launch per row, so remote-dependent work can interleave; a remote
-    # column: one launch over all local rows (as a ring step); a remote row: one launch per (row, column)
-    ki = np.where(lj | ~li, i, -1)
-    kj = np.where(lj, -1, j)
-    stage_N = ((ki >= 0) & ~li).astype(np.int64) + (kj >= 0)
+    if batch == 1:
+        # local rows x local columns: one launch per row, so remote-dependent work can interleave; a remote
+        # column: one launch over all local rows (as a ring step); a remote row: one launch per (row, column)
+        ki = np.where(lj | ~li, i, -1)
+        kj = np.where(lj, -1, j)
+        stage_N = ((ki >= 0) & ~li).astype(np.int64) + (kj >= 0)
+    else:
+        # where each cell's inputs come from: 0 this rank, 1 this node, 2 another node (the later of row, column)
+        node = r // devices
+        stage_N = np.maximum(*(np.where(own[c] == r, 0, np.where(own[c] // devices == node, 1, 2)) for c in (i, j)))
+        # per (rank, group, row): the local cells one launch, the remote ones in expected arrival order (stage, then
+        # column), ``batch`` to a launch
+        order = np.lexsort((j, stage_N, i, g, r))
+        key = np.stack([r, g, i])[:, order]
+        row_start = np.flatnonzero(np.r_[True, (key[:, 1:] != key[:, :-1]).any(0)])
+        seg = np.repeat(np.arange(row_start.size), np.diff(np.r_[row_start, order.size]))
+        local = np.bincount(seg, stage_N[order] == 0, minlength=row_start.size).astype(np.int64)
+        pos = np.arange(order.size) - row_start[seg] - local[seg]   # place among the row's remote cells
+        nth = np.empty(order.size, dtype=np.int64)
+        nth[order] = np.where(pos >= 0, 1 + pos // batch, 0)
+        ki, kj = i, nth   # a kernel: (rank, group, row, launch number)
     first = np.lexsort((kj, ki, g, r))  # group the cells (stable: (row, column) order inside a group)
     key = np.stack([r, g, ki, kj])[:, first]
     new = np.ones(first.size, dtype=bool)
     new[1:] = (key[:, 1:] != key[:, :-1]).any(0)
     starts = np.flatnonzero(new)
-    # kernels in (rank, head group, stage, first cell) order
+    # kernels in (rank, head group, stage, first cell) order; a kernel's stage is its latest cell's
     f = first[starts]
-    order = np.lexsort((j[f], i[f], stage_N[f], g[f], r[f]))
+    stage_K = np.maximum.reduceat(stage_N[first], starts) if starts.size else stage_N[f]
+    order = np.lexsort((j[f], i[f], stage_K, g[f], r[f]))
     bounds = np.append(starts, first.size)
     idx = np.concatenate([first[bounds[k]:bounds[k + 1]] for k in order]) if order.size else first
     sizes = np.diff(bounds)[order]
     start_K = np.concatenate([[0], np.cumsum(sizes)])
     f = f[order]
-    return g[idx], i[idx], j[idx], start_K, r[f], g[f], stage_N[f], ki[f] < 0
+    return g[idx], i[idx], j[idx], start_K, r[f], g[f], stage_K[order], ki[f] < 0
 
 
-def group_kernels(*, owner: list[int], assign_GPP: torch.Tensor) -> list[Kernel]:
+def group_kernels(*, owner: list[int], assign_GPP: torch.Tensor, batch: int = 1, devices: int = 1) -> list[Kernel]:
     """Kernel-level tiling (module docstring); deterministic order."""
-    g_N, i_N, j_N, start_K, rank_K, group_K, stage_K, _ = kernel_groups(owner, assign_GPP)
+    g_N, i_N, j_N, start_K, rank_K, group_K, stage_K, _ = kernel_groups(owner, assign_GPP, batch=batch,
+                                                                        devices=devices)
     cells = list(zip(i_N.tolist(), j_N.tolist()))
     bounds = start_K.tolist()
     return [Kernel(rank=r, head_group=g, cells=tuple(cells[bounds[k]:bounds[k + 1]]), stage=s)

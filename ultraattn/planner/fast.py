@@ -39,6 +39,8 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    those within ``REGRET_TIE``). When the runner-up of those is priced within ``NEAR_TIE`` and both plans
    are small (``REPLAY_TASKS``), the simulator replays both and the faster replay wins (a size bound, not
    a time limit: still deterministic).
+7. The kernel level: the chosen plan's remote cells regrouped in per-row launches of 2, 4 or 8 chunks
+   (``build.kernel_groups(batch=)``), kept when that prices cheaper (``price.best_batch``).
 
 Determinism: integer and float64 arithmetic in a fixed order (bincounts and sorts, no threaded BLAS in
 a decision), ties broken by index; pruning only skips candidates that cannot win.
@@ -66,7 +68,7 @@ from .baselines import BASELINES, REGISTRY, Baseline, NotApplicable
 from .build import kernel_groups
 from .cost import DEFAULT_COST, CostModel
 from .plan import AttnShape, Mesh, TilePlan, TokenSharding, padded_chunk
-from .price import Draft, Grid, Kernels, assemble, busy_bound, compute_bound, price, route
+from .price import Draft, Grid, Kernels, assemble, best_batch, busy_bound, compute_bound, grid_of, price, route
 from .robust import DEFAULT_BAND, Band, band_prices, regrets
 from .schedule import build_graph, simulate, workload
 
@@ -206,14 +208,8 @@ class FastPlanner:
         return sc
 
     def _grid(self, cells: BlockCells, sc: _Scale, head_groups: int = 1) -> Grid:
-        h = self.shape.num_heads
-        hg = [list(range(g * h // head_groups, (g + 1) * h // head_groups)) for g in range(head_groups)]
-        st = cells.chunk_stats(sc.chunk, sc.num_chunks, hg, num_heads=h)
-        bmul = self.shape.batch if cells.num_batch == 1 else 1
-        full, part = st["full"] * bmul, st["partial"] * bmul
-        return Grid(chunk=sc.chunk, num_chunks=sc.num_chunks, block=cells.q_block,
-                    blocks_GPP=full + part * (1.0 + self.cost.partial_block_overhead), nonempty_GPP=full + part,
-                    rows_per_chunk=(sc.chunk // cells.q_block) * (h // head_groups) * self.shape.batch)
+        return grid_of(cells, self.shape, self.cost, chunk=sc.chunk, num_chunks=sc.num_chunks,
+                       head_groups=head_groups)
 
     # ------------------------------------------------------------------ plan
     def plan(self, mask: BlockCells | BlockPattern) -> TilePlan:
@@ -243,8 +239,23 @@ class FastPlanner:
             replayed = {n: evaluate_plan(p, cells, self.cost, backward=self.backward) for n, p in plans.items()}
             best = min(close, key=lambda c: (replayed[c.name], c.name))
             tp = plans[best.name]
+        # the kernel level: the chosen plan's remote cells in longer launches when that prices cheaper (``build``)
+        d = best.get()
+        grid = grid_of(cells, self.shape, self.cost, chunk=d.chunk, num_chunks=d.assign_GPP.shape[1],
+                       head_groups=d.assign_GPP.shape[0])
+        batch, kern, sec = best_batch(d.owner, d.assign_GPP, d.messages, grid, self.mesh, self.shape, self.cost,
+                                      phases=self._phases, seconds=best.seconds)
         if tp is None:
             tp = self.build(best)
+        if kern is not None:
+            batched = self.build(best, kernels=kern, kernel_batch=batch, estimate_ms=sec * 1e3)
+            # a small plan is replayed both ways (as near-ties are): the price bounds groupings unequally tightly
+            if _tasks(d) > REPLAY_TASKS:
+                tp = batched
+            else:
+                as_is = replayed.get(best.name) or evaluate_plan(tp, cells, self.cost, backward=self.backward)
+                if evaluate_plan(batched, cells, self.cost, backward=self.backward) < as_is:
+                    tp = batched
         tp.meta.update(candidates=summary, replayed={n: round(v * 1e3, 6) for n, v in replayed.items()},
                        candidate=best.name, regrets={n: round(r, 4) for n, r in reg.items()},
                        regret=round(reg.get(best.name, 1.0), 4),
@@ -259,12 +270,14 @@ class FastPlanner:
         cands = [c for c in self.candidates(self._check(cells)) if c.eligible]
         return regrets(band_prices({c.name: c.get() for c in cands}, self.mesh, self.cost, band))
 
-    def build(self, cand: Candidate, **meta) -> TilePlan:
-        """The ``TilePlan`` of one candidate (``plan`` builds the cheapest; tests and reports any)."""
+    def build(self, cand: Candidate, kernels: Kernels | None = None, **meta) -> TilePlan:
+        """The ``TilePlan`` of one candidate (``plan`` builds the cheapest; tests and reports any), with its own
+        kernels or ``kernels`` (the same cells grouped otherwise)."""
         d = cand.get()
         meta = {**d.meta, "planner": "fast", **({} if cand.seconds is None else {"estimate_ms": cand.seconds * 1e3}),
                 **meta}
-        return assemble(owner=d.owner, assign_GPP=d.assign_GPP, kern=d.kernels, msgs=d.messages, mesh=self.mesh,
+        return assemble(owner=d.owner, assign_GPP=d.assign_GPP, kern=d.kernels if kernels is None else kernels,
+                        msgs=d.messages, mesh=self.mesh,
                         shape=self.shape, chunk=d.chunk, meta=meta,
                         transfers=None if d.transfers is None else d.transfers())
 

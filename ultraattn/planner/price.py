@@ -16,6 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..masks.cells import BlockCells
+from ..masks.pattern import BlockPattern
+from .build import BATCHES, kernel_groups
 from .cost import CostModel, block_flops
 from .plan import AttnShape, Kernel, Mesh, TilePlan, Transfer
 
@@ -134,6 +137,21 @@ class Grid:
     """Non-empty blocks per cell (FULL + PARTIAL)."""
     rows_per_chunk: float
     """Query block rows per chunk and head group (heads and batch included), as ``Workload.rows_per_chunk``."""
+
+
+def grid_of(mask: BlockCells | BlockPattern, shape: AttnShape, cost: CostModel, *, chunk: int, num_chunks: int,
+            head_groups: int = 1) -> Grid:
+    """A mask's ``Grid`` on ``num_chunks`` chunks of ``chunk`` tokens and ``head_groups`` equal head groups (batch
+    entries and heads summed in, PARTIAL blocks at their overhead)."""
+    h = shape.num_heads
+    hg = [list(range(g * h // head_groups, (g + 1) * h // head_groups)) for g in range(head_groups)]
+    st = mask.chunk_stats(chunk, num_chunks, hg, num_heads=h)
+    entries = mask.num_batch if isinstance(mask, BlockCells) else mask.num_batch_patterns
+    bmul = shape.batch if entries == 1 else 1
+    full, part = (np.asarray(st[k], dtype=np.float64) * bmul for k in ("full", "partial"))
+    return Grid(chunk=chunk, num_chunks=num_chunks, block=mask.q_block,
+                blocks_GPP=full + part * (1.0 + cost.partial_block_overhead), nonempty_GPP=full + part,
+                rows_per_chunk=(chunk // mask.q_block) * (h // head_groups) * shape.batch)
 
 
 def kernel_seconds(grid: Grid, blocks: np.ndarray, nonempty: np.ndarray, rows: np.ndarray, *, head_dim: int,
@@ -441,6 +459,20 @@ def assemble(*, owner: np.ndarray, assign_GPP: np.ndarray, kern: Kernels, msgs: 
                     owner=tuple(owner.tolist()), num_head_groups=int(assign_GPP.shape[0]),
                     assign_GPP=torch.from_numpy(assign_GPP.astype(np.int32)), kernels=kern.to_kernels(),
                     transfers=msgs.to_transfers() if transfers is None else transfers, meta=meta)
+
+
+def best_batch(owner: np.ndarray, assign_GPP: np.ndarray, msgs: Messages, grid: Grid, mesh: Mesh, shape: AttnShape,
+               cost: CostModel, *, phases: tuple[int, ...], seconds: float) -> tuple[int, Kernels | None, float]:
+    """The batch size (``build.BATCHES``) whose grouping of this plan's cells prices cheapest, its kernels and
+    price; ``(1, None, seconds)`` when none undercuts ``seconds`` (the plan's price as it is)."""
+    best: tuple[int, Kernels | None, float] = (1, None, seconds)   # (with seconds=inf: the cheapest batch above 1)
+    for b in BATCHES[1:]:
+        kern = Kernels.of_groups(grid, kernel_groups(owner, assign_GPP, batch=b, devices=mesh.devices),
+                                 head_dim=shape.head_dim, cost=cost, phases=phases)
+        sec = price(kern, msgs, owner, assign_GPP.shape[0], mesh, cost)
+        if sec < best[2] * (1 - 1e-9):
+            best = (b, kern, sec)
+    return best
 
 
 def price_plan(plan: TilePlan, grid: Grid, cost: CostModel, *, backward: bool = True) -> float:

@@ -30,6 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .cost import CostModel, block_flops
@@ -69,22 +70,28 @@ class Workload:
         return (self.full_GPP + self.partial_GPP) > 0
 
     def kernel_seconds(self, g: int, cells, cost: CostModel, phase: str) -> float:
-        fb = self.full_GPP[g]
-        pb = self.partial_GPP[g]
-        blocks = 0.0
-        nonempty = 0.0
-        rows = set()
-        for i, j in cells:
-            f, p = float(fb[i, j]), float(pb[i, j])
-            blocks += f + p * (1.0 + cost.partial_block_overhead)
-            nonempty += f + p
-            rows.add(i)
-        if nonempty == 0:
-            return 0.0
+        """Seconds of one kernel over ``cells`` of head group ``g`` (``kernels_seconds`` of one)."""
+        return float(self.kernels_seconds([(g, cells)], cost, phase)[0])
+
+    def kernels_seconds(self, kernels, cost: CostModel, phase: str) -> np.ndarray:
+        """Seconds of every kernel, given as (head group, cells) pairs, at once: its cost-weighted blocks' FLOPs at
+        the efficiency of its keys per query row, one launch per distinct row (the runtime launches once per query
+        row of a plan kernel: runtime/executor.py, ``RankProgram.rows``); 0 for a kernel with no block."""
+        sizes = np.fromiter((len(c) for _, c in kernels), dtype=np.int64)
+        n = sizes.size
+        k_N = np.repeat(np.arange(n), sizes)
+        g_N = np.repeat(np.fromiter((g for g, _ in kernels), dtype=np.int64, count=n), sizes)
+        ij = np.fromiter((x for _, cs in kernels for c in cs for x in c), dtype=np.int64,
+                         count=2 * int(sizes.sum())).reshape(-1, 2)
+        full = self.full_GPP.numpy()[g_N, ij[:, 0], ij[:, 1]]
+        part = self.partial_GPP.numpy()[g_N, ij[:, 0], ij[:, 1]]
+        blocks = np.bincount(k_N, full + part * (1.0 + cost.partial_block_overhead), minlength=n)
+        nonempty = np.bincount(k_N, full + part, minlength=n)
+        p = self.full_GPP.shape[1]
+        rows = np.bincount(np.unique(k_N * p + ij[:, 0]) // p, minlength=n)
         flops = blocks * block_flops(self.block, self.block, self.head_dim, 1, 1)
-        kv_tokens = nonempty * self.block / (len(rows) * self.rows_per_chunk)
-        # the runtime launches once per query row of a kernel (runtime/executor.py: RankProgram.rows)
-        return cost.kernel_seconds(flops=flops, kv_tokens_per_row=kv_tokens, phase=phase, launches=len(rows))
+        kv_tokens = nonempty * self.block / (np.maximum(rows, 1) * self.rows_per_chunk)
+        return cost.kernel_seconds_array(flops=flops, kv_tokens_per_row=kv_tokens, phase=phase, launches=rows)
 
 
 def workload(pattern: BlockPattern | BlockCells, shape: AttnShape, *, num_chunks: int, head_groups: int = 1,
@@ -211,8 +218,8 @@ def build_graph(plan: TilePlan, work: Workload, cost: CostModel, phase: str) -> 
     tasks: list[Task] = []
     kern_by_row: dict[tuple[int, int, int], list[int]] = defaultdict(list)  # (rank, g, row) -> task ids
     kern_by_col: dict[tuple[int, int, int], list[int]] = defaultdict(list)
-    for k in plan.kernels:
-        dur = work.kernel_seconds(k.head_group, k.cells, cost, phase)
+    durations = work.kernels_seconds([(k.head_group, k.cells) for k in plan.kernels], cost, phase).tolist()
+    for k, dur in zip(plan.kernels, durations):
         t = Task(id=len(tasks), kind="attn", rank=k.rank, streams=((k.rank, "compute"),), duration=dur,
                  label=f"attn r{k.rank} g{k.head_group} s{k.stage} n{len(k.cells)}")
         tasks.append(t)
