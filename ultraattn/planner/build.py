@@ -19,7 +19,8 @@ launches of ``batch`` cells each, in the order their inputs are expected (inside
 then by column), so each launch runs over ``batch`` chunks of keys: a chunk of 4096 keys per row runs at 91 % of
 the kernel's peak under the cost model (``eff_half_tokens``), four of them at 98 %; but a launch waits for the
 last of its inputs. The planners try ``BATCHES`` on the plan they chose and keep the fastest (``api.plan``:
-replayed; ``fast``: priced, which favours the longest launches: its bound of a launch's wait is loose).
+replayed; ``fast``: on small plans, priced then replayed: the price favours the longest launches, its bound of a
+launch's wait being loose).
 """
 
 from __future__ import annotations

@@ -179,25 +179,23 @@ def _place(lv: Level, own: list[int]) -> list[int]:
         rowc[(i, b)] = rowc.get((i, b), 0) + 1
         colc[(j, b)] = colc.get((j, b), 0) + 1
 
-    def delta(c: int, t: int) -> float:
-        i, j = lv.cells[c]
-        b = at[c]
-        d = 0.0
-        # leaving b
-        if rowc.get((i, b), 0) == 1 and own[i] != b:
-            d -= 2 * (lv.RI + lv.RO)
-        if colc.get((j, b), 0) == 1 and own[j] != b:
-            d -= 2 * (lv.CI + lv.CO)
-        # arriving at t
-        if rowc.get((i, t), 0) == 0 and own[i] != t:
-            d += 2 * (lv.RI + lv.RO)
-        if colc.get((j, t), 0) == 0 and own[j] != t:
-            d += 2 * (lv.CI + lv.CO)
-        return d
+    # traffic a cell adds or saves by moving: its row's (or column's) inputs and partials, when it was the only
+    # cell of that row (column) on the bin it leaves, or is the first on the bin it joins
+    row_cost = 2 * (lv.RI + lv.RO)
+    col_cost = 2 * (lv.CI + lv.CO)
 
     by_bin: dict[int, set] = {b: set() for b in range(nb)}
     for c, b in enumerate(at):
         by_bin[b].add(c)
+    # the bins computing in each row / column (kept with rowc / colc: a move changes one row's and one column's)
+    row_bins: dict[int, set] = {}
+    col_bins: dict[int, set] = {}
+    for (i, b), n in rowc.items():
+        if n:
+            row_bins.setdefault(i, set()).add(b)
+    for (j, b), n in colc.items():
+        if n:
+            col_bins.setdefault(j, set()).add(b)
     for _ in range(4 * len(lv.cells) + 10):
         b = max(range(nb), key=lambda x: (load[x], -x))
         if load[b] <= lv.cap + 1e-9:
@@ -207,13 +205,25 @@ def _place(lv: Level, own: list[int]) -> list[int]:
         for c in sorted(by_bin[b]):
             w = lv.weight[c]
             i, j = lv.cells[c]
-            targets = {own[i], own[j]} | {t for t in range(nb) if rowc.get((i, t)) or colc.get((j, t))}
+            rb, cb = row_bins[i], col_bins[j]
+            targets = {own[i], own[j]} | rb | cb
             if len(targets) < 3:
                 targets |= set(range(nb))
+            # ``delta(c, t)`` inlined (the hot loop): leaving b is the same for every target
+            leave = 0.0
+            if rowc[(i, b)] == 1 and own[i] != b:
+                leave -= row_cost
+            if colc[(j, b)] == 1 and own[j] != b:
+                leave -= col_cost
             for t in sorted(targets):
                 if t == b or load[t] + w > lv.cap + 1e-9:
                     continue
-                score = (delta(c, t) / max(w, 1e-12) if w < excess else delta(c, t), -w, c, t)
+                d = leave
+                if t not in rb and own[i] != t:
+                    d += row_cost
+                if t not in cb and own[j] != t:
+                    d += col_cost
+                score = (d / max(w, 1e-12) if w < excess else d, -w, c, t)
                 if best is None or score < best[0]:
                     best = (score, c, t)
         if best is None:
@@ -225,6 +235,12 @@ def _place(lv: Level, own: list[int]) -> list[int]:
         colc[(j, b)] -= 1
         rowc[(i, t)] = rowc.get((i, t), 0) + 1
         colc[(j, t)] = colc.get((j, t), 0) + 1
+        if not rowc[(i, b)]:
+            row_bins[i].discard(b)
+        if not colc[(j, b)]:
+            col_bins[j].discard(b)
+        row_bins[i].add(t)
+        col_bins[j].add(t)
         load[b] -= w
         load[t] += w
         by_bin[b].discard(c)

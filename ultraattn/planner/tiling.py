@@ -54,6 +54,9 @@ class PlannerOptions:
     schedule_ilp: bool = True
     """Refine the critical rank's order with the scheduling ILP."""
     schedule_time_limit: float = 2.0
+    refine_over: float | None = 1.10
+    """A plan modeled above this multiple of the compute bound (``api.compute_bound_ms``) is planned once more on
+    chunks half as long with the tolerance at most 0.02, the faster kept (None: never)."""
     consider_baselines: bool = True
     """Also evaluate the baseline-structured plans and keep the best (never worse than them)."""
     seed: int = 0
@@ -63,6 +66,8 @@ class PlannerOptions:
             raise ValueError(f"balance_tol must lie in [0, 1), got {self.balance_tol}")
         if self.chunks_per_rank < 1:
             raise ValueError(f"chunks_per_rank must be >= 1, got {self.chunks_per_rank}")
+        if self.refine_over is not None and self.refine_over < 1:
+            raise ValueError(f"refine_over must be None or >= 1, got {self.refine_over}")
         if self.ilp_time_limit <= 0 or self.schedule_time_limit <= 0:
             raise ValueError("ilp_time_limit and schedule_time_limit must be positive")
 
