@@ -91,7 +91,7 @@ def route_transfers(
 
 
 #: batch sizes the planners try for remote cells (``kernel_groups``; 1: the unbatched launches)
-BATCHES = (1, 4, 8)
+BATCHES = (1, 2, 4, 8)
 
 
 def kernel_groups(owner, assign_GPP, *, batch: int = 1, devices: int = 1) -> tuple[np.ndarray, ...]:
