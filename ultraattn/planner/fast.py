@@ -247,7 +247,7 @@ class FastPlanner:
         # launch's wait for its last input loosely, so it prefers the longest launches, which replayed up to 1.36x
         # slower on 128K 8x8 document masks.
         d = best.get()
-        if _tasks(d) <= REPLAY_TASKS:
+        if self.mesh.world > 1 and _tasks(d) <= REPLAY_TASKS:
             grid = grid_of(cells, self.shape, self.cost, chunk=d.chunk, num_chunks=d.assign_GPP.shape[1],
                            head_groups=d.assign_GPP.shape[0])
             batch, kern, sec = best_batch(d.owner, d.assign_GPP, d.messages, grid, self.mesh, self.shape, self.cost,
