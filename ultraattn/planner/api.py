@@ -298,9 +298,7 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
             progress(f"refining ({key(chosen) / bound:.2f}x the compute bound)")
         ev2, _ = _tiled_plan(pattern, shape, mesh, cost=cost, options=finer, backward=backward, progress=progress,
                              layout=None)
-        # (one batch size, the first plan's or 4: the time budget)
-        ev2, _ = _batched(ev2, pattern, cost=cost, backward=backward,
-                          batches=(chosen.plan.meta.get("kernel_batch", 4),))
+        ev2, _ = _batched(ev2, pattern, cost=cost, backward=backward)
         if key(ev2) < key(chosen) * (1 - 1e-9) and ev2.compute_imbalance <= 1 + options.balance_tol + 1e-9:
             notes.append(f"refined on {finer.chunks_per_rank} chunks per rank, tolerance {finer.balance_tol}: "
                          f"{key(ev2):.3f} ms, {key(ev2) / bound:.3f}x the compute bound (was {key(chosen):.3f} ms)")
