@@ -286,8 +286,8 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
     finer_fits = mesh.world * 2 * options.chunks_per_rank * pattern.q_block <= pattern.q_len
     if options.refine_over and layout is None and finer_fits and key(chosen) > options.refine_over * bound:
         # [Note] refinement: far from the compute bound, the tolerance itself (the ILPs spend it on traffic) and the
-        # chunk size are what is left; plan once more on chunks half as long with a tighter tolerance, in what is
-        # left of the time budget, and keep the faster (global+local at 8x8, 512K: 1.38x -> 1.10x)
+        # chunk size are what is left; plan once more on chunks half as long with a tighter tolerance, in a quarter
+        # of the time budget, and keep the faster (global+local at 8x8, 512K: 1.38x -> 1.10x)
         finer = dataclasses.replace(options, chunks_per_rank=2 * options.chunks_per_rank,
                                     balance_tol=min(options.balance_tol, REFINED_TOL),
                                     time_budget=options.time_budget / 4,
@@ -355,16 +355,15 @@ def _tiled_plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: Co
     return ev_ours, tiling
 
 
-def _batched(ev: Evaluation, pattern: BlockPattern, *, cost: CostModel, backward: bool,
-             batches: tuple[int, ...] = BATCHES[1:]) -> tuple[Evaluation, str]:
-    """The plan with its remote cells in per-row launches (``build``'s module docstring) of each of ``batches``
-    (``build.BATCHES`` above 1), replayed; the fastest kept when it beats the plan as grouped before, with a note.
+def _batched(ev: Evaluation, pattern: BlockPattern, *, cost: CostModel, backward: bool) -> tuple[Evaluation, str]:
+    """The plan with its remote cells in per-row launches (``build``'s module docstring) of each batch size of
+    ``build.BATCHES`` above 1, replayed; the fastest kept when it beats the plan as grouped before, with a note.
     (Replayed, not priced: the closed-form price bounds a grouping's stalls less tightly the longer its launches,
     so it always prefers the longest; the replay finds 4 best on strided masks, 8 on causal ones.)"""
     plan_ = ev.plan
     key = (lambda e: e.total_ms()) if backward else (lambda e: e.fwd_ms)
     best, best_b = ev, 1
-    for b in batches:
+    for b in BATCHES[1:]:
         kernels = tuple(group_kernels(owner=list(plan_.owner), assign_GPP=plan_.assign_GPP, batch=b,
                                       devices=plan_.mesh.devices))
         cand = evaluate(dataclasses.replace(plan_, kernels=kernels, meta={**plan_.meta, "kernel_batch": b}), pattern,
