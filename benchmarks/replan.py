@@ -292,20 +292,20 @@ def draw(results: list[dict], path: str) -> bool:
     ax2.set_ylabel("fast plan modeled fwd+bwd time / reference")
     ax2.set_title("quality (box: vs best baseline, dots: vs ILP plan)")
     ax2.legend(fontsize=8)
-    ax3.boxplot([[m["regret"] for m in r["masks"]] for r in results], positions=x - 0.2, widths=0.35)
-    ax3.boxplot([[m["min_regret"] for m in r["masks"]] for r in results], positions=x + 0.2, widths=0.35,
-                boxprops={"color": "tab:green"}, medianprops={"color": "tab:green"})
-    ax3.axhline(1.15, color="tab:red", ls="--", lw=0.8)
-    ax3.set_xticks(x, labels, fontsize=8)
-    ax3.set_ylabel("worst-case regret over the cost-model band")
-    ax3.set_title("robustness (black: chosen plan, green: best candidate; red: 1.15)")
-    ax4.boxplot([[m["pair_imbalance"] for m in r["masks"]] for r in results], positions=x - 0.2, widths=0.35)
-    ax4.boxplot([[m["imbalance"] for m in r["masks"]] for r in results], positions=x + 0.2, widths=0.35,
-                boxprops={"color": "tab:blue"}, medianprops={"color": "tab:blue"})
-    ax4.axhline(1.05, color="tab:red", ls="--", lw=0.8)
-    ax4.set_xticks(x, labels, fontsize=8)
-    ax4.set_ylabel("compute imbalance (max / mean over ranks)")
-    ax4.set_title("chosen plan's imbalance (black: exact pairs, blue: cost-weighted blocks)")
+    def paired_boxes(ax, left: str, right: str, color: str, target: float, ylabel: str, title: str) -> None:
+        """Per configuration, the masks' ``left`` (black) and ``right`` (``color``) figures side by side."""
+        ax.boxplot([[m[left] for m in r["masks"]] for r in results], positions=x - 0.2, widths=0.35)
+        ax.boxplot([[m[right] for m in r["masks"]] for r in results], positions=x + 0.2, widths=0.35,
+                   boxprops={"color": color}, medianprops={"color": color})
+        ax.axhline(target, color="tab:red", ls="--", lw=0.8)
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+
+    paired_boxes(ax3, "regret", "min_regret", "tab:green", 1.15, "worst-case regret over the cost-model band",
+                 "robustness (black: chosen plan, green: best candidate; red: 1.15)")
+    paired_boxes(ax4, "pair_imbalance", "imbalance", "tab:blue", 1.05, "compute imbalance (max / mean over ranks)",
+                 "chosen plan's imbalance (black: exact pairs, blue: cost-weighted blocks)")
     mb = [[m["max_rank_bytes"] / 2**20 for m in r["masks"]] for r in results]
     bal = [[m["baselines_max_rank_bytes"].get("balanced", np.nan) / 2**20 for m in r["masks"]] for r in results]
     ax5.bar(x - 0.2, [np.median(v) for v in mb], 0.4, label="chosen plan")
