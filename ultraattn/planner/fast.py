@@ -40,7 +40,7 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    are small (``REPLAY_TASKS``), the simulator replays both and the faster replay wins (a size bound, not
    a time limit: still deterministic).
 7. The kernel level, on small plans (``REPLAY_TASKS``): the chosen plan's remote cells regrouped in per-row launches
-   of 4 or 8 chunks (``build.kernel_groups(batch=)``), the cheaper-priced (``price.best_batch``) kept when it also
+   of 2, 4 or 8 chunks (``build.kernel_groups(batch=)``), the cheaper-priced (``price.best_batch``) kept when it also
    replays faster.
 
 Determinism: integer and float64 arithmetic in a fixed order (bincounts and sorts, no threaded BLAS in
