@@ -216,6 +216,7 @@ def run_config(seq_name: str, mesh_name: str, masks: list, ilp_masks: int) -> di
     imb = np.array([r["imbalance"] for r in rows])
     reg = np.array([r["regret"] for r in rows])
     ilp_t = np.array([r["ilp_wall_s"] for r in rows if "ilp_wall_s" in r])
+    balanced = all("balanced" in r["baselines_ms"] for r in rows)   # (absent where it equals a tiled plan: one node)
     summary = {
         "seq": seq_name, "mesh": mesh_name, "masks": len(rows), "ilp_masks": int(vi.size),
         "load_before": load, "load_after": os.getloadavg(),
@@ -230,9 +231,9 @@ def run_config(seq_name: str, mesh_name: str, masks: list, ilp_masks: int) -> di
         "pair_imbalance_max": float(max(r["pair_imbalance"] for r in rows)),
         "max_rank_MB_median": float(np.median([r["max_rank_bytes"] for r in rows])) / 2**20,
         "balanced_max_rank_MB_median": (float(np.median([r["baselines_max_rank_bytes"]["balanced"] for r in rows]))
-                                        / 2**20 if all("balanced" in r["baselines_ms"] for r in rows) else None),
+                                        / 2**20 if balanced else None),
         "balanced_pair_imbalance_median": (float(np.median([r["baselines_pair_imbalance"]["balanced"] for r in rows]))
-                                           if all("balanced" in r["baselines_ms"] for r in rows) else None),
+                                           if balanced else None),
         "over_1.5_imbalance_regret_over_1.15": int(sum(r["pair_imbalance"] > 1.5 and r["regret"] > 1.15
                                                        for r in rows)),
         "kernel_batches": {str(b): sum(r["kernel_batch"] == b for r in rows)

@@ -110,8 +110,8 @@ def kernel_groups(owner, assign_GPP, *, batch: int = 1, devices: int = 1) -> tup
     own = np.asarray(owner, dtype=np.int64)
     g, i, j = np.nonzero(a >= 0)
     r = a[g, i, j].astype(np.int64)
-    li, lj = own[i] == r, own[j] == r
     if batch == 1:
+        li, lj = own[i] == r, own[j] == r
         # local rows x local columns: one launch per row, so remote-dependent work can interleave; a remote
         # column: one launch over all local rows (as a ring step); a remote row: one launch per (row, column)
         ki = np.where(lj | ~li, i, -1)

@@ -96,6 +96,19 @@ class CostModel:
                                        np.asarray(launches, dtype=np.float64))
         return np.where(flops > 0, sec, 0.0)
 
+    def blocks_seconds(self, blocks, nonempty, rows, *, block: int, head_dim: int, rows_per_chunk: float, phase: str):
+        """Seconds of plan kernels (numpy arrays, one entry per kernel) from their cells: ``blocks`` cost-weighted and
+        ``nonempty`` (block x block) blocks over ``rows`` distinct query chunks of ``rows_per_chunk`` block rows each.
+        One launch per query chunk (the runtime launches once per query row of a plan kernel:
+        runtime/executor.py, ``RankProgram.rows``), at the efficiency of the keys per block row; 0 for a kernel with
+        no block. The simulator (``schedule.Workload``) and the closed-form price (``price.Kernels``) both use it."""
+        import numpy as np
+
+        rows = np.maximum(rows, 1)
+        return self.kernel_seconds_array(flops=blocks * block_flops(block, block, head_dim, 1, 1),
+                                         kv_tokens_per_row=nonempty * block / (rows * rows_per_chunk), phase=phase,
+                                         launches=rows)
+
     def _launch_seconds(self, flops, kv_tokens_per_row, phase: str, launches):
         """launches * launch + flops / (rate * eff): the formula both ``kernel_seconds`` forms share."""
         eff = kv_tokens_per_row / (kv_tokens_per_row + self.eff_half_tokens)

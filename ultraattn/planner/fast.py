@@ -251,7 +251,7 @@ class FastPlanner:
             grid = grid_of(cells, self.shape, self.cost, chunk=d.chunk, num_chunks=d.assign_GPP.shape[1],
                            head_groups=d.assign_GPP.shape[0])
             batch, kern, sec = best_batch(d.owner, d.assign_GPP, d.messages, grid, self.mesh, self.shape, self.cost,
-                                          phases=self._phases, seconds=math.inf)
+                                          phases=self._phases)
             batched = self.build(best, kernels=kern, kernel_batch=batch, estimate_ms=sec * 1e3)
             as_is = replayed.get(best.name) or evaluate_plan(tp, cells, self.cost, backward=self.backward)
             if evaluate_plan(batched, cells, self.cost, backward=self.backward) < as_is:

@@ -154,17 +154,6 @@ def grid_of(mask: BlockCells | BlockPattern, shape: AttnShape, cost: CostModel, 
                 rows_per_chunk=(chunk // mask.q_block) * (h // head_groups) * shape.batch)
 
 
-def kernel_seconds(grid: Grid, blocks: np.ndarray, nonempty: np.ndarray, rows: np.ndarray, *, head_dim: int,
-                   cost: CostModel, phase: str) -> np.ndarray:
-    """Seconds of kernels with these cost-weighted blocks, non-empty blocks and distinct query rows
-    (``Workload.kernel_seconds``, vectorised)."""
-    b = grid.block
-    rows = np.maximum(rows, 1)
-    return cost.kernel_seconds_array(flops=blocks * block_flops(b, b, head_dim, 1, 1),
-                                     kv_tokens_per_row=nonempty * b / (rows * grid.rows_per_chunk), phase=phase,
-                                     launches=rows)
-
-
 @dataclass(slots=True)
 class Kernels:
     """A plan's kernels as arrays: the cells of each (grouped kernel by kernel, in plan order), its rank
@@ -192,7 +181,8 @@ class Kernels:
         n = rank_K.size
         blocks = np.bincount(k_N, grid.blocks_GPP[g_N, i_N, j_N], minlength=n)
         nonempty = np.bincount(k_N, grid.nonempty_GPP[g_N, i_N, j_N], minlength=n)
-        sec = {ph: kernel_seconds(grid, blocks, nonempty, rows_K, head_dim=head_dim, cost=cost, phase=PHASES[ph])
+        sec = {ph: cost.blocks_seconds(blocks, nonempty, rows_K, block=grid.block, head_dim=head_dim,
+                                       rows_per_chunk=grid.rows_per_chunk, phase=PHASES[ph])
                for ph in phases}
         return Kernels(g_N=g_N, i_N=i_N, j_N=j_N, k_N=k_N, rank_K=rank_K, stage_K=stage_K, seconds=sec)
 
@@ -462,15 +452,15 @@ def assemble(*, owner: np.ndarray, assign_GPP: np.ndarray, kern: Kernels, msgs: 
 
 
 def best_batch(owner: np.ndarray, assign_GPP: np.ndarray, msgs: Messages, grid: Grid, mesh: Mesh, shape: AttnShape,
-               cost: CostModel, *, phases: tuple[int, ...], seconds: float) -> tuple[int, Kernels | None, float]:
-    """The batch size (``build.BATCHES``) whose grouping of this plan's cells prices cheapest, its kernels and
-    price; ``(1, None, seconds)`` when none undercuts ``seconds`` (the plan's price as it is)."""
-    best: tuple[int, Kernels | None, float] = (1, None, seconds)   # (with seconds=inf: the cheapest batch above 1)
+               cost: CostModel, *, phases: tuple[int, ...]) -> tuple[int, Kernels, float]:
+    """The batch size above 1 (``build.BATCHES``) whose grouping of this plan's cells prices cheapest, its kernels and
+    its price."""
+    best = None
     for b in BATCHES[1:]:
         kern = Kernels.of_groups(grid, kernel_groups(owner, assign_GPP, batch=b, devices=mesh.devices),
                                  head_dim=shape.head_dim, cost=cost, phases=phases)
         sec = price(kern, msgs, owner, assign_GPP.shape[0], mesh, cost)
-        if sec < best[2] * (1 - 1e-9):
+        if best is None or sec < best[2] * (1 - 1e-9):
             best = (b, kern, sec)
     return best
 

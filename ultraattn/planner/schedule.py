@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .cost import CostModel, block_flops
+from .cost import CostModel
 from .plan import PARTIAL_TENSORS, ROW_TENSORS, AttnShape, TilePlan, padded_chunk
 
 if TYPE_CHECKING:
@@ -74,9 +74,7 @@ class Workload:
         return float(self.kernels_seconds([(g, cells)], cost, phase)[0])
 
     def kernels_seconds(self, kernels, cost: CostModel, phase: str) -> np.ndarray:
-        """Seconds of every kernel, given as (head group, cells) pairs, at once: its cost-weighted blocks' FLOPs at
-        the efficiency of its keys per query row, one launch per distinct row (the runtime launches once per query
-        row of a plan kernel: runtime/executor.py, ``RankProgram.rows``); 0 for a kernel with no block."""
+        """Seconds of every kernel, given as (head group, cells) pairs, at once (``CostModel.blocks_seconds``)."""
         sizes = np.fromiter((len(c) for _, c in kernels), dtype=np.int64)
         n = sizes.size
         k_N = np.repeat(np.arange(n), sizes)
@@ -89,9 +87,8 @@ class Workload:
         nonempty = np.bincount(k_N, full + part, minlength=n)
         p = self.full_GPP.shape[1]
         rows = np.bincount(np.unique(k_N * p + ij[:, 0]) // p, minlength=n)
-        flops = blocks * block_flops(self.block, self.block, self.head_dim, 1, 1)
-        kv_tokens = nonempty * self.block / (np.maximum(rows, 1) * self.rows_per_chunk)
-        return cost.kernel_seconds_array(flops=flops, kv_tokens_per_row=kv_tokens, phase=phase, launches=rows)
+        return cost.blocks_seconds(blocks, nonempty, rows, block=self.block, head_dim=self.head_dim,
+                                   rows_per_chunk=self.rows_per_chunk, phase=phase)
 
 
 def workload(pattern: BlockPattern | BlockCells, shape: AttnShape, *, num_chunks: int, head_groups: int = 1,
