@@ -2,7 +2,8 @@
 
 Pure numpy over a chunk-level work matrix ``weight_PP`` [P, P] (cost-weighted blocks of every (q chunk,
 kv chunk) cell): chunks to nodes (an affinity greedy or a balanced contiguous cut, whichever the node-level
-price prefers), chunks to a node's devices by a min-heap balancer, then cells moved off overloaded ranks.
+price prefers), chunks to a node's devices by a min-heap balancer, then cells moved off overloaded ranks:
+nodes first, then devices (``place``), or rank by rank in one level (``place_flat``).
 Every decision is deterministic: sorts are stable and ties go to the lower index.
 """
 
@@ -144,7 +145,53 @@ def balanced_ownership(weight_PP: np.ndarray, mesh: Mesh, k: int) -> np.ndarray:
 def place(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float, row_cost: np.ndarray,
           col_cost: np.ndarray) -> np.ndarray:
     """int64 [P, P]: the rank computing each cell (-1 empty): the row owner, then cells move off ranks above
-    ``(1 + tol) x mean`` (module docstring, step 2).
+    ``(1 + tol) x mean`` (module docstring, step 2). Hierarchical on several nodes, as the ILP planner's levels:
+
+    1. nodes first (``place_flat`` on a mesh of one device per node, at ``tol / 2`` so that the devices of a node
+       near its cap can still meet theirs): what crosses a node link moves as whole rows' worth of cells,
+       decided once for the node rather than rank by rank;
+    2. the cells a node takes from another node's row land on its least loaded device, heaviest first (one
+       device per (row, node): the row's Q crosses once);
+    3. devices inside each node (``place_flat(local=True)``), then a last pass anywhere for a rank still above its
+       cap (cells too coarse to fit inside its node).
+
+    Moving rank by rank across nodes (``place_flat`` alone) moves single cells of many rows over the node links
+    (on a 32K packed-document mask on 8x8: 31 (row, rank) pairs across nodes where the ILP planner's plan has 11).
+    It is not always worse, so the fast planner prices both (``FastPlanner._tiled``).
+    """
+    if mesh.nodes == 1:
+        return place_flat(weight_PP, owner, mesh, tol, row_cost, col_cost)
+    d = mesh.devices
+    far_row, far_col = np.full(2, row_cost[1]), np.full(2, col_cost[1])
+    node_at = place_flat(weight_PP, owner // d, Mesh(nodes=mesh.nodes, devices=1), tol / 2, far_row, far_col)
+    ii, jj = np.nonzero(weight_PP > 0)
+    wt = weight_PP[ii, jj]
+    dest = node_at[ii, jj]
+    at = owner[ii].copy()
+    moved = np.flatnonzero(dest != owner[ii] // d)
+    load = np.bincount(at, np.where(dest == owner[ii] // d, wt, 0.0), minlength=mesh.world)
+    if moved.size:
+        key = ii[moved] * mesh.nodes + dest[moved]
+        order = np.lexsort((moved, key))
+        moved, key = moved[order], key[order]
+        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        sums = np.add.reduceat(wt[moved], starts)
+        bounds = np.r_[starts, moved.size].tolist()
+        for g in np.lexsort((key[starts], -sums)).tolist():
+            devs = int(key[starts[g]]) % mesh.nodes * d + np.arange(d)
+            t = int(devs[np.argmin(load[devs])])
+            at[moved[bounds[g]:bounds[g + 1]]] = t
+            load[t] += sums[g]
+    start = np.full(weight_PP.shape, -1, dtype=np.int64)
+    start[ii, jj] = at
+    start = place_flat(weight_PP, owner, mesh, tol, row_cost, col_cost, start=start, local=True)
+    return place_flat(weight_PP, owner, mesh, tol, row_cost, col_cost, start=start)
+
+
+def place_flat(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float, row_cost: np.ndarray,
+               col_cost: np.ndarray, *, start: np.ndarray | None = None, local: bool = False) -> np.ndarray:
+    """One level of ``place``: cells move from ``start`` (default: the row owners) off ranks above
+    ``(1 + tol) x mean``, to any rank or (``local``) to ranks of the same node.
 
     Each move takes cells of one query row from the most loaded rank to one rank with room, choosing the
     (row, rank) pair with the most work moved per second of new traffic: the row's Q unit (unless the
@@ -154,12 +201,13 @@ def place(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float, row_
     w, p = mesh.world, owner.size
     ii, jj = np.nonzero(weight_PP > 0)
     wt = weight_PP[ii, jj]
-    at = owner[ii].copy()
+    at = owner[ii].copy() if start is None else start[ii, jj].copy()
     load = np.bincount(at, wt, minlength=w)
     cap = (1 + tol) * load.sum() / w
     node = np.arange(w) // mesh.devices
     has_row = np.zeros((p, w), dtype=bool)
     has_row[np.arange(p), owner] = True
+    has_row[ii, at] = True
     has_col = np.zeros((p, w), dtype=bool)
     has_col[np.arange(p), owner] = True
     has_col[jj, at] = True
@@ -171,7 +219,7 @@ def place(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float, row_
             break
         need = load[r] - cap
         room = cap - load
-        targets = np.flatnonzero((room > 0) & (np.arange(w) != r))
+        targets = np.flatnonzero((room > 0) & (np.arange(w) != r) & (~local | (node == node[r])))
         on = np.flatnonzero(at == r)
         if not targets.size or not on.size:
             stuck[r] = True

@@ -18,7 +18,10 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    (compute within half the balance tolerance), then to the node's devices by a min-heap balancer
    (longest processing time first, ``k`` chunks each). Cells are computed where their query rows live:
    only K/V move, the cheap side with GQA. A rank still above ``(1 + tol) x mean`` hands cells of one
-   row at a time to the rank with room where they add the least traffic per unit of work (``place``).
+   row at a time to the rank with room where they add the least traffic per unit of work. On several
+   nodes, two placements are candidates: nodes first, then devices (``place``: what crosses a node link
+   moves as whole rows' worth), and rank by rank in one level (``place_flat``, ``tiled-k<k>-flat``); on
+   ``benchmarks/replan.py``'s masks neither wins everywhere, and the price tells them apart.
    A given token layout (a sequence-sharded model's) fixes ownership: only placement is chosen.
 3. The balanced fine-chunk candidate (``balanced``): the finest granularity tried, chunks dealt to ranks by
    longest processing time first over the whole mesh (no node affinity: MagiAttention's dispatch), cells computed
@@ -64,7 +67,7 @@ import numpy as np
 
 from ..masks.cells import BlockCells, cells_from_pattern
 from ..masks.pattern import BlockPattern
-from .balance import balanced_ownership, ownership, place
+from .balance import balanced_ownership, ownership, place, place_flat
 from .baselines import BASELINES, REGISTRY, Baseline, NotApplicable
 from .build import kernel_groups
 from .cost import DEFAULT_COST, CostModel
@@ -309,7 +312,7 @@ class FastPlanner:
             ks = [(1, None)]
         else:
             ks = [(k, None) for k in CHUNKS_PER_RANK if k <= 2 or w * k * block <= self.shape.seq_len]
-        cands = [self._tiled(cells, k, chunk) for k, chunk in ks]
+        cands = [c for k, chunk in ks for c in self._tiled(cells, k, chunk)]
         if w > 1 and self.layout is None:
             fine = self._balanced(cells, max(k for k, _ in ks))
             if fine.same_as not in {c.same_as for c in cands}:
@@ -337,7 +340,7 @@ class FastPlanner:
         return cands
 
     # ------------------------------------------------------------------ our structure
-    def _tiled(self, cells: BlockCells, k: int, chunk: int | None) -> Candidate:
+    def _tiled(self, cells: BlockCells, k: int, chunk: int | None) -> list[Candidate]:
         sc = self._scale(self.mesh.world * k, cells.q_block, chunk)
         grid = self._grid(cells, sc)
         weight = grid.blocks_GPP[0]
@@ -346,9 +349,15 @@ class FastPlanner:
         else:
             owner = ownership(weight, self.mesh, k, self.balance_tol, block_seconds=self._block_seconds(grid),
                               col_cost_inter=float(sc.col_cost[1]))
+        name = "tiled" if self.layout is not None else f"tiled-k{k}"
+        meta = {"structure": "tiled", "chunks_per_rank": k}
         assign = place(weight, owner, self.mesh, self.balance_tol, sc.row_cost, sc.col_cost)
-        return self._at(grid, owner, assign, name="tiled" if self.layout is not None else f"tiled-k{k}",
-                        meta={"structure": "tiled", "chunks_per_rank": k})
+        out = [self._at(grid, owner, assign, name=name, meta={**meta, "placement": "nodes first"})]
+        if self.mesh.nodes > 1:   # [Note] neither placement wins everywhere: both are priced (module docstring)
+            flat = place_flat(weight, owner, self.mesh, self.balance_tol, sc.row_cost, sc.col_cost)
+            if not np.array_equal(flat, assign):
+                out.append(self._at(grid, owner, flat, name=f"{name}-flat", meta={**meta, "placement": "flat"}))
+        return out
 
     def _balanced(self, cells: BlockCells, k: int) -> Candidate:
         """The balanced fine-chunk candidate (``balance.balanced_ownership``): ``k`` chunks per rank dealt by

@@ -82,8 +82,12 @@ def route(owner: np.ndarray, assign_GPP: np.ndarray, mesh: Mesh, shape: AttnShap
 
     Hierarchical like ``build.route_transfers``: a unit that several ranks of another node need crosses
     the node boundary once, landing on one of them, and is relayed inside the node; partials reduce the
-    other way. The landing rank of (unit, node) is its ``(chunk + group) mod n``-th consumer there (n
-    consumers, ascending rank), which spreads the landings over the node's NICs without sequential state.
+    other way. The landing rank of (unit, node) is the consumer there with the least inter-node bytes so far
+    (a loop over the units that cross a node link): with one head group, the same transfers as
+    ``build.route_transfers`` (tested). Landing on the ``(chunk + group) mod n``-th consumer instead, with
+    no state, is not uniformly worse (``benchmarks/replan.py --quick``: the fast plan 0.997x the ILP plan at
+    512K on 8x8 with it, 0.899x without; 1.455x and 1.540x at 32K on 8x8); the load-aware rule is the one
+    ``build.route_transfers`` and the ILP planner use.
     """
     g_count, p, _ = assign_GPP.shape
     w, dev = mesh.world, mesh.devices
@@ -92,6 +96,7 @@ def route(owner: np.ndarray, assign_GPP: np.ndarray, mesh: Mesh, shape: AttnShap
     flows = {"row": [("q", "o", "fwd")] + ([("qdo", "dq", "bwd")] if backward else []),
              "col": [("kv", "", "fwd")] + ([("kv", "dkv", "bwd")] if backward else [])}
     parts: dict[str, list[Messages]] = {"fwd": [], "bwd": []}
+    inter = [0.0] * w   # bytes each rank has taken in (inputs) and sent back (partials) over its node link
     for axis, unit in (("row", i), ("col", j)):
         used = np.zeros((g_count, p, w), dtype=bool)
         used[g, unit, r] = True
@@ -101,10 +106,20 @@ def route(owner: np.ndarray, assign_GPP: np.ndarray, mesh: Mesh, shape: AttnShap
         dnode = dd // dev
         grp = (gg * p + cc) * mesh.nodes + dnode  # consumers of a (unit, node) are contiguous
         cnt = np.bincount(grp, minlength=g_count * p * mesh.nodes)[grp]
-        starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
-        pos = np.arange(grp.size) - np.repeat(starts, np.diff(np.r_[starts, grp.size]))
+        starts = np.flatnonzero(np.r_[grp.size > 0, grp[1:] != grp[:-1]])
         relay = (dnode != src // dev) & (cnt > 1)
-        is_land = relay & (pos == (cc + gg) % np.maximum(cnt, 1))
+        # every (unit, node) across a node link in turn, as ``build.route_transfers``: one consumer there takes
+        # the unit straight; of several, the one with the least inter-node bytes so far lands it
+        nbytes = sum(shape.unit_bytes(inp, chunk, g_count) + (shape.unit_bytes(part, chunk, g_count) if part else 0)
+                     for inp, part, _ in flows[axis])
+        is_land = np.zeros(grp.size, dtype=bool)
+        dl = dd.tolist()
+        cross = (dnode != src // dev)[starts]
+        for a, b in zip(starts[cross].tolist(), np.r_[starts[1:], grp.size][cross].tolist()):
+            land = a if b - a == 1 else min(range(a, b), key=lambda n: (inter[dl[n]], n))
+            is_land[land] = True
+            inter[dl[land]] += nbytes
+        is_land &= relay
         land_of = np.full(g_count * p * mesh.nodes, -1, dtype=np.int64)
         land_of[grp[is_land]] = dd[is_land]
         hop_src = np.where(relay & ~is_land, land_of[grp], src)
