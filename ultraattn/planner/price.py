@@ -84,10 +84,9 @@ def route(owner: np.ndarray, assign_GPP: np.ndarray, mesh: Mesh, shape: AttnShap
     the node boundary once, landing on one of them, and is relayed inside the node; partials reduce the
     other way. The landing rank of (unit, node) is the consumer there with the least inter-node bytes so far
     (a loop over the units that cross a node link): with one head group, the same transfers as
-    ``build.route_transfers`` (tested). Landing on the ``(chunk + group) mod n``-th consumer instead, with
-    no state, is not uniformly worse (``benchmarks/replan.py --quick``: the fast plan 0.997x the ILP plan at
-    512K on 8x8 with it, 0.899x without; 1.455x and 1.540x at 32K on 8x8); the load-aware rule is the one
-    ``build.route_transfers`` and the ILP planner use.
+    ``build.route_transfers`` (tested), the ILP planner's router. (It replaced landing on the
+    ``(chunk + group) mod n``-th consumer, which left one rank's NIC with 3x the mean inter-node bytes on a
+    32K document mask on 8x8; on the other masks of ``benchmarks/replan.py`` the two rules trade places.)
     """
     g_count, p, _ = assign_GPP.shape
     w, dev = mesh.world, mesh.devices
