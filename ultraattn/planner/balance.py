@@ -167,9 +167,10 @@ def place(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float, row_
     ii, jj = np.nonzero(weight_PP > 0)
     wt = weight_PP[ii, jj]
     dest = node_at[ii, jj]
+    stay = dest == owner[ii] // d
     at = owner[ii].copy()
-    moved = np.flatnonzero(dest != owner[ii] // d)
-    load = np.bincount(at, np.where(dest == owner[ii] // d, wt, 0.0), minlength=mesh.world)
+    moved = np.flatnonzero(~stay)
+    load = np.bincount(at, np.where(stay, wt, 0.0), minlength=mesh.world)
     if moved.size:
         key = ii[moved] * mesh.nodes + dest[moved]
         order = np.lexsort((moved, key))
