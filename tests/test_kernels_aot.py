@@ -108,3 +108,15 @@ def test_a_variant_outside_the_kernels_is_refused():
         aot.Variant("fwd", "sm90", "fp8", 128, 1, 64, 64, 4, 3)
     with pytest.raises(ValueError, match="score='alibi'"):
         aot.Variant("fwd", "sm90", "bf16", 128, 1, 64, 64, 4, 3, score="alibi")
+
+
+def test_the_kernels_build_with_the_scales_inductor_passes():
+    """Inside ``torch.compile`` Inductor types the Python-float scales fp64 on CUDA; the kernels must still
+    build (the first GPU check, 2026-11-26, found the online-softmax state promoted to fp64 and the build
+    refused: "Loop-carried variable m_i has initial type fp32 but is re-assigned to fp64")."""
+    vs = [aot.Variant(k, "sm90", "bf16", 64, 1, *config.tile_configs(k, 128, 128, config.row_class(64, "bf16"))[0],
+                      scale_type="fp64") for k in aot.KERNELS]
+    builds = aot.sweep(vs, jobs=2)
+    failed = [f"{b.variant.label()}: {b.error}" for b in builds if not b.ok]
+    assert not failed, "\n".join(failed)
+    assert all(not b.spills for b in builds)

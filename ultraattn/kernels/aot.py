@@ -94,6 +94,9 @@ class Variant:
     kv_block: int = 128
     score: str = ""
     """A sample score_mod generated into the kernel (``SCORES``), or "" for none."""
+    scale_type: str = "fp32"
+    """How the two softmax scales arrive: "fp32" from an eager launch (Triton types a Python float so), "fp64" from
+    Inductor's lowering of the op inside ``torch.compile`` (it types a Python float argument fp64 on CUDA)."""
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
@@ -104,6 +107,8 @@ class Variant:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {sorted(DTYPES)}")
         if self.score and self.score not in SCORES:
             raise ValueError(f"score={self.score!r}: expected one of {sorted(SCORES)} or ''")
+        if self.scale_type not in ("fp32", "fp64"):
+            raise ValueError(f"scale_type={self.scale_type!r}: expected 'fp32' (eager) or 'fp64' (Inductor)")
 
     @property
     def config(self) -> tuple[int, int, int, int]:
@@ -112,7 +117,8 @@ class Variant:
     def label(self) -> str:
         return (f"{self.kernel} {self.target} {self.dtype} D={self.head_dim} g={self.group} "
                 f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
-                + (f" score={self.score}" if self.score else ""))
+                + (f" score={self.score}" if self.score else "")
+                + (f" scales={self.scale_type}" if self.scale_type != "fp32" else ""))
 
 
 @dataclass(frozen=True)
@@ -207,7 +213,7 @@ def _signature(fn, v: Variant) -> tuple[dict, dict, dict]:
             sig[name] = "*" + v.dtype
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ("qk_scale", "scale"):
-            sig[name] = "fp32"
+            sig[name] = v.scale_type
         else:
             sig[name] = "i32"
             if name not in _NO_ALIGN:

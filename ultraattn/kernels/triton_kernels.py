@@ -137,6 +137,10 @@ def bsa_fwd_kernel(Q, K, V, OUT, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_ID
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
                    UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    SCORE: tl.constexpr = None):
+    # Inductor types a Python float argument fp64 (torch._inductor.codegen.triton_utils.signature_of); the
+    # online-softmax state is fp32, and a loop-carried value must keep its type: cast once, here.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     EVEN_D: tl.constexpr = D == BLOCK_D
     SUBS: tl.constexpr = KB // BLOCK_N
     bh, b, h, kh, u, i, r_in, offs_m, offs_d = _row_program(PAT, H, GROUP, QB, BLOCK_M, BLOCK_D)
@@ -231,6 +235,10 @@ def bsa_bwd_dq_kernel(Q, K, V, DO, LSE2, DD, DQ, PAT, FULL_CNT, FULL_IDX, PART_C
                       KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCORE: tl.constexpr = None,
                       SCORE_BWD: tl.constexpr = None):
+    # Inductor types a Python float argument fp64 (torch._inductor.codegen.triton_utils.signature_of); the
+    # online-softmax state is fp32, and a loop-carried value must keep its type: cast once, here.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     """dQ for BLOCK_M rows of one (b, h); strides: DO sd*, DQ sg*. LSE2, DD: the per-row terms (ops.bsa_bwd)."""
     EVEN_D: tl.constexpr = D == BLOCK_D
     SUBS: tl.constexpr = KB // BLOCK_N
@@ -316,6 +324,10 @@ def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE2, DD, DK, DV, PAT, FULL_Q_CNT, FULL_Q_ID
                        KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCORE: tl.constexpr = None,
                        SCORE_BWD: tl.constexpr = None):
+    # Inductor types a Python float argument fp64 (torch._inductor.codegen.triton_utils.signature_of); the
+    # online-softmax state is fp32, and a loop-carried value must keep its type: cast once, here.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     """dK, dV for BLOCK_N keys of one (b, kv head), summed over its GROUP query heads; strides: DK sgk*, DV sgv*."""
     EVEN_D: tl.constexpr = D == BLOCK_D
     SUBS: tl.constexpr = QB // BLOCK_M
