@@ -486,3 +486,38 @@ def test_mask_listing_main_prints(capsys):
     spec.main()
     out = capsys.readouterr().out
     assert "strided(block=2,stride=4,band=2,causal=False)" in out and "#" in out
+
+
+def test_eval_mask_retries_on_the_device_of_the_mask_tables(monkeypatch):
+    """A mask_mod whose tables live on another device than the indices (a document mask built for CUDA, evaluated
+    for a layout on CPU indices: the first GPU check's kernel-speed part) is evaluated there and brought back; any
+    other error is the user's and propagates. Only a CPU here: the other device is stood in for by a CPU whose
+    mask_mod refuses the first call with PyTorch's device-mismatch message."""
+    doc = generate_document([40, 24])
+    calls = []
+
+    def picky(b, h, q, kv):
+        calls.append(q.device)
+        if len(calls) == 1:
+            raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices")
+        return doc(b, h, q, kv)
+
+    idx = torch.arange(64)
+    b, h, q, kv = torch.tensor(0), torch.tensor(0), idx[:, None], idx[None, :]
+    monkeypatch.setattr(convert, "_other_device", lambda device: torch.device("cpu"))
+    got = convert.eval_mask(picky, b, h, q, kv)
+    assert torch.equal(got, doc(b, h, q, kv)) and len(calls) == 2
+
+    def broken(b, h, q, kv):
+        raise RuntimeError("index 99 is out of bounds")
+
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        convert.eval_mask(broken, b, h, q, kv)
+    def elsewhere(b, h, q, kv):
+        raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices")
+
+    with pytest.raises(RuntimeError, match="same device"):   # retried once on the other device, then raised
+        convert.eval_mask(elsewhere, b, h, q, kv)
+    monkeypatch.setattr(convert, "_other_device", lambda device: None)   # CPU only, no CUDA: nothing to retry on
+    with pytest.raises(RuntimeError, match="same device"):
+        convert.eval_mask(elsewhere, b, h, q, kv)

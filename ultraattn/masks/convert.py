@@ -91,13 +91,34 @@ def _kind_from_count(count: Tensor, area: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- mask evaluation
 def eval_mask(mask_mod: Callable, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-    """Evaluate a mask_mod on broadcastable index tensors: bool of their broadcast shape.
+    """Evaluate a mask_mod on broadcastable index tensors: bool of their broadcast shape, on their device.
 
     Most mask_mods are plain elementwise torch code and take broadcast tensors directly; the
     others (written for 0-d inputs, e.g. with ``torch.where`` on scalars or indexing that needs
     FlexAttention's ``vmap`` treatment) are evaluated with ``vmap`` over the flattened indices,
     as ``create_mask`` does.
+
+    A mask_mod whose tables live on another device than the indices (a document mask built for CUDA, as flex on a
+    GPU needs, evaluated on CPU indices; or the reverse) is evaluated there, and its result brought back.
     """
+    try:
+        return _eval_mask(mask_mod, b, h, q, kv)
+    except RuntimeError as exc:
+        other = _other_device(q.device)
+        if other is None or "device" not in str(exc):
+            raise
+        out = _eval_mask(mask_mod, *(x.to(other) for x in (b, h, q, kv)))
+        return out.to(q.device)
+
+
+def _other_device(device: torch.device) -> torch.device | None:
+    """Where else a mask_mod's tables may live: the current CUDA device for CPU indices, the CPU for others."""
+    if device.type != "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def _eval_mask(mask_mod: Callable, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
     shape = torch.broadcast_shapes(b.shape, h.shape, q.shape, kv.shape)
     try:
         out = mask_mod(b, h, q, kv)
