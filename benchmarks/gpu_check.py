@@ -58,9 +58,6 @@ def child(name: str, out: Path, dry_run: bool, seconds: float) -> int:
     """Run one part in this process (the runner starts one process per part)."""
     from gpucheck.common import Ctx, error_text
 
-    if dry_run:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ.setdefault("ULTRAATTN_KERNELS", "triton")
     mod = _part_module(name)
     ctx = Ctx(name=name, out=out, dry_run=dry_run, deadline=time.monotonic() + seconds)
     ctx.save(title=mod.TITLE, correctness=mod.CORRECTNESS)
@@ -93,6 +90,9 @@ def _start(name: str, out: Path, dry_run: bool, seconds: float) -> subprocess.Po
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if dry_run:
         cmd.append("--dry-run")
+        # set before the child starts: Triton reads TRITON_INTERPRET when a kernel is decorated, at import
+        env.setdefault("TRITON_INTERPRET", "1")
+        env.setdefault("ULTRAATTN_KERNELS", "triton")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_without_pulp(out), env.get("PYTHONPATH")) if p)
     log = open(out / f".{name}.log", "w")  # noqa: SIM115 - closed by _finish
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -44,7 +44,7 @@ def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
     cases = {(row["mask"], row["head_dim"], row["dtype"], row["heads"] // row["kv_heads"]) for row in kc["rows"]}
     assert {m for m, *_ in cases} >= {"causal", "document", "random", "block_select", "strided", "global_local"}
     assert {d for _, d, _, _ in cases} == {16, 24, 32} and {g for *_, g in cases} == {1, 4, 8}
-    assert {t for _, _, t, _ in cases} == {"bf16", "fp16"} and any(row["tune"] == "full" for row in kc["rows"])
+    assert {t for _, _, t, _ in cases} == {"bf16", "fp16", "fp32"} and any(row["tune"] == "full" for row in kc["rows"])
     assert all(row["seqlen"] % row["block"] for row in kc["rows"])  # every case has a tail
     assert kc["compiled"]["ok"] and kc["compiled"]["op_called_from_inductor_code"]
     assert kc["score_mod"]["ok"] and kc["score_mod"]["generated"] and not kc["score_mod"]["problems"]
@@ -58,6 +58,9 @@ def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
         assert row["ok"] and len(row["steps"]) == 2 and all(not s["problems"] for s in row["steps"]), row
         assert row["kernels_ran"]["bsa_fwd"] > 0 and row["kernels_ran"]["bsa_bwd"] > 0
         assert row["ultraattn_first_step_s"] > 0 and row["plain_step_s"] > 0 and row["step_vs_plain"] > 0
+        # the diagnoses a GPU run needs: where the first step's compile went, and plain compile against the policy
+        assert row["compile_times"] and all(v >= 0 for v in row["compile_times"].values()), row["compile_times"]
+        assert isinstance(row["plain_problems"], list)
     # 4: the speed rows, with the ratios the GPU run reports and a check against flex's output
     speed = json.loads((tmp_path / "kernels_cpu.json").read_text())
     assert len(speed["rows"]) == 5 and speed["device"].startswith("cpu")

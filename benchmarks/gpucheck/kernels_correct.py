@@ -4,8 +4,8 @@ Every case runs ``block_sparse_attention`` (the Triton kernels: compiled on a GP
 loss through out and LSE, and checks out, lse, dq, dk, dv against the fp64 dense oracle within twice the error of
 the same-precision dense reference (``ultraattn.testing.check_2x``). Cases: every registered library mask, random
 BlockMasks and per-head block selections (whose mask_mod is ``noop_mask``), head dims 64/80/128 in bf16 and fp16,
-GQA groups 1/4/8, a batch of two, all at a length that is not a multiple of the block (a tail). The breadth runs
-with ``ULTRAATTN_TUNE=first`` (one compile per key); a last group autotunes as a user's run does. Then
+GQA groups 1/4/8, a batch of two, fp32 at GQA 4, all at a length that is not a multiple of the block (a tail). The
+breadth runs with ``ULTRAATTN_TUNE=first`` (one compile per key); a last group autotunes as a user's run does. Then
 ``block_sparse_attention`` inside ``torch.compile``: the op reaches Inductor and the result still passes. Last, a
 score_mod generated into the kernels (``kernels/score_codegen.py``): a learned (head, distance) bias under tanh
 soft-capping on one causal tile row, its table's gradient included.
@@ -65,6 +65,9 @@ def cases(ctx: Ctx) -> list[dict]:
             for dt in ("bf16", "fp16") if (d, dt) != (d_small, "bf16")]
     out += [dict(base, mask=m, heads=8, kv_heads=kv, head_dim=d_big) for kv in (2, 1)
             for m in ("sliding_window", "block_select")]
+    # fp32 (ieee dots): the precision the example model trains in, whose dQ the first GPU check found outside the
+    # policy end to end (docs/gpu.md); judged here at the kernel alone, against a dense fp32 reference
+    out += [dict(base, mask=m, heads=8, kv_heads=2, dtype="fp32") for m in ("causal", "document")]
     out += [dict(base, mask=m, seqlen=ctx.pick(2000, 112), heads=8, kv_heads=2, head_dim=d_big, tune="full")
             for m in ("causal", "document")]
     return out
