@@ -6,7 +6,8 @@ a real GPU shows (kernels/aot.py: triton.compile for a named target, then ptxas 
 chosen to cover each axis once within about a minute on 2 cores with a cold Triton cache: every
 config of the head-dim-128 space in bf16 on both targets (the common case, the largest tiles),
 the padded-128 space (head dim 80) in fp16 at GQA group 8 on sm_90, the 256 space on sm_90, and the
-head-dim-128 score_mod spaces on sm_90 with both sample score_mods generated in (``aot.SCORES``).
+head-dim-128 score_mod spaces on sm_90 with both sample score_mods generated in (``aot.SCORES``), and the
+fp32 head-dim-64 space on sm_90 (the example model's).
 ``python benchmarks/kernels_ptx.py`` builds the whole matrix (every head dim, dtype, group, both
 targets) and writes the table (benchmarks/results/kernels_ptx.json).
 """
@@ -31,7 +32,8 @@ def builds() -> list[aot.Build]:
     vs = (aot.variants(targets=("sm90", "sm80"), dtypes=("bf16",), head_dims=(128,))
           + aot.variants(targets=("sm90",), dtypes=("fp16",), head_dims=(80,), groups=(8,))
           + aot.variants(targets=("sm90",), dtypes=("bf16",), head_dims=(256,))
-          + aot.variants(targets=("sm90",), dtypes=("bf16",), head_dims=(128,), scores=tuple(aot.SCORES)))
+          + aot.variants(targets=("sm90",), dtypes=("bf16",), head_dims=(128,), scores=tuple(aot.SCORES))
+          + aot.variants(targets=("sm90",), dtypes=("fp32",), head_dims=(64,)))
     return aot.sweep(vs, jobs=2)
 
 
@@ -45,7 +47,8 @@ def test_every_autotune_config_builds_without_spills_within_shared_memory(builds
              b.variant.score) for b in builds}
     assert seen == ({(k, t, "d128", "") for k in aot.KERNELS for t in ("sm90", "sm80")}
                     | {(k, "sm90", rows, "") for k in aot.KERNELS for rows in ("d128p", "d256")}
-                    | {(k, "sm90", "d128", sc) for k in aot.KERNELS for sc in aot.SCORES})
+                    | {(k, "sm90", "d128", sc) for k in aot.KERNELS for sc in aot.SCORES}
+                    | {(k, "sm90", "f64", "") for k in aot.KERNELS})
     # every entry of those spaces (for 128 x 128 blocks) is among the builds
     for kernel, _, rows, sc in seen:
         built = {b.variant.config for b in builds if b.variant.kernel == kernel and b.variant.score == sc
@@ -63,9 +66,10 @@ def test_every_autotune_config_builds_without_spills_within_shared_memory(builds
 
 def test_hopper_builds_use_warp_group_mma(builds):
     """On sm_90 a program that owns 64 or more rows runs its dots as wgmma (Hopper's warp-group MMA,
-    what its tensor-core throughput needs); below 64 Triton falls back to mma.sync, on sm_80 always."""
+    what its tensor-core throughput needs); below 64 Triton falls back to mma.sync, on sm_80 always. fp32's
+    dots are exact (``input_precision="ieee"``): no tensor cores at all."""
     for b in builds:
-        want = b.variant.target == "sm90" and _owned(b.variant) >= 64
+        want = b.variant.target == "sm90" and _owned(b.variant) >= 64 and b.variant.dtype != "fp32"  # (ieee: FMAs)
         assert b.wgmma == want, b.variant
 
 
@@ -97,7 +101,8 @@ def test_the_autotuner_launches_exactly_the_checked_spaces():
         assert all(int(qb) % m == 0 and int(kb) % n == 0 for m, n, *_ in want), key
     assert [config.row_class(d, "bf16") for d in (16, 32, 48, 64, 80, 96, 128, 144, 256)] == [
         "d32", "d32", "d64", "d64", "d128p", "d128p", "d128", "d256", "d256"]
-    assert [config.row_class(d, "fp32") for d in (16, 32, 64, 128, 256)] == ["d32", "d64", "d128", "d256", "d256"]
+    assert [config.row_class(d, "fp32") for d in (16, 32, 48, 64, 80, 128, 200, 256, 512)] == [
+        "f32", "f32", "f64", "f64", "f128", "f128", "f256", "f256", "f256"]
     assert config.row_class(96, "fp16") == "d128p"
 
 

@@ -57,6 +57,28 @@ _SPACES: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
     ("dkv", "d128p"): _DKV_128,
     ("dkv", "d256"): [(64, 32, 8, 2), (64, 32, 8, 1), (32, 32, 8, 2), (64, 16, 8, 1)],
 }
+# fp32 (ieee dots, no tensor cores) has spaces of its own, named by the padded head dim ("f32" ... "f256"): every
+# entry of the bf16 spaces spilled in fp32 at head dim 64 on sm_90 (up to 50 KB per thread), and the first GPU
+# run (2026-11-26) compiled the example model, fp32 at head dim 64, for 175 s. These entries are what a sweep of
+# 464 fp32 builds (Triton 3.9, tiles 16-128, 4/8 warps) found clean on sm_90 and sm_80 at head dims 32, 64, 128
+# and 256, dK/dV at GQA groups 1 and 8. Two exceptions: nothing clean at head dim 128 for dK/dV on both targets
+# (these are clean on sm_90 and spill at most 12 B on sm_80 at one group), and at 256 only 16 x 32 tiles were
+# clean. The padded head dims inside a class (48, 80, 96, ...) were not swept.
+_FP32_SPACES: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
+    ("fwd", "f32"): [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2), (32, 64, 8, 2)],
+    ("fwd", "f64"): [(32, 64, 8, 2), (32, 32, 4, 2), (32, 32, 4, 3), (16, 64, 4, 2)],
+    ("fwd", "f128"): [(32, 32, 4, 3), (32, 16, 4, 2), (16, 32, 8, 2)],
+    ("fwd", "f256"): [(16, 32, 8, 2)],
+    ("dq", "f32"): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2)],
+    ("dq", "f64"): [(64, 32, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2), (32, 32, 4, 2)],
+    ("dq", "f128"): [(32, 32, 8, 2), (32, 32, 4, 3), (16, 32, 4, 2), (32, 16, 4, 2)],
+    ("dq", "f256"): [(16, 32, 8, 2)],
+    ("dkv", "f32"): [(64, 32, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2), (32, 32, 4, 3)],
+    ("dkv", "f64"): [(16, 64, 8, 2), (16, 32, 4, 2), (32, 16, 4, 2)],
+    ("dkv", "f128"): [(16, 32, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)],
+    ("dkv", "f256"): [(16, 32, 8, 2)],
+}
+_SPACES.update(_FP32_SPACES)
 # With a score_mod generated into the kernels (kernels/score_codegen.py), a kernel holds the raw score tile
 # alongside the softmax's, plus whatever the score_mod computes and loads per score; dQ also adds a learned
 # table's gradient atomically. The same tiles then spill: these spaces are the entries of the spaces above,
@@ -87,18 +109,19 @@ ROW_CLASSES = tuple(dict.fromkeys(rows for _, rows in _SPACES))
 
 
 def row_class(head_dim: int, dtype: str) -> str:
-    """Which space a (head dim, dtype) uses: the padded row width in bf16/fp16 elements (an fp32 row
-    counts double: its tiles take the registers and shared memory of a row twice as wide), 'p' for
-    a head dim padded inside the 128 class (65-127). Rows wider than 256 use the 256 space:
-    ``benchmarks/kernels_ptx.py`` reports what that costs (fp32 at head dim 256 spills)."""
+    """Which space a (head dim, dtype) uses: the padded row width in bf16/fp16 elements, 'p' for a head dim
+    padded inside the 128 class (65-127); fp32 has spaces of its own by padded head dim ('f32', 'f64', 'f128',
+    'f256'). Rows wider than 256 use the 256 space: ``benchmarks/kernels_ptx.py`` reports what that costs."""
     pad = max(16, 1 << (head_dim - 1).bit_length())
-    width = pad * (2 if dtype == "fp32" else 1)
+    if dtype == "fp32":
+        return f"f{min(max(pad, 32), 256)}"
+    width = pad
     if width <= 32:
         return "d32"
     if width <= 64:
         return "d64"
     if width <= 128:
-        return "d128" if dtype == "fp32" or head_dim == pad else "d128p"
+        return "d128" if head_dim == pad else "d128p"
     return "d256"
 
 
@@ -106,7 +129,8 @@ def tile_configs(kernel: str, qb: int, kb: int, rows: str, score: bool = False) 
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner may launch for ``kernel`` ('fwd', 'dq',
     'dkv') and row class ``rows`` (:func:`row_class`), with a score_mod when ``score``: the configs whose
     tiles divide the pattern blocks qb x kb, or one 32 x 32 tile (at most) where none does."""
-    space = (_SCORE_SPACES if score else _SPACES)[(kernel, rows)]
+    # (fp32 with a score_mod: the fp32 spaces, not swept with a score_mod generated in)
+    space = _SCORE_SPACES.get((kernel, rows), _SPACES[(kernel, rows)]) if score else _SPACES[(kernel, rows)]
     ok = [c for c in space if qb % c[0] == 0 and kb % c[1] == 0]
     return ok or [(min(qb, 32), min(kb, 32), 4, 2)]
 
