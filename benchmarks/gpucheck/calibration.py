@@ -9,8 +9,6 @@ comes from H100 datasheet figures. The dry run uses the calibration's quick grid
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import tempfile
 from pathlib import Path
@@ -30,10 +28,7 @@ def run(ctx: Ctx) -> None:
         path = Path(tmp) / "profile.json"
         argv = ["calibrate", "--device", ctx.device.type, "--out", str(path),
                 "--timeout", f"{max(30.0, ctx.time_left()):.0f}"] + (["--quick"] if ctx.dry_run else [])
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            rc = cli.main(argv)
-        print(buf.getvalue()[-3000:], flush=True)
+        rc = cli.main(argv)   # its progress goes to the part's log as it comes (kept there if the deadline stops it)
         if rc != 0 or not path.exists():
             ctx.fail(f"`ultraattn {' '.join(argv)}` exited with {rc} and no profile")
             return

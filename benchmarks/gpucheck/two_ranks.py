@@ -60,10 +60,12 @@ def worker(rank: int, world: int, cfg: dict, compiler: str, cuda: bool) -> dict:
         run = torch.compile(model, backend="ultraattn", options={"compiler": compiler, "report": "off"})
         mask = document_masks(lengths, device)[0] if kind != "causal" else None
         sync(device)
+        print(f"[two_ranks] rank {rank}: {kind}: compiling and running the first step", flush=True)
         t0 = time.perf_counter()
         loss = run(tokens, mask)
         loss.backward()
         sync(device)
+        print(f"[two_ranks] rank {rank}: {kind}: first step {time.perf_counter() - t0:.1f} s", flush=True)
         codes = [g.code for g in side_table().aot_graphs]
         out[kind] = {"loss": loss.detach().double().cpu(), "grads": grads_of(run),
                      "first_step_s": time.perf_counter() - t0,
