@@ -492,13 +492,13 @@ def test_eval_mask_retries_on_the_device_of_the_mask_tables(monkeypatch):
     """A mask_mod whose tables live on another device than the indices (a document mask built for CUDA, evaluated
     for a layout on CPU indices: the first GPU check's kernel-speed part) is evaluated there and brought back; any
     other error is the user's and propagates. Only a CPU here: the other device is stood in for by a CPU whose
-    mask_mod refuses the first call with PyTorch's device-mismatch message."""
+    mask_mod refuses both first calls (broadcast, then vmap) with PyTorch's device-mismatch message."""
     doc = generate_document([40, 24])
     calls = []
 
     def picky(b, h, q, kv):
         calls.append(q.device)
-        if len(calls) == 1:
+        if len(calls) <= 2:   # the first evaluation, both ways: only the retry elsewhere succeeds
             raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices")
         return doc(b, h, q, kv)
 
@@ -506,13 +506,14 @@ def test_eval_mask_retries_on_the_device_of_the_mask_tables(monkeypatch):
     b, h, q, kv = torch.tensor(0), torch.tensor(0), idx[:, None], idx[None, :]
     monkeypatch.setattr(convert, "_other_device", lambda device: torch.device("cpu"))
     got = convert.eval_mask(picky, b, h, q, kv)
-    assert torch.equal(got, doc(b, h, q, kv)) and len(calls) == 2
+    assert torch.equal(got, doc(b, h, q, kv)) and len(calls) == 3
 
     def broken(b, h, q, kv):
         raise RuntimeError("index 99 is out of bounds")
 
     with pytest.raises(RuntimeError, match="out of bounds"):
         convert.eval_mask(broken, b, h, q, kv)
+
     def elsewhere(b, h, q, kv):
         raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices")
 

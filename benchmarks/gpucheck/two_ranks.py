@@ -65,10 +65,11 @@ def worker(rank: int, world: int, cfg: dict, compiler: str, cuda: bool) -> dict:
         loss = run(tokens, mask)
         loss.backward()
         sync(device)
-        print(f"[two_ranks] rank {rank}: {kind}: first step {time.perf_counter() - t0:.1f} s", flush=True)
+        first = time.perf_counter() - t0
+        print(f"[two_ranks] rank {rank}: {kind}: first step {first:.1f} s", flush=True)
         codes = [g.code for g in side_table().aot_graphs]
         out[kind] = {"loss": loss.detach().double().cpu(), "grads": grads_of(run),
-                     "first_step_s": time.perf_counter() - t0,
+                     "first_step_s": first,
                      "ops": {op: n for op in sorted(TILE_OPS | {"cp_start", "site_attention_local"})
                              if (n := sum(c.count(f"ultraattn.{op}.") for c in codes))},
                      "sharded_ops": int(side_table().counters["sharded_ops"])}

@@ -115,12 +115,11 @@ def row_class(head_dim: int, dtype: str) -> str:
     pad = max(16, 1 << (head_dim - 1).bit_length())
     if dtype == "fp32":
         return f"f{min(max(pad, 32), 256)}"
-    width = pad
-    if width <= 32:
+    if pad <= 32:
         return "d32"
-    if width <= 64:
+    if pad <= 64:
         return "d64"
-    if width <= 128:
+    if pad <= 128:
         return "d128" if head_dim == pad else "d128p"
     return "d256"
 
@@ -129,8 +128,9 @@ def tile_configs(kernel: str, qb: int, kb: int, rows: str, score: bool = False) 
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner may launch for ``kernel`` ('fwd', 'dq',
     'dkv') and row class ``rows`` (:func:`row_class`), with a score_mod when ``score``: the configs whose
     tiles divide the pattern blocks qb x kb, or one 32 x 32 tile (at most) where none does."""
-    # (fp32 with a score_mod: the fp32 spaces, not swept with a score_mod generated in)
-    space = _SCORE_SPACES.get((kernel, rows), _SPACES[(kernel, rows)]) if score else _SPACES[(kernel, rows)]
+    space = _SPACES[(kernel, rows)]
+    if score:   # (fp32 has no score_mod spaces: its own, not swept with a score_mod generated in)
+        space = _SCORE_SPACES.get((kernel, rows), space)
     ok = [c for c in space if qb % c[0] == 0 and kb % c[1] == 0]
     return ok or [(min(qb, 32), min(kb, 32), 4, 2)]
 

@@ -38,6 +38,14 @@ _NO_SPEC = ["q_len", "kv_len", "NQ", "NK", "q0", "h0", "s_last"]
 
 
 @triton.jit
+def _fp32_scales(qk_scale, scale):
+    """Both softmax scales as fp32. Inductor types a Python float argument fp64 on CUDA
+    (``torch._inductor.codegen.triton_utils.signature_of``); the online-softmax state is fp32, and a loop-carried
+    value must keep its type, so every kernel casts them once, at entry."""
+    return tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
+
+
+@triton.jit
 def _load_bits(BITS, tile, r_in, c_in, QB: tl.constexpr, KB: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """Mask bits [BLOCK_M, BLOCK_N] of bit tile ``tile`` at rows ``r_in``.., columns ``c_in``.. of the block.
@@ -137,10 +145,7 @@ def bsa_fwd_kernel(Q, K, V, OUT, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_ID
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
                    UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    SCORE: tl.constexpr = None):
-    # Inductor types a Python float argument fp64 (torch._inductor.codegen.triton_utils.signature_of); the
-    # online-softmax state is fp32, and a loop-carried value must keep its type: cast once, here.
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    scale = tl.cast(scale, tl.float32)
+    qk_scale, scale = _fp32_scales(qk_scale, scale)
     EVEN_D: tl.constexpr = D == BLOCK_D
     SUBS: tl.constexpr = KB // BLOCK_N
     bh, b, h, kh, u, i, r_in, offs_m, offs_d = _row_program(PAT, H, GROUP, QB, BLOCK_M, BLOCK_D)
@@ -235,11 +240,8 @@ def bsa_bwd_dq_kernel(Q, K, V, DO, LSE2, DD, DQ, PAT, FULL_CNT, FULL_IDX, PART_C
                       KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCORE: tl.constexpr = None,
                       SCORE_BWD: tl.constexpr = None):
-    # Inductor types a Python float argument fp64 (torch._inductor.codegen.triton_utils.signature_of); the
-    # online-softmax state is fp32, and a loop-carried value must keep its type: cast once, here.
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    scale = tl.cast(scale, tl.float32)
     """dQ for BLOCK_M rows of one (b, h); strides: DO sd*, DQ sg*. LSE2, DD: the per-row terms (ops.bsa_bwd)."""
+    qk_scale, scale = _fp32_scales(qk_scale, scale)
     EVEN_D: tl.constexpr = D == BLOCK_D
     SUBS: tl.constexpr = KB // BLOCK_N
     bh, b, h, kh, u, i, r_in, offs_m, offs_d = _row_program(PAT, H, GROUP, QB, BLOCK_M, BLOCK_D)
@@ -324,11 +326,8 @@ def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE2, DD, DK, DV, PAT, FULL_Q_CNT, FULL_Q_ID
                        KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCORE: tl.constexpr = None,
                        SCORE_BWD: tl.constexpr = None):
-    # Inductor types a Python float argument fp64 (torch._inductor.codegen.triton_utils.signature_of); the
-    # online-softmax state is fp32, and a loop-carried value must keep its type: cast once, here.
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    scale = tl.cast(scale, tl.float32)
     """dK, dV for BLOCK_N keys of one (b, kv head), summed over its GROUP query heads; strides: DK sgk*, DV sgv*."""
+    qk_scale, scale = _fp32_scales(qk_scale, scale)
     EVEN_D: tl.constexpr = D == BLOCK_D
     SUBS: tl.constexpr = QB // BLOCK_M
     pid_n = tl.program_id(0)
