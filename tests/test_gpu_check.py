@@ -52,15 +52,20 @@ def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
     tr = _load(tmp_path, "two_ranks")
     assert len(tr["rows"]) == 6 and all(row["ok"] and row["transport"] == "StagedTransport" for row in tr["rows"])
     assert {row["kind"] for row in tr["rows"]} == {"causal", "document", "softcap"}
+    assert all(row["plain_error"] is None and row["problems_vs_eager"] == [] for row in tr["rows"])
     # 3: world 1, both attention kinds exact at the first and last step; the kernel ops ran
     e2e = _load(tmp_path, "backend_e2e")
     for row in e2e["rows"]:
         assert row["ok"] and len(row["steps"]) == 2 and all(not s["problems"] for s in row["steps"]), row
         assert row["kernels_ran"]["bsa_fwd"] > 0 and row["kernels_ran"]["bsa_bwd"] > 0
         assert row["ultraattn_first_step_s"] > 0 and row["plain_step_s"] > 0 and row["step_vs_plain"] > 0
-        # the diagnoses a GPU run needs: where the first step's compile went, and plain compile against the policy
+        # the diagnoses a GPU run needs: where the first step's compile went, both compiled steps against eager's
+        # error alone (aot_eager on CPU moves nothing), and Inductor's rotary tables against eager's
         assert row["compile_times"] and all(v >= 0 for v in row["compile_times"].values()), row["compile_times"]
-        assert isinstance(row["plain_problems"], list)
+        assert row["problems_vs_eager"] == [] and row["plain_problems_vs_eager"] == []
+        sampled = row["first_step_sampled_s"]
+        assert max(sampled["inclusive"].values()) >= max(sampled["leaf"].values()) > 0, sampled
+    assert e2e["rope_tables_compiled_vs_eager"] == {"cos": 0.0, "sin": 0.0}
     # 4: the speed rows, with the ratios the GPU run reports and a check against flex's output
     speed = json.loads((tmp_path / "kernels_cpu.json").read_text())
     assert len(speed["rows"]) == 5 and speed["device"].startswith("cpu")

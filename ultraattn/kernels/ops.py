@@ -127,11 +127,13 @@ class ScoreArgs:
 
 
 def _score_launch(score: ScoreArgs | None, dummy: Tensor) -> tuple[list[Tensor], tuple[int, int, int], dict]:
-    """(KV_POS and P0..P3, (q0, h0, s_last), constexprs) of a launch; dummies without a score_mod."""
+    """(KV_POS and P0..P3, (q0, h0, s_last), constexprs) of a launch; dummies and ``SCORE=None`` without a
+    score_mod. The constexpr is passed even then: Inductor (torch 2.11, Triton 3.6) leaves a constexpr that a
+    launch omits out of the kernel's constants, and its launcher then wants one argument more than it is given."""
     from ultraattn.kernels.score_codegen import MAX_BUFFERS
 
     if score is None:
-        return [dummy] * (1 + MAX_BUFFERS), (0, 0, 0), {}
+        return [dummy] * (1 + MAX_BUFFERS), (0, 0, 0), {"SCORE": None}
     return [score.kv_pos, *score.pointers()], score.scalars(), {"SCORE": score.kernels.fwd}
 
 
@@ -225,8 +227,7 @@ def _bwd_launch(q, k, v, do, lse, delta, dlse, lay, q_block: int, kv_block: int,
     grads = [torch.zeros(1, dtype=torch.float32, device=q.device)] * MAX_BUFFERS
     for n, g in zip(wanted, dbufs):
         grads[n] = g
-    if score is not None:
-        extra["SCORE_BWD"] = score.kernels.bwd
+    extra["SCORE_BWD"] = score.kernels.bwd if score is not None else None
     rows, cols = nq * q_block, nk * kv_block
     wrap(tk.tuned("dq", q_block, kv_block, space, score is not None))[lambda meta: (rows // meta["BLOCK_M"], B * H)](
         q, k, v, do, lse2, dd, dq, pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits, *ptrs, *grads,

@@ -144,7 +144,7 @@ def bsa_fwd_kernel(Q, K, V, OUT, LSE, PAT, FULL_CNT, FULL_IDX, PART_CNT, PART_ID
                    H, q_len, kv_len, NQ, NK, qk_scale, scale, q0, h0, s_last,
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
                    UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SCORE: tl.constexpr = None):
+                   SCORE: tl.constexpr):
     qk_scale, scale = _fp32_scales(qk_scale, scale)
     EVEN_D: tl.constexpr = D == BLOCK_D
     SUBS: tl.constexpr = KB // BLOCK_N
@@ -238,8 +238,8 @@ def bsa_bwd_dq_kernel(Q, K, V, DO, LSE2, DD, DQ, PAT, FULL_CNT, FULL_IDX, PART_C
                       sgb, sgh, sgm, sgd, H, q_len, kv_len, NQ, NK, qk_scale, scale, q0, h0, s_last,
                       GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr,
                       KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCORE: tl.constexpr = None,
-                      SCORE_BWD: tl.constexpr = None):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCORE: tl.constexpr,
+                      SCORE_BWD: tl.constexpr):
     """dQ for BLOCK_M rows of one (b, h); strides: DO sd*, DQ sg*. LSE2, DD: the per-row terms (ops.bsa_bwd)."""
     qk_scale, scale = _fp32_scales(qk_scale, scale)
     EVEN_D: tl.constexpr = D == BLOCK_D
@@ -324,8 +324,8 @@ def bsa_bwd_dkv_kernel(Q, K, V, DO, LSE2, DD, DK, DV, PAT, FULL_Q_CNT, FULL_Q_ID
                        q0, h0, s_last,
                        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, QB: tl.constexpr,
                        KB: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCORE: tl.constexpr = None,
-                       SCORE_BWD: tl.constexpr = None):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCORE: tl.constexpr,
+                       SCORE_BWD: tl.constexpr):
     """dK, dV for BLOCK_N keys of one (b, kv head), summed over its GROUP query heads; strides: DK sgk*, DV sgv*."""
     qk_scale, scale = _fp32_scales(qk_scale, scale)
     EVEN_D: tl.constexpr = D == BLOCK_D
