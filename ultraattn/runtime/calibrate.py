@@ -34,6 +34,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -393,9 +394,18 @@ def machine_info(device: torch.device, mesh: Mesh) -> dict:
 
 
 def _progress(enabled: bool, total: int):
-    """A rich progress bar (rank 0 only), or nothing."""
+    """A rich progress bar (rank 0 only) on a terminal; elsewhere (a log, a pipe, where rich draws nothing until the
+    end) one line per measurement on stderr; or nothing."""
     if not enabled:
         return nullcontext(lambda: None)
+    if not sys.stderr.isatty():
+        t0, done = time.perf_counter(), [0]
+
+        def line() -> None:
+            done[0] += 1
+            print(f"ultraattn calibrate: {done[0]}/{total} measured, {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
+        return nullcontext(line)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     class _Bar:
