@@ -33,6 +33,7 @@ from ultraattn.planner.profile import (
     scale_kernels,
 )
 from ultraattn.planner.schedule import Graph, SharedCompute, Task, simulate
+from ultraattn.runtime.calibrate import calibrate
 from ultraattn.testing import run_ranks
 
 #: a machine unlike the H100 defaults in every field (the fits must find it, not the defaults)
@@ -298,15 +299,11 @@ def test_calibrate_on_two_ranks(tmp_path):
     assert two.cost.intra_bw_GBps == two.cost.inter_bw_GBps and "no intra-node pair" in " ".join(two.notes)
 
 
-def test_cli_calibrate_then_plan_with_the_profile(tmp_path, capfd):
+def test_cli_calibrate_then_plan_with_the_profile(tmp_path, capsys):
     out = tmp_path / "prof.json"
     assert cli_main(["calibrate", "--quick", "--out", str(out)]) == 0
-    printed = capfd.readouterr()
-    assert "fwd_tflops" in printed.out and str(out) in printed.out
-    # not a terminal: one progress line per measurement on stderr, as they come, up to all of them
-    lines = [ln for ln in printed.err.splitlines() if ln.startswith("ultraattn calibrate: ")]
-    counts = [tuple(map(int, ln.split()[2].split("/"))) for ln in lines]
-    assert counts and [c[0] for c in counts] == list(range(1, len(counts) + 1)) and counts[-1][0] == counts[-1][1]
+    printed = capsys.readouterr().out
+    assert "fwd_tflops" in printed and str(out) in printed
     prof = CostProfile.load(out)
     assert prof.machine["world"] == 1 and prof.samples["message"] == []
     assert prof.notes == ("messages not measured (one rank): message fields are the base model's",
@@ -319,11 +316,20 @@ def test_cli_calibrate_then_plan_with_the_profile(tmp_path, capfd):
     with_profile = json.loads(js.read_text())["methods"]["ring"]["fwd_ms"]
     assert cli_main(args) == 0
     assert json.loads(js.read_text())["methods"]["ring"]["fwd_ms"] != pytest.approx(with_profile)
-    capfd.readouterr()
+    capsys.readouterr()
     assert cli_main([*args, "--cost-profile", str(tmp_path / "nope.json")]) == 2
-    assert "--cost-profile: cost profile" in capfd.readouterr().err
+    assert "--cost-profile: cost profile" in capsys.readouterr().err
     assert cli_main(["calibrate", "--nproc", "0"]) == 2
-    assert "--nproc must be >= 1, got 0" in capfd.readouterr().err
+    assert "--nproc must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_progress_outside_a_terminal_is_a_line_per_measurement(capsys):
+    """Where stderr is not a terminal (a log, a pipe, pytest's capture), rich would draw nothing until the end: the
+    calibration prints one line per measurement instead, as they come, up to all of them."""
+    calibrate(None, quick=True, progress=True, timeout=60)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("ultraattn calibrate: ")]
+    counts = [tuple(map(int, ln.split()[2].split("/"))) for ln in lines]
+    assert counts and [c[0] for c in counts] == list(range(1, len(counts) + 1)) and counts[-1][0] == counts[-1][1]
 
 
 def test_backend_options_take_a_profile(tmp_path, monkeypatch):

@@ -133,7 +133,8 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), timeout: float = 18
               threads: int = 1, env: dict[str, str] | None = None, may_exit: frozenset[int] = frozenset()) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks in processes of their own (forked from a server that
     has imported torch, ``_context``), each with this process's environment plus ``env``; returns the results in
-    rank order.
+    rank order. The ranks print to the stdout and stderr the fork server started with (the first call's): a
+    later redirection of this process's file descriptors, e.g. pytest's ``capfd``, does not reach them.
 
     ``world=0`` runs one process without a process group (rank 0, "world" argument 0). Ranks in
     ``may_exit`` may die without a result (tests of failure handling): their result is None.
