@@ -33,3 +33,13 @@ def test_the_compiled_reference_widens_the_bound_only_where_it_is_further_from_f
     # the loss: eager and compiled both exact, so the loss keeps the floor alone
     bad = check_step(_step(1.0 + 1e-3, [1.0, -2.0]), REF64, ref32, compiled=compiled)
     assert len(bad) == 1 and bad[0].startswith("loss: err")
+
+
+def test_ranks_are_spawned_where_cuda_is_available(monkeypatch):
+    # the fork server's imports initialise CUDA on a GPU machine, and a process forked after that cannot use it
+    from ultraattn import testing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert testing._context().get_start_method() == "spawn"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert testing._context().get_start_method() == "forkserver"

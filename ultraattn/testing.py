@@ -2,7 +2,7 @@
 
     results = run_ranks(worker, world=4, args=(case,), timeout=120)
 
-``worker(rank, world, *args)`` runs in a fresh spawned process with the default process
+``worker(rank, world, *args)`` runs in a fresh process with the default process
 group initialised (gloo, a free port, ``pg_timeout`` seconds on every collective); its return
 value comes back (via ``torch.save`` bytes, so tensors survive). An exception in any rank is
 re-raised in the caller with that rank's traceback; a rank that hangs or dies is killed at
@@ -98,8 +98,12 @@ rank here). Nothing in it reads the environment when imported that a test change
 
 
 def _context():
-    """Ranks fork from a server that has imported ``_PRELOAD`` where the platform has one; else they are spawned."""
-    if "forkserver" not in mp.get_all_start_methods():
+    """Ranks fork from a server that has imported ``_PRELOAD`` where the platform has one and there is no CUDA device;
+    else they are spawned. On a CUDA machine something ``_PRELOAD`` imports asks for the device count, which marks
+    every later fork of the server as unable to use CUDA ("Cannot re-initialize CUDA in forked subprocess", seen on
+    an H200 with torch 2.11, though ``torch.cuda.is_initialized()`` stays False there). Asking here marks this
+    process the same way, which does not matter: its ranks are spawned."""
+    if "forkserver" not in mp.get_all_start_methods() or torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
@@ -132,9 +136,10 @@ def _entry(fn: Callable, rank: int, world: int, port: int, pg_timeout: float, th
 def run_ranks(fn: Callable, world: int, *, args: tuple = (), timeout: float = 180.0, pg_timeout: float = 60.0,
               threads: int = 1, env: dict[str, str] | None = None, may_exit: frozenset[int] = frozenset()) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks in processes of their own (forked from a server that
-    has imported torch, ``_context``), each with this process's environment plus ``env``; returns the results in
-    rank order. The ranks print to the stdout and stderr the fork server started with (the first call's): a
-    later redirection of this process's file descriptors, e.g. pytest's ``capfd``, does not reach them.
+    has imported torch, or spawned on a CUDA machine: ``_context``), each with this process's environment plus
+    ``env``; returns the results in rank order. Forked ranks print to the stdout and stderr the fork server started
+    with (the first call's): a later redirection of this process's file descriptors, e.g. pytest's ``capfd``, does
+    not reach them.
 
     ``world=0`` runs one process without a process group (rank 0, "world" argument 0). Ranks in
     ``may_exit`` may die without a result (tests of failure handling): their result is None.
