@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -147,14 +149,79 @@ def oracle(spec: dict) -> tuple[dict, dict]:
     return out[0], out[1]
 
 
+_FACTORIES = ("aten.full", "aten.zeros", "aten.empty", "aten.scalar_tensor", "aten.arange", "prims.iota",
+              "aten.lift_fresh_copy", "aten._to_copy")
+
+
+@contextlib.contextmanager
+def host_scalars_spliced(found: list[str]):
+    """Appends to ``found`` each int64 scalar that the expansion splices into an AOT graph as an aten/prims factory
+    (a token or ticket made by ``torch.zeros`` or ``torch.tensor``). Such a value lives on the host: in a CUDA graph
+    Inductor would build a C++ kernel for it, at a compiler run's cost on the first step. Tokens come from ops."""
+    from ultraattn.passes import backend
+
+    orig = backend.expand_graph
+
+    def recording(rec, g, *args, **kwargs):
+        before = set(g.graph.nodes)
+        out = orig(rec, g, *args, **kwargs)
+        for n in g.graph.nodes:
+            val = n.meta.get("val")
+            if (n not in before and n.op == "call_function" and str(n.target).startswith(_FACTORIES)
+                    and isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype == torch.int64):
+                found.append(f"{out.kind}: {n.format_node()}")
+        return out
+
+    backend.expand_graph = recording
+    try:
+        yield found
+    finally:
+        backend.expand_graph = orig
+
+
+def comm_chain_breaks(code: str) -> list[str]:
+    """The ops of the communication chain in a graph's code (``code`` as FX prints it: ops taking a token or an
+    ``after`` argument, and waits) whose token or ``after`` is not the previous chained op's output: every rank must
+    post them in one order (``explicit/order.py``)."""
+    import re
+
+    from ultraattn.passes.opinfo import AFTER_OPS, TOKEN_OPS, WAIT_OPS
+
+    prev: set[str] = set()
+    breaks = []
+    for line in code.splitlines():
+        m = re.match(r"\s*(\w+) = (\w+)\[0\]", line)
+        if m and m.group(2) in prev:
+            prev.add(m.group(1))
+            continue
+        m = re.match(r"\s*(\w+) = torch\.ops\.ultraattn\.(\w+)\.default\((.*)\)", line)
+        if not m or m.group(2) not in AFTER_OPS | TOKEN_OPS | WAIT_OPS:
+            continue
+        name, op, args = m.groups()
+        if op in TOKEN_OPS:
+            tok = args.split(",")[0].strip()
+        elif op in AFTER_OPS:
+            after = re.search(r"after = (\w+)", args)
+            tok = after[1] if after else "no after argument"
+        else:
+            tok = None
+        if prev and tok is not None and tok not in prev:
+            breaks.append(f"{name} ({op}) takes {tok}, not the previous chained op's output {sorted(prev)}")
+        prev = {name}
+    return breaks
+
+
 def compiled_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
-    """Compile the spec's model with the ultraattn backend on this rank and take one step."""
+    """Compile the spec's model with the ultraattn backend on this rank and take one step (``host_scalars``: what
+    ``host_scalars_spliced`` found)."""
     from torch._dynamo.utils import counters
 
     tokens, bm, _ = inputs(spec)
     model = build(spec)
     cm = torch.compile(model, backend="ultraattn", options=dict(options), fullgraph=spec.get("fullgraph", False))
-    res = step(cm, tokens, bm)
+    with host_scalars_spliced([]) as host:
+        res = step(cm, tokens, bm)
+    res["host_scalars"] = host
     res["rewritten"] = counters["ultraattn"]["rewritten"]
     res["graphs"] = counters["ultraattn"]["graphs"]
     from ultraattn.passes import side_table

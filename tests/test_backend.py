@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from backend_models import Tiny, build, compiled_worker, inputs, make_masks, oracle, step
+from backend_models import Tiny, build, comm_chain_breaks, compiled_worker, inputs, make_masks, oracle, step
 from numerics import check_step, fresh_dynamo  # noqa: F401 - fresh_dynamo: an autouse fixture
 from torch._dynamo.utils import counters
 
@@ -148,6 +148,7 @@ def test_world1_compiled_matches_eager(name):
     got = compiled_worker(0, 1, spec, FAST)
     assert got["rewritten"] == spec.get("layers", 2)
     assert not check_against_oracle(spec, got)
+    assert got["host_scalars"] == []   # tokens and tickets come from ops (backend_models.host_scalars_spliced)
 
 
 def test_world1_checkpointing_fullgraph():
@@ -185,6 +186,7 @@ def test_ranks_match_single_device(world, name):
         assert got["planners"] == (["exchange"] if spec["attn"] == "flex" else ["ilp"]), (r, got["planners"])
         problems = check_against_oracle(spec, got)
         assert not problems, f"rank {r}: {problems}"
+        assert got["host_scalars"] == [], (r, got["host_scalars"])
 
 
 @pytest.mark.parametrize("shard", [True, False])
@@ -348,12 +350,14 @@ def test_explicit_graphs_show_every_stage_forward_and_backward(world, shard, tmp
     res = run_ranks(explicit_worker, world, args=(spec, dict(FAST, report_file=str(path), shard=shard)), timeout=600)
     for r, got in enumerate(res):
         assert not check_against_oracle(spec, got), f"rank {r}: {check_against_oracle(spec, got)}"
+        assert got["host_scalars"] == [], (r, got["host_scalars"])
         kinds = {g["kind"]: g for g in got["aot"]}
         assert set(kinds) == {"forward", "backward"}, got["aot"]
         fwd, bwd = kinds["forward"]["code"], kinds["backward"]["code"]
         assert sorted(kinds["forward"]["expanded"]) == sorted(kinds["backward"]["expanded"]) == ["sdpa#0", "sdpa#1"]
         for code in (fwd, bwd):
             assert "site_attention" not in code
+            assert comm_chain_breaks(code) == [], (r, comm_chain_breaks(code))
         sites = got["sites"]
         assert sorted(sites) == ["sdpa#0", "sdpa#1"]
         assert _count(fwd, "cp_start") == _count(fwd, "cp_wait") == sum(s["levels"]["fwd"] for s in sites.values())

@@ -41,7 +41,7 @@ OPS: dict[str, OpInfo] = {
     # a site's explicit program (passes/ops/program.py): its plan traced at compile time, or run-time data
     "cp_start": _COMM_TOKEN, "cp_wait": _WAIT, "cp_finish": _COMM_TOKEN, "cp_gather": _COMM_TOKEN,
     "cp_check_inputs": _COMM_TOKEN, "cp_all_reduce": _COMM_TOKEN,
-    "cp_stash": OpInfo(token=True), "cp_unstash": OpInfo(),
+    "cp_stash": OpInfo(token=True), "cp_unstash": OpInfo(), "cp_token": OpInfo(),
     "cp_tile_fwd": OpInfo(tile=True, tile_row=True), "cp_tile_bwd": OpInfo(tile=True, tile_row=True),
     "cp_tile_layout": OpInfo(tile_row=True), "cp_layout": OpInfo(),
     "cp_tiles_fwd": OpInfo(tile=True), "cp_tiles_bwd": OpInfo(tile=True),

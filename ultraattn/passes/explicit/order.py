@@ -25,11 +25,12 @@ from ultraattn.passes.opinfo import AFTER_OPS, TOKEN_OPS, WAIT_OPS
 
 
 def _chained(tok) -> bool:
-    """Whether a program's token already comes from an ultraattn op (directly or as element 0 of its outputs)."""
+    """Whether a program's token already comes from an ultraattn op (directly or as element 0 of its outputs) other
+    than ``cp_token``, which starts a program's chain."""
     if not isinstance(tok, fx.Node):
         return False
     if ultraattn_op(tok) is not None:
-        return True
+        return ultraattn_op(tok) != "cp_token"
     return tok.target is operator.getitem and ultraattn_op(tok.args[0]) is not None
 
 

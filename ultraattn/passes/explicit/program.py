@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from ultraattn.kernels import config, uses_triton
-from ultraattn.passes.ops.program import new_token
 from ultraattn.passes.ops.site import kernel_site_backward
 from ultraattn.passes.site import Runner, SiteState
 from ultraattn.runtime.executor import TileSets
@@ -165,7 +164,7 @@ class TracedIO(TileSets):
 
     def __init__(self, prog: ExplicitProgram):
         self.prog = prog
-        self.token = new_token()
+        self.token = ops.cp_token()
         self.plan: Tensor | None = None
         """The call's plan id (a graph value) for a dynamic program; None for a static one."""
         self.begun: set[str] = set()
@@ -382,7 +381,7 @@ def kernel_forward_program(prog: ExplicitProgram):
     def fn(q, k, v):
         lay = ops.cp_layout(prog.key)
         out, lse = ops.bsa_fwd(q, k, v, *lay, prog.runner.q_block, prog.runner.kv_block, prog.state.spec.scale)
-        return out, lse, torch.zeros((), dtype=torch.int64)
+        return out, lse, ops.cp_token()
 
     return fn
 

@@ -39,6 +39,19 @@ def _fake_token() -> Tensor:
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
+@custom_op("ultraattn::cp_token", mutates_args=())
+def cp_token() -> Tensor:
+    """A program's first token, in a graph. An op, not ``torch.zeros``: Inductor would generate a host (C++) kernel
+    for a traced CPU factory in a CUDA graph, and building that one costs a compiler run on the first step (it took
+    70 s of an H200 machine's first compiled step, Inductor probing the CPU's vector ISA)."""
+    return new_token()
+
+
+@cp_token.register_fake
+def _():
+    return _fake_token()
+
+
 @custom_op("ultraattn::cp_start", mutates_args=())
 def cp_start(token: Tensor, pieces: list[Tensor], site: str, stage: int, plan: Tensor | None = None) -> Tensor:
     """Post one stage's sends (``pieces``, message after message) and receives; returns a handle. ``plan``: the
