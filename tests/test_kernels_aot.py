@@ -106,6 +106,36 @@ def test_the_autotuner_launches_exactly_the_checked_spaces():
     assert config.row_class(96, "fp16") == "d128p"
 
 
+def test_tiles_env_replaces_a_kernels_space_and_bad_values_are_named(monkeypatch):
+    monkeypatch.setenv(config.TILES_ENV, "dkv=64x128x8x3, dkv=32x128x8x2,fwd=128X64x8x3")
+    assert config.tile_override() == {"dkv": [(64, 128, 8, 3), (32, 128, 8, 2)], "fwd": [(128, 64, 8, 3)]}
+    assert config.tile_configs("dkv", 128, 128, "d128") == [(64, 128, 8, 3), (32, 128, 8, 2)]
+    assert config.tile_configs("dq", 128, 128, "d128") == config._SPACES[("dq", "d128")]   # not named: its space
+    with pytest.raises(ValueError, match=r"dkv tiles \['64x128', '32x128'\] do not divide the mask's 64 x 64"):
+        config.tile_configs("dkv", 64, 64, "d128")
+    for bad, what in (("dkv=64x128x8", "is not kernel=MxNxWxS"), ("bwd=64x64x4x2", "is not kernel=MxNxWxS"),
+                      ("fwd=48x64x4x2", "powers of two"), ("fwd=64x0x4x2", "positive integers")):
+        monkeypatch.setenv(config.TILES_ENV, bad)
+        with pytest.raises(ValueError, match=f"ultraattn: ULTRAATTN_TILES=.*{what}"):
+            config.tile_override()
+
+
+_PINNED = """
+import json
+from ultraattn.kernels import triton_kernels as tk
+print(json.dumps([[c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages]
+                  for k in ("dkv", "dq") for c in tk.tuned(k, 128, 128, "d128").configs]))
+"""
+
+
+def test_the_autotuner_launches_the_tiles_env_configs():
+    env = {**os.environ, "TRITON_INTERPRET": "0", config.TILES_ENV: "dkv=64x128x8x3"}
+    r = subprocess.run([sys.executable, "-c", _PINNED], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [tuple(c) for c in json.loads(r.stdout.strip().splitlines()[-1])]
+    assert got == [(64, 128, 8, 3)] + config._SPACES[("dq", "d128")]
+
+
 def test_a_variant_outside_the_kernels_is_refused():
     with pytest.raises(ValueError, match="target='sm75'"):
         aot.Variant("fwd", "sm75", "bf16", 128, 1, 64, 64, 4, 3)

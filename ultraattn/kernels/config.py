@@ -124,10 +124,44 @@ def row_class(head_dim: int, dtype: str) -> str:
     return "d256"
 
 
+TILES_ENV = "ULTRAATTN_TILES"
+
+
+def tile_override() -> dict[str, list[tuple[int, int, int, int]]]:
+    """``ULTRAATTN_TILES``: tile configs that replace a kernel's autotune space, e.g.
+    ``dkv=64x128x8x3,dq=128x64x8x2`` (``kernel=BLOCK_MxBLOCK_Nxnum_warpsxnum_stages``; a kernel named twice is
+    autotuned over its entries). For sweeps of configs outside the spaces (``benchmarks/gpucheck/tiles.py``) and
+    for pinning one config per kernel, which spares the autotuner's compiles. Unset: the spaces."""
+    text = os.environ.get(TILES_ENV, "").strip()
+    out: dict[str, list[tuple[int, int, int, int]]] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        kernel, _, cfg = item.partition("=")
+        parts = cfg.lower().split("x")
+        if kernel not in ("fwd", "dq", "dkv") or len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"ultraattn: {TILES_ENV}={text!r}: entry {item!r} is not kernel=MxNxWxS with kernel one "
+                             f"of fwd, dq, dkv and four positive integers (e.g. dkv=64x128x8x3); unset it to "
+                             f"autotune over the built-in spaces")
+        m, n, w, st = (int(p) for p in parts)
+        if m & (m - 1) or n & (n - 1) or m < 16 or n < 16:
+            raise ValueError(f"ultraattn: {TILES_ENV}={text!r}: entry {item!r}: BLOCK_M and BLOCK_N must be powers "
+                             f"of two, at least 16 (Triton's tl.dot)")
+        out.setdefault(kernel, []).append((m, n, w, st))
+    return out
+
+
 def tile_configs(kernel: str, qb: int, kb: int, rows: str, score: bool = False) -> list[tuple[int, int, int, int]]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner may launch for ``kernel`` ('fwd', 'dq',
     'dkv') and row class ``rows`` (:func:`row_class`), with a score_mod when ``score``: the configs whose
-    tiles divide the pattern blocks qb x kb, or one 32 x 32 tile (at most) where none does."""
+    tiles divide the pattern blocks qb x kb, or one 32 x 32 tile (at most) where none does. ``ULTRAATTN_TILES``
+    (:func:`tile_override`) replaces the space of a kernel it names; its tiles must divide the blocks."""
+    pinned = tile_override().get(kernel)
+    if pinned:
+        bad = [c for c in pinned if qb % c[0] or kb % c[1]]
+        if bad:
+            raise ValueError(f"ultraattn: {TILES_ENV}: {kernel} tiles {[f'{m}x{n}' for m, n, *_ in bad]} do not "
+                             f"divide the mask's {qb} x {kb} blocks; choose BLOCK_M dividing {qb} and BLOCK_N "
+                             f"dividing {kb}")
+        return pinned
     space = _SPACES[(kernel, rows)]
     if score:   # (fp32 has no score_mod spaces: its own, not swept with a score_mod generated in)
         space = _SCORE_SPACES.get((kernel, rows), space)

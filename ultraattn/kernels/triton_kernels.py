@@ -27,11 +27,12 @@ interpreter 16-bit tiles are upcast first (it computes bf16 arithmetic wrongly).
 from __future__ import annotations
 
 import functools
+import os
 
 import triton
 import triton.language as tl
 
-from ultraattn.kernels.config import interpret, triton_configs, tune_mode
+from ultraattn.kernels.config import TILES_ENV, interpret, triton_configs, tune_mode
 
 # Runtime-sized integer arguments that must not trigger a recompile when they change.
 _NO_SPEC = ["q_len", "kv_len", "NQ", "NK", "q0", "h0", "s_last"]
@@ -391,12 +392,13 @@ def tuned(kernel: str, qb: int, kb: int, rows: str, score: bool = False):
     (``config.row_class``), autotuned over ``config.tile_configs`` (the score_mod spaces when ``score``; the
     kernel itself under the interpreter, which launches the tile shape it is given). One autotuner per space,
     so each (head dim, dtype, group, block) key is timed once; with ``ULTRAATTN_TUNE=first`` each space's
-    first entry alone, untimed (``config.tune_mode``)."""
-    return _tuned(kernel, qb, kb, rows, tune_mode(), score)
+    first entry alone, untimed (``config.tune_mode``). ``ULTRAATTN_TILES`` replaces a kernel's space
+    (``config.tile_override``)."""
+    return _tuned(kernel, qb, kb, rows, tune_mode(), score, os.environ.get(TILES_ENV, ""))
 
 
 @functools.cache
-def _tuned(kernel: str, qb: int, kb: int, rows: str, mode: str, score: bool = False):
+def _tuned(kernel: str, qb: int, kb: int, rows: str, mode: str, score: bool = False, tiles: str = ""):
     if interpret():
         return _JIT[kernel]
     configs = triton_configs(kernel, qb, kb, rows, score)
