@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py --out DIR              # on a CUDA machine (docs/gpu.md)
     python benchmarks/gpu_check.py --out DIR --dry-run    # the same code on CPU at tiny sizes (CI runs it)
 
-Five parts, each in a process of its own (a CUDA error in one cannot take the others with it), each with a deadline
+Six parts, each in a process of its own (a CUDA error in one cannot take the others with it), each with a deadline
 taken from ``--budget``, each writing ``DIR/<part>.json`` as it goes (a part stopped at its deadline keeps what it
 measured):
 
@@ -17,6 +17,7 @@ measured):
 4. ``kernels_speed``: TFLOP/s forward and backward against ``torch.compile(flex_attention)`` with the same BlockMask
    and SDPA where the mask allows (``DIR/kernels_<gpu>.json`` and ``.png``).
 5. ``calibration``: ``ultraattn calibrate --device cuda`` at one rank; the fitted profile in the JSON.
+6. ``tiles``: each kernel's tile configs, in its autotune space and outside it, timed one by one (``ULTRAATTN_TILES``).
 
 Parts 1 and 2 run side by side (they time nothing); the rest run alone. At the end: ``DIR/summary.json`` and one
 table. The exit status is 0 only if every part passed (a measurement part passes when it completed).

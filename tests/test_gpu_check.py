@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-PARTS = ("kernels_correct", "two_ranks", "backend_e2e", "kernels_speed", "calibration")
+PARTS = ("kernels_correct", "two_ranks", "backend_e2e", "kernels_speed", "calibration", "tiles")
 
 
 def _run(out: Path, *args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -76,6 +76,15 @@ def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
     # 5: a fitted profile
     cal = _load(tmp_path, "calibration")
     assert cal["profile"]["cost"]["fwd_tflops"] > 0 and cal["versus_default"]["fwd_tflops"]["ratio"] > 0
+    # 6: every candidate tile config of each kernel ran (the eager reference kernels here: no difference at all)
+    tiles = _load(tmp_path, "tiles")
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpucheck.tiles import candidates
+
+    want = [(k, list(c)) for k in ("dkv", "dq", "fwd") for c in candidates(k, "d32")]
+    assert [(r["kernel"], r["config"]) for r in tiles["rows"]] == want and len(want) > 20
+    assert all(r["max_diff"] == 0 and ("fwd_ms" if r["kernel"] == "fwd" else "bwd_ms") in r for r in tiles["rows"])
+    assert set(tiles["best"]) == {"dkv", "dq", "fwd"} and any(not r["in_space"] for r in tiles["rows"])
 
 
 def test_a_failing_part_or_one_past_its_deadline_stops_nothing_else(tmp_path):

@@ -1,0 +1,132 @@
+"""Part 6 (in the runner's order): tile configs, in the autotune spaces and outside them, timed one by one.
+
+Our backward runs at about half of flex_attention's speed on an H200 (bf16, D = 128, 8K; session 3), and its
+dK/dV kernel's space owns at most 64 keys per program, where flex's H100 default owns 128 (``FlexBwDConfig(64, 128,
+128, 64, 3, 8)`` in torch 2.11). The spaces keep only configs that build without a register spill on sm_90 and
+sm_80 (``kernels/config.py``); whether a larger tile that spills a little is faster was never measured. This part
+measures it: for each kernel (dK/dV first, then dQ, then the forward) each candidate config runs alone
+(``ULTRAATTN_TILES``, the other two kernels pinned to their spaces' first entries), on a causal mask at S = 8192,
+32 query and 8 K/V heads, bf16: the median time of the forward or of the whole backward, and its largest
+difference from the first entry's output or gradients (a wrong config fails the part). The rows go to
+``tiles.json`` as they come; the deadline stops the sweep between configs. The dry run goes through the same loop
+on the CPU with the eager reference kernels (which ignore tiles): a rehearsal of the code, not a figure.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import kernels as bench
+import torch
+
+from ultraattn.kernels import config
+
+from .common import Ctx
+
+NAME = "tiles"
+TITLE = "tile configs"
+CORRECTNESS = False
+MAX_DIFF = 0.05
+"""Largest |this config - the space's first entry| accepted in the forward output or a gradient (bf16 results of
+unit scale differ by ~1e-2 between tile orders)."""
+
+EXTRA = {
+    "dkv": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 64, 8, 3),
+            (64, 64, 4, 3)],
+    "dq": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3)],
+    "fwd": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3)],
+}
+"""Candidates outside the bf16 head-dim-128 spaces: flex's sm_90 tiles, the tiles the spaces left out for spills,
+and 4-warp variants."""
+
+
+def candidates(kernel: str, rows: str = "d128") -> list[tuple[int, int, int, int]]:
+    """The space's entries first (its first entry is the reference), then ``EXTRA``'s, without repeats."""
+    space = config.tile_configs(kernel, 128, 128, rows)
+    return space + [c for c in EXTRA[kernel] if c not in space]
+
+
+def _label(c: tuple[int, int, int, int]) -> str:
+    return "x".join(map(str, c))
+
+
+def run(ctx: Ctx) -> None:
+    import ultraattn.kernels as K
+
+    if ctx.dry_run:
+        os.environ["ULTRAATTN_KERNELS"] = "reference"  # the interpreter is far too slow to time
+    S, H, HK, D = ctx.pick(8192, 256), ctx.pick(32, 4), ctx.pick(8, 1), ctx.pick(128, 32)
+    reps = ctx.pick(10, 2)
+    dev = ctx.device.type
+    rows_class = config.row_class(D, "bf16")
+    bm = bench.create_block_mask(bench.mask_mod_for("causal", S, dev), None, None, S, S, device=dev,
+                                 BLOCK_SIZE=128)
+    lay = K.get_layout(bm, q_len=S, kv_len=S, batch=1, num_heads=H, device=ctx.device)
+    flops_fwd = 4.0 * lay.attended_pairs() * D
+    g = torch.Generator(device=dev).manual_seed(0)
+    dt = torch.bfloat16 if not ctx.dry_run else torch.float32
+    q = torch.randn(1, H, S, D, device=dev, dtype=dt, generator=g).requires_grad_()
+    k, v = (torch.randn(1, HK, S, D, device=dev, dtype=dt, generator=g).requires_grad_() for _ in range(2))
+    go = torch.randn_like(q)
+
+    def attn(q, k, v):
+        return K.block_sparse_attention(q, k, v, lay)
+
+    def results():
+        out = attn(q, k, v)
+        out.backward(go)
+        got = [out.detach().float()] + [x.grad.float() for x in (q, k, v)]
+        q.grad = k.grad = v.grad = None
+        return got
+
+    os.environ.pop(config.TILES_ENV, None)   # the spaces as built in (the sweep sets the variable per config)
+    spaces = {kern: config.tile_configs(kern, 128, 128, rows_class) for kern in ("fwd", "dq", "dkv")}
+    todo = {kern: candidates(kern, rows_class) for kern in ("dkv", "dq", "fwd")}
+    first = {kern: space[0] for kern, space in spaces.items()}
+    ref = None
+    measured = []
+    ctx.save(config={"seqlen": S, "heads": H, "kv_heads": HK, "head_dim": D, "mask": "causal", "reps": reps,
+                     "dtype": "bf16" if not ctx.dry_run else "fp32"}, first=first, rows=measured)
+    for kern, cfgs in todo.items():
+        for cfg in cfgs:
+            if ctx.time_left() < 30:
+                ctx.note(f"{kern} {_label(cfg)}: not run (the deadline is near)")
+                continue
+            pins = {**first, kern: cfg}
+            os.environ[config.TILES_ENV] = ",".join(f"{n}={_label(c)}" for n, c in pins.items())
+            row = {"kernel": kern, "config": list(cfg), "in_space": cfg in spaces[kern]}
+            try:
+                got = results()   # (builds the kernels: not timed)
+                if ref is None:
+                    ref = got
+                row["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(got, ref))
+                phase = "fwd" if kern == "fwd" else "bwd"
+                ts = (bench.fwd_time if phase == "fwd" else bench.bwd_time)(attn, q, k, v, dev, reps)
+                t = statistics.median(ts)
+                flops = flops_fwd * (2.5 if phase == "bwd" else 1.0)
+                row.update({f"{phase}_ms": t * 1e3, f"{phase}_tflops": flops / t / 1e12,
+                            "spread": (max(ts) - min(ts)) / t})
+                print(f"[tiles] {kern} {_label(cfg)}: {phase} {t * 1e3:.3f} ms ({flops / t / 1e12:.1f} TFLOP/s), "
+                      f"diff {row['max_diff']:.3g}", flush=True)
+                if not row["max_diff"] <= MAX_DIFF:
+                    ctx.fail(f"{kern} {_label(cfg)}: |this - first entry| = {row['max_diff']:.3g} > {MAX_DIFF}")
+            except Exception as exc:  # noqa: BLE001 - a config that cannot build or run is a row, not the end
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                print(f"[tiles] {kern} {_label(cfg)}: {row['error']}", flush=True)
+            measured.append(row)
+            ctx.save(rows=measured)
+    os.environ.pop(config.TILES_ENV, None)
+    best = {}
+    for kern in ("dkv", "dq", "fwd"):
+        timed = [r for r in measured if r["kernel"] == kern and ("fwd_ms" in r or "bwd_ms" in r)]
+        if timed:
+            key = "fwd_ms" if kern == "fwd" else "bwd_ms"
+            b = min(timed, key=lambda r: r[key])
+            base = next((r for r in timed if tuple(r["config"]) == first[kern]), None)
+            best[kern] = {"config": b["config"], "in_space": b["in_space"], key: b[key],
+                          "vs_first": base[key] / b[key] if base else None}
+    ctx.save(rows=measured, best=best,
+             summary=f"{len(measured)} configs; best " + ", ".join(
+                 f"{k} {_label(v['config'])}" + (f" ({v['vs_first']:.2f}x the first entry)" if v["vs_first"] else "")
+                 for k, v in best.items()))
