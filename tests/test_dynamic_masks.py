@@ -130,6 +130,10 @@ def test_sliding_window_with_sharded_outputs_and_random_block_masks_across_a_gra
     for r, got in enumerate(res):
         assert [f[0] for f in got["frames"]] == [1, 1, 1, 2, 2], got["frames"]
         assert all("site_attention" not in g["code"] for g in got["aot"]) and len(got["aot"]) == 4
+        # the SymInt enters through an op: an aten.scalar_tensor would be a host (C++) kernel in a CUDA graph
+        assert "ultraattn.int_tensor" in got["aot"][2]["code"], got["aot"][2]["code"]
+        assert not [ln for g in got["aot"] for ln in g["code"].splitlines() if "aten.scalar_tensor" in ln
+                    and "int64" in ln]
         for i, (st, ref) in enumerate(zip(got["steps"][3:], refs)):
             assert not check_step(st, *ref), (r, i, check_step(st, *ref))
             for name, site in st["sites"].items():

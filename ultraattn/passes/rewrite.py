@@ -13,8 +13,9 @@ into::
 registering the site's ``SiteSpec`` in the side table under the key the call carries. Every
 inserted node carries its fake value, and each rewrite bumps ``counters["ultraattn"]["rewritten"]``.
 A mask_mod's scalar inputs (a Python number it closes over, which Dynamo makes a SymInt once it
-changes between calls: a window size per batch) enter the op as 0-d tensors (``_as_tensors``): the
-op takes tensors only, and the mask_mod computes with a 0-d tensor as with the number.
+changes between calls: a window size per batch) enter the op as 0-d tensors (``_as_tensors``, through the ops
+``ultraattn::int_tensor`` / ``float_tensor``): the op takes tensors only, and the mask_mod computes with a 0-d
+tensor as with the number.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from ultraattn.passes.records import NullObserver, Observer
 from ultraattn.passes.site import SiteSpec, SiteState
 from ultraattn.passes.state import SideTable
 from ultraattn.runtime.tiles import ScoreMod
+
+ops = torch.ops.ultraattn
 
 
 def site_spec(s: Site, options: BackendOptions, graph_index: int, key: str) -> SiteSpec:
@@ -50,10 +53,10 @@ def _as_tensors(graph: fx.Graph, inputs: list, like: fx.Node) -> list[fx.Node]:
             out.append(x)
             continue
         value = meta_value(x) if isinstance(x, fx.Node) else x
-        dtype = torch.float64 if isinstance(value, (float, torch.SymFloat)) else torch.int64
-        node = graph.call_function(torch.ops.aten.scalar_tensor.default, (x,), {"dtype": dtype})
+        op = ops.float_tensor if isinstance(value, (float, torch.SymFloat)) else ops.int_tensor
+        node = graph.call_function(op.default, (x,))
         with value_fake_mode([tensor_value(like)]):
-            set_value(node, torch.ops.aten.scalar_tensor.default(value, dtype=dtype))
+            set_value(node, op.default(value))
         out.append(node)
     return out
 

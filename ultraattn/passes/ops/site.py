@@ -58,6 +58,30 @@ def _wanted(spec, score: list[Tensor]) -> list[Tensor]:
     return [score[n] for n in spec.score_wanted]
 
 
+@custom_op("ultraattn::int_tensor", mutates_args=())
+def int_tensor(x: int) -> Tensor:
+    """A mask_mod's int input (a SymInt in the graph) as the 0-d int64 CPU tensor the site op takes. An op, not
+    ``aten.scalar_tensor``: Inductor would generate a host (C++) kernel for that in a CUDA graph, at a compiler
+    run's cost on the first step (``ultraattn::cp_token`` says how much that was)."""
+    return torch.tensor(x, dtype=torch.int64)
+
+
+@int_tensor.register_fake
+def _(x):
+    return torch.empty((), dtype=torch.int64)
+
+
+@custom_op("ultraattn::float_tensor", mutates_args=())
+def float_tensor(x: float) -> Tensor:
+    """A mask_mod's float input as a 0-d float64 CPU tensor (``int_tensor``'s reason)."""
+    return torch.tensor(x, dtype=torch.float64)
+
+
+@float_tensor.register_fake
+def _(x):
+    return torch.empty((), dtype=torch.float64)
+
+
 @custom_op("ultraattn::site_attention", mutates_args=())
 def site_attention(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor], site: str,
                    after: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
