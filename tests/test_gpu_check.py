@@ -82,9 +82,11 @@ def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
     from gpucheck.tiles import candidates
 
     want = [(k, list(c)) for k in ("dkv", "dq", "fwd") for c in candidates(k, "d32")]
-    assert [(r["kernel"], r["config"]) for r in tiles["rows"]] == want and len(want) > 20
+    assert [(r["kernel"], r["config"]) for r in tiles["rows"]] == want + [("autotuned", None)] and len(want) > 20
     assert all(r["max_diff"] == 0 and ("fwd_ms" if r["kernel"] == "fwd" else "bwd_ms") in r for r in tiles["rows"])
+    assert "fwd_ms" in tiles["rows"][-1] and "bwd_ms" in tiles["rows"][-1]   # the autotuned row: both phases
     assert set(tiles["best"]) == {"dkv", "dq", "fwd"} and any(not r["in_space"] for r in tiles["rows"])
+    assert all(b["vs_autotuned"] > 0 and b["vs_first"] > 0 for b in tiles["best"].values())
 
 
 def test_a_failing_part_or_one_past_its_deadline_stops_nothing_else(tmp_path):
