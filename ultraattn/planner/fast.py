@@ -44,7 +44,7 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    a time limit: still deterministic).
 7. The kernel level, on small plans (``REPLAY_TASKS``): the chosen plan's remote cells regrouped in per-row launches
    of 2, 4 or 8 chunks (``build.kernel_groups(batch=)``), the cheaper-priced (``price.best_batch``) kept when it also
-   replays faster.
+   replays faster; on several nodes each of the three is replayed (``price.batches``) and the fastest replay kept.
 
 Determinism: integer and float64 arithmetic in a fixed order (bincounts and sorts, no threaded BLAS in
 a decision), ties broken by index; pruning only skips candidates that cannot win.
@@ -72,7 +72,7 @@ from .baselines import BASELINES, REGISTRY, Baseline, NotApplicable
 from .build import kernel_groups
 from .cost import DEFAULT_COST, CostModel
 from .plan import AttnShape, Mesh, TilePlan, TokenSharding, padded_chunk
-from .price import Draft, Grid, Kernels, assemble, best_batch, busy_bound, compute_bound, grid_of, price, route
+from .price import Draft, Grid, Kernels, assemble, batches, best_batch, busy_bound, compute_bound, grid_of, price, route
 from .robust import DEFAULT_BAND, Band, band_prices, regrets
 from .schedule import build_graph, simulate, workload
 
@@ -249,16 +249,23 @@ class FastPlanner:
         # when the cheapest-priced batch also replays faster. The price alone is not trusted here: it bounds a long
         # launch's wait for its last input loosely, so it prefers the longest launches, which replayed up to 1.36x
         # slower on 128K 8x8 document masks.
+        # On several nodes every batch size is replayed, not only the cheapest-priced: there the price orders them
+        # least reliably (a launch waits for inputs from other nodes), and on 128K 2x8 document masks the batch it
+        # picked replayed up to 1.10x slower than another (docs/planner.md). One node keeps the one replay, within
+        # the planning-time target (128K on 1x8).
         d = best.get()
         if self.mesh.world > 1 and _tasks(d) <= REPLAY_TASKS:
             grid = grid_of(cells, self.shape, self.cost, chunk=d.chunk, num_chunks=d.assign_GPP.shape[1],
                            head_groups=d.assign_GPP.shape[0])
-            batch, kern, sec = best_batch(d.owner, d.assign_GPP, d.messages, grid, self.mesh, self.shape, self.cost,
-                                          phases=self._phases)
-            batched = self.build(best, kernels=kern, kernel_batch=batch, estimate_ms=sec * 1e3)
-            as_is = replayed.get(best.name) or evaluate_plan(tp, cells, self.cost, backward=self.backward)
-            if evaluate_plan(batched, cells, self.cost, backward=self.backward) < as_is:
-                tp = batched
+            args = (d.owner, d.assign_GPP, d.messages, grid, self.mesh, self.shape, self.cost)
+            tries = (batches(*args, phases=self._phases) if self.mesh.nodes > 1
+                     else [best_batch(*args, phases=self._phases)])
+            fastest = replayed.get(best.name) or evaluate_plan(tp, cells, self.cost, backward=self.backward)
+            for batch, kern, sec in tries:
+                batched = self.build(best, kernels=kern, kernel_batch=batch, estimate_ms=sec * 1e3)
+                t = evaluate_plan(batched, cells, self.cost, backward=self.backward)
+                if t < fastest:
+                    tp, fastest = batched, t
         tp.meta.update(candidates=summary, replayed={n: round(v * 1e3, 6) for n, v in replayed.items()},
                        candidate=best.name, regrets={n: round(r, 4) for n, r in reg.items()},
                        regret=round(reg.get(best.name, 1.0), 4),

@@ -465,15 +465,23 @@ def assemble(*, owner: np.ndarray, assign_GPP: np.ndarray, kern: Kernels, msgs: 
                     transfers=msgs.to_transfers() if transfers is None else transfers, meta=meta)
 
 
+def batches(owner: np.ndarray, assign_GPP: np.ndarray, msgs: Messages, grid: Grid, mesh: Mesh, shape: AttnShape,
+            cost: CostModel, *, phases: tuple[int, ...]) -> list[tuple[int, Kernels, float]]:
+    """Each batch size above 1 (``build.BATCHES``): the plan's cells grouped so, as kernels, and their price."""
+    out = []
+    for b in BATCHES[1:]:
+        kern = Kernels.of_groups(grid, kernel_groups(owner, assign_GPP, batch=b, devices=mesh.devices),
+                                 head_dim=shape.head_dim, cost=cost, phases=phases)
+        out.append((b, kern, price(kern, msgs, owner, assign_GPP.shape[0], mesh, cost)))
+    return out
+
+
 def best_batch(owner: np.ndarray, assign_GPP: np.ndarray, msgs: Messages, grid: Grid, mesh: Mesh, shape: AttnShape,
                cost: CostModel, *, phases: tuple[int, ...]) -> tuple[int, Kernels, float]:
     """The batch size above 1 (``build.BATCHES``) whose grouping of this plan's cells prices cheapest, its kernels and
     its price."""
     best = None
-    for b in BATCHES[1:]:
-        kern = Kernels.of_groups(grid, kernel_groups(owner, assign_GPP, batch=b, devices=mesh.devices),
-                                 head_dim=shape.head_dim, cost=cost, phases=phases)
-        sec = price(kern, msgs, owner, assign_GPP.shape[0], mesh, cost)
+    for b, kern, sec in batches(owner, assign_GPP, msgs, grid, mesh, shape, cost, phases=phases):
         if best is None or sec < best[2] * (1 - 1e-9):
             best = (b, kern, sec)
     return best
