@@ -113,13 +113,66 @@ def bwd_time(attn, q, k, v, device: str, reps: int) -> list[float]:
     return times[1:]
 
 
+def phase_time(attn, q, k, v, device: str, reps: int, phase: str, flops_fwd: float) -> tuple[float, float, float]:
+    """(median seconds, TFLOP/s, spread: (max - min) / median) of ``reps`` forwards (``phase`` "fwd") or backwards
+    ("bwd", counted as 2.5 forwards' FLOPs)."""
+    ts = fwd_time(attn, q, k, v, device, reps) if phase == "fwd" else bwd_time(attn, q, k, v, device, reps)
+    t = _median(ts)
+    flops = flops_fwd * (2.5 if phase == "bwd" else 1.0)
+    return t, flops / t / 1e12, (max(ts) - min(ts)) / t
+
+
+def _row(args, S: int, name: str, flex, dt, kv_heads: int) -> dict:
+    """One (seqlen, mask) row: every method's times, the ratios to ours, and our output against flex's."""
+    device, gqa = args.device, kv_heads != args.heads
+    mm = mask_mod_for(name, S, device)
+    bm = create_block_mask(mm, None, None, S, S, device=device, BLOCK_SIZE=128)
+    lay = K.get_layout(bm, q_len=S, kv_len=S, batch=args.batch, num_heads=args.heads, device=torch.device(device))
+    pairs = lay.attended_pairs()
+    flops_fwd = 4.0 * pairs * args.head_dim
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(args.batch, args.heads, S, args.head_dim, device=device, dtype=dt, generator=g)
+    k, v = (torch.randn(args.batch, kv_heads, S, args.head_dim, device=device, dtype=dt, generator=g)
+            for _ in range(2))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    methods = {
+        "ultraattn": lambda q, k, v, lay=lay: K.block_sparse_attention(q, k, v, lay),
+        "flex": lambda q, k, v, bm=bm: flex(q, k, v, block_mask=bm, enable_gqa=gqa),
+    }
+    if name in ("causal", "full"):
+        methods["sdpa"] = lambda q, k, v, c=(name == "causal"): F.scaled_dot_product_attention(
+            q, k, v, is_causal=c, enable_gqa=gqa)
+    row = {"seqlen": S, "mask": name, "density": pairs / (args.batch * args.heads * S * S), "methods": {}}
+    for mname, fn in methods.items():
+        res = row["methods"][mname] = {}
+        for phase in ("fwd", "bwd"):
+            try:
+                t, tflops, spread = phase_time(fn, q, k, v, device, args.reps, phase, flops_fwd)
+            except Exception as exc:  # noqa: BLE001 - a baseline that can't run is reported, not fatal
+                res[f"{phase}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                print(f"  S={S} {name:15s} {mname:10s} {phase} failed: {res[f'{phase}_error']}", flush=True)
+                continue
+            res[f"{phase}_s"], res[f"{phase}_tflops"], res[f"{phase}_spread"] = t, tflops, spread
+            print(f"  S={S} {name:15s} {mname:10s} {phase} {t * 1e3:9.3f} ms ({tflops:7.3f} TFLOP/s)", flush=True)
+    ua = row["methods"].get("ultraattn", {})
+    for base in ("flex", "sdpa"):
+        b = row["methods"].get(base, {})
+        for phase in ("fwd", "bwd"):
+            if f"{phase}_s" in ua and f"{phase}_s" in b:
+                row[f"{phase}_vs_{base}"] = b[f"{phase}_s"] / ua[f"{phase}_s"]
+    if "fwd_s" in row["methods"]["flex"]:  # the outputs agree (a fast wrong kernel is no result)
+        qd, kd, vd = (x.detach() for x in (q, k, v))
+        with torch.no_grad():
+            a, b = methods["ultraattn"](qd, kd, vd).float(), methods["flex"](qd, kd, vd).float()
+        row["max_abs_diff_vs_flex"] = float((a - b).abs().max())
+    return row
+
+
 def run(args, on_row=None, time_left=None) -> dict:
     """Every (seqlen, mask) row of ``args``; ``on_row(row)`` after each, and no new row once ``time_left()`` is
     under a minute (``benchmarks/gpu_check.py`` keeps the rows measured before its deadline)."""
     device = args.device
-    dt = _DT[args.dtype]
     kv_heads = getattr(args, "kv_heads", None) or args.heads
-    gqa = kv_heads != args.heads
     flex = torch.compile(flex_attention, dynamic=False) if device == "cuda" else flex_attention
     rows = []
     # Each mask is a new mask_mod, so compiled flex recompiles per row (forward without and with grad): past Dynamo's
@@ -132,55 +185,9 @@ def run(args, on_row=None, time_left=None) -> dict:
                     print(f"  S={S} {name}: not run (the deadline is near)", flush=True)
                     continue
                 torch._dynamo.reset()
-                mm = mask_mod_for(name, S, device)
-                bm = create_block_mask(mm, None, None, S, S, device=device, BLOCK_SIZE=128)
-                lay = K.get_layout(bm, q_len=S, kv_len=S, batch=args.batch, num_heads=args.heads,
-                                   device=torch.device(device))
-                pairs = lay.attended_pairs()
-                flops_fwd = 4.0 * pairs * args.head_dim
-                g = torch.Generator(device=device).manual_seed(0)
-                q = torch.randn(args.batch, args.heads, S, args.head_dim, device=device, dtype=dt, generator=g)
-                k, v = (torch.randn(args.batch, kv_heads, S, args.head_dim, device=device, dtype=dt, generator=g)
-                        for _ in range(2))
-                q, k, v = (x.requires_grad_() for x in (q, k, v))
-                methods = {
-                    "ultraattn": lambda q, k, v, lay=lay: K.block_sparse_attention(q, k, v, lay),
-                    "flex": lambda q, k, v, bm=bm: flex(q, k, v, block_mask=bm, enable_gqa=gqa),
-                }
-                if name in ("causal", "full"):
-                    methods["sdpa"] = lambda q, k, v, c=(name == "causal"): F.scaled_dot_product_attention(
-                        q, k, v, is_causal=c, enable_gqa=gqa)
-                row = {"seqlen": S, "mask": name, "density": pairs / (args.batch * args.heads * S * S), "methods": {}}
-                for mname, fn in methods.items():
-                    res = row["methods"][mname] = {}
-                    for phase in ("fwd", "bwd"):
-                        try:
-                            ts = fwd_time(fn, q, k, v, device, args.reps) if phase == "fwd" else \
-                                bwd_time(fn, q, k, v, device, args.reps)
-                        except Exception as exc:  # noqa: BLE001 - a baseline that can't run is reported, not fatal
-                            res[f"{phase}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-                            print(f"  S={S} {name:15s} {mname:10s} {phase} failed: {res[f'{phase}_error']}", flush=True)
-                            continue
-                        t = _median(ts)
-                        flops = flops_fwd * (2.5 if phase == "bwd" else 1.0)
-                        res[f"{phase}_s"], res[f"{phase}_tflops"] = t, flops / t / 1e12
-                        res[f"{phase}_spread"] = (max(ts) - min(ts)) / t  # (max - min) / median of the reps
-                        print(f"  S={S} {name:15s} {mname:10s} {phase} {t * 1e3:9.3f} ms "
-                              f"({flops / t / 1e12:7.3f} TFLOP/s)", flush=True)
-                ua = row["methods"].get("ultraattn", {})
-                for base in ("flex", "sdpa"):
-                    b = row["methods"].get(base, {})
-                    for phase in ("fwd", "bwd"):
-                        if f"{phase}_s" in ua and f"{phase}_s" in b:
-                            row[f"{phase}_vs_{base}"] = b[f"{phase}_s"] / ua[f"{phase}_s"]
-                if "fwd_s" in row["methods"]["flex"]:  # the outputs agree (a fast wrong kernel is no result)
-                    qd, kd, vd = (x.detach() for x in (q, k, v))
-                    with torch.no_grad():
-                        a, b = methods["ultraattn"](qd, kd, vd).float(), methods["flex"](qd, kd, vd).float()
-                    row["max_abs_diff_vs_flex"] = float((a - b).abs().max())
-                rows.append(row)
+                rows.append(_row(args, S, name, flex, _DT[args.dtype], kv_heads))
                 if on_row is not None:
-                    on_row(row)
+                    on_row(rows[-1])
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
         "torch": torch.__version__,

@@ -16,7 +16,6 @@ on the CPU with the eager reference kernels (which ignore tiles): a rehearsal of
 from __future__ import annotations
 
 import os
-import statistics
 
 import kernels as bench
 import torch
@@ -98,12 +97,9 @@ def run(ctx: Ctx) -> None:
                 ref.extend(got)
             row["max_diff"] = max(float((x - y).abs().max()) for x, y in zip(got, ref))
             for phase in phases:
-                ts = (bench.fwd_time if phase == "fwd" else bench.bwd_time)(attn, q, k, v, dev, reps)
-                t = statistics.median(ts)
-                flops = flops_fwd * (2.5 if phase == "bwd" else 1.0)
-                row.update({f"{phase}_ms": t * 1e3, f"{phase}_tflops": flops / t / 1e12,
-                            f"{phase}_spread": (max(ts) - min(ts)) / t})
-                print(f"[tiles] {label}: {phase} {t * 1e3:.3f} ms ({flops / t / 1e12:.1f} TFLOP/s), "
+                t, tflops, spread = bench.phase_time(attn, q, k, v, dev, reps, phase, flops_fwd)
+                row.update({f"{phase}_ms": t * 1e3, f"{phase}_tflops": tflops, f"{phase}_spread": spread})
+                print(f"[tiles] {label}: {phase} {t * 1e3:.3f} ms ({tflops:.1f} TFLOP/s), "
                       f"diff {row['max_diff']:.3g}", flush=True)
             if not row["max_diff"] <= MAX_DIFF:
                 ctx.fail(f"{label}: |this - first entries| = {row['max_diff']:.3g} > {MAX_DIFF}")
