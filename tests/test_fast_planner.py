@@ -543,9 +543,8 @@ def test_the_plan_is_the_most_robust_finalist():
 def test_on_several_nodes_the_fastest_replayed_batch_is_kept():
     """On a two-node mesh every batch size of the chosen plan's launches is replayed and the fastest replay kept
     (the cheapest-priced batch replayed up to 1.10x slower than another on 128K 2x8 document masks)."""
-    from ultraattn.planner.build import BATCHES, kernel_groups
     from ultraattn.planner.fast import evaluate_plan
-    from ultraattn.planner.price import Kernels, grid_of
+    from ultraattn.planner.price import batches, grid_of
 
     s, mesh = 4096, Mesh(nodes=2, devices=4)
     fp = FastPlanner(shape=shape_for(s), mesh=mesh)
@@ -559,9 +558,7 @@ def test_on_several_nodes_the_fastest_replayed_batch_is_kept():
         grid = grid_of(cells, fp.shape, fp.cost, chunk=d.chunk, num_chunks=d.assign_GPP.shape[1],
                        head_groups=d.assign_GPP.shape[0])
         replays = {1: evaluate_plan(fp.build(best), cells, fp.cost, backward=True)}
-        for b in BATCHES[1:]:
-            kern = Kernels.of_groups(grid, kernel_groups(d.owner, d.assign_GPP, batch=b, devices=mesh.devices),
-                                     head_dim=fp.shape.head_dim, cost=fp.cost, phases=(0, 1))
+        for b, kern, _ in batches(d.owner, d.assign_GPP, d.messages, grid, mesh, fp.shape, fp.cost, phases=(0, 1)):
             replays[b] = evaluate_plan(fp.build(best, kernels=kern, kernel_batch=b), cells, fp.cost, backward=True)
         got = evaluate_plan(tp, cells, fp.cost, backward=True)
         assert got <= min(replays.values()) * (1 + 1e-9), (name, got, replays)

@@ -29,8 +29,9 @@ def _chained(tok) -> bool:
     than ``cp_token``, which starts a program's chain."""
     if not isinstance(tok, fx.Node):
         return False
-    if ultraattn_op(tok) is not None:
-        return ultraattn_op(tok) != "cp_token"
+    op = ultraattn_op(tok)
+    if op is not None:
+        return op != "cp_token"
     return tok.target is operator.getitem and ultraattn_op(tok.args[0]) is not None
 
 
