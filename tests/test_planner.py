@@ -322,3 +322,62 @@ def test_batched_kernels_group_a_rows_remote_cells_in_arrival_order(batch):
         assert res.ours.total_ms() < evaluate(unbatched, pat).total_ms()
     with pytest.raises(ValueError, match="`batch` must be a positive int"):
         kernel_groups(tp.owner, tp.assign_GPP, batch=0)
+
+
+def test_timed_launches_follow_the_replays_arrivals_and_beat_every_fixed_batch():
+    """``launches.timed_kernels``: every cell in one launch on its rank, one row per launch, at most ``cap`` cells; a
+    rank's local launches first (stage 0, one per row), then its remote ones in the order their first inputs arrived
+    in the replay, each row's cells in the order they arrived. On streaming at 16K, 2x4 (the
+    first fixed batch of a rank waits for its slowest input) the ILP planner keeps timed launches, and they replay
+    faster than the same plan with every fixed batch of ``build.BATCHES``."""
+    from ultraattn.masks.convert import pattern_from_mask_mod
+    from ultraattn.masks.spec import parse_mask_spec
+    from ultraattn.planner.cost import DEFAULT_COST
+    from ultraattn.planner.launches import arrivals, timed_kernels
+    from ultraattn.planner.schedule import workload
+
+    s = 16384
+    pat = pattern_from_mask_mod(parse_mask_spec("streaming", s), s, block_size=128, name="streaming")
+    mesh = Mesh(nodes=2, devices=4)
+    res = plan(pat, AttnShape(seq_len=s, num_heads=4, head_dim=64), mesh, options=FAST, backward=False)
+    tp = res.plan
+    assert any(n.startswith("launches timed by the replay") for n in res.notes), res.notes
+    assert tp.meta["kernel_launches"].startswith("timed")
+    check_plan(tp, pat, backward=False)
+    evaluate(tp, pat, backward=False).fwd.check()
+    for b in (1, 2, 4, 8):
+        fixed = dataclasses.replace(tp, kernels=tuple(group_kernels(owner=list(tp.owner), assign_GPP=tp.assign_GPP,
+                                                                    batch=b, devices=mesh.devices)))
+        assert res.ours.fwd_ms < evaluate(fixed, pat, backward=False).fwd_ms, b
+    # the grouping itself, from a replay of the unbatched plan
+    base = dataclasses.replace(tp, kernels=tuple(group_kernels(owner=list(tp.owner), assign_GPP=tp.assign_GPP)))
+    sched = evaluate(base, pat, backward=False).fwd
+    arrive = arrivals(base, sched, "fwd")
+    own = np.asarray(tp.owner)
+    a = tp.assign_GPP.numpy()
+    work = workload(pat, tp.shape, num_chunks=tp.num_chunks, chunk=tp.chunk_size)
+    for cap, slack in ((2, 0.0), (3, 1e-3)):
+        kernels = timed_kernels(base, sched, work, DEFAULT_COST, "fwd", cap=cap, slack=slack)
+        assert sorted((k.head_group, i, j) for k in kernels for i, j in k.cells) == sorted(zip(*np.nonzero(a >= 0)))
+        firsts: dict[int, list[float]] = defaultdict(list)
+        local_rows: dict[int, list[int]] = defaultdict(list)
+        per_row: dict[tuple, list[float]] = defaultdict(list)
+        for k in kernels:
+            rows = {i for i, _ in k.cells}
+            assert len(rows) == 1 and all(a[k.head_group, i, j] == k.rank for i, j in k.cells)
+            ready = [max(arrive.get(("q", i, k.head_group, k.rank), 0.0),
+                         arrive.get(("kv", j, k.head_group, k.rank), 0.0)) for i, j in k.cells]
+            remote = [own[i] != k.rank or own[j] != k.rank for i, j in k.cells]
+            if k.stage == 0:
+                assert not any(remote) and not firsts[k.rank]   # local launches come first
+                local_rows[k.rank].append(rows.pop())
+            else:
+                assert all(remote) and len(k.cells) <= cap
+                firsts[k.rank].append(min(ready))
+                per_row[(k.rank, k.head_group, min(rows))].extend(sorted(ready))
+        assert all(len(set(v)) == len(v) for v in local_rows.values())
+        assert all(v == sorted(v) for v in firsts.values())   # launches in the order their first inputs came
+        assert all(v == sorted(v) for v in per_row.values())  # a row's cells launched in arrival order
+        check_plan(dataclasses.replace(base, kernels=kernels), pat, backward=False)
+    with pytest.raises(ValueError, match="`cap` must be at least 1"):
+        timed_kernels(base, sched, work, DEFAULT_COST, "fwd", cap=0)
