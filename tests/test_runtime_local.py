@@ -74,6 +74,66 @@ def test_program_levels_follow_the_ring():
     assert dkv == {(1, 2): 0, (2, 3): 1, (3, 0): 2}
 
 
+@pytest.mark.parametrize("method", ["ultraattn", "ring", "usp"])
+def test_executed_replay_launches_what_the_executor_runs(method):
+    """``schedule.executed_order``, the simulator's model of the executor, against the executor's own program and
+    ready rule (``build_program``, ``_split_ready``), walked without data: per rank and level the same fused row
+    launches, and the same message levels. Its replay keeps the executor's waits: a launch of call c starts after
+    every receive of its rank below level c, a relay after its rank's receives and launches below its level, a
+    partial after every launch of its rank."""
+    from ultraattn.planner.api import evaluate, plan
+    from ultraattn.planner.schedule import INPUT_TENSORS, executed_order
+    from ultraattn.planner.tiling import PlannerOptions
+    from ultraattn.runtime.executor import _split_ready
+
+    s = 512
+    pat = pattern_from_mask_mod(generate_sliding_window(160, causal=True), s, block_size=32)
+    shape = AttnShape(seq_len=s, num_heads=4, head_dim=16, num_kv_heads=2, dtype="fp32")
+    mesh = Mesh(nodes=2, devices=2)
+    if method == "ultraattn":
+        tp = plan(pat, shape, mesh, options=PlannerOptions(ilp_time_limit=1.0, heuristic_seconds=0.05,
+                                                             time_budget=3.0, schedule_ilp=False)).plan
+    else:
+        tp = baseline_plan(method, pat, shape, mesh)
+    order = executed_order(tp, "fwd")
+    msgs = tp.transfers_for("fwd")
+    index = {id(t): n for n, t in enumerate(msgs)}
+    want = sorted((k.rank, c, k.head_group, k.cells) for k, c in zip(order.kernels, order.call))
+    got = []
+    for r in range(tp.world):
+        prog = build_program(tp, r)
+        for lv, level in enumerate(prog.inputs["fwd"]):
+            assert all(order.level[index[id(t)]] == lv for _, t in level)
+        rows = {(c, g): True for c in tp.local_chunks(r) for g in range(tp.num_head_groups)}
+        cols = dict(rows)
+        todo = list(prog.rows)
+        for call in range(len(prog.inputs["fwd"]) + 1):
+            ready, todo = _split_ready(todo, rows, cols)
+            got += [(r, call, g, tuple((i, j) for j in js)) for (g, i), js in ready.items()]
+            for _, t in prog.inputs["fwd"][call] if call < len(prog.inputs["fwd"]) else ():
+                if t.dst == r:
+                    (rows if t.tensor == "q" else cols)[(t.chunk, t.head_group)] = True
+        assert not todo
+    assert sorted(got) == want
+    sched = evaluate(tp, pat, backward=False, executed=True).fwd
+    sched.check()
+    tasks = sched.graph.tasks
+    first = len(order.kernels)
+    recv_end: dict = {}
+    for n, t in enumerate(msgs):
+        if t.tensor in INPUT_TENSORS["fwd"]:
+            lv = order.level[n]
+            recv_end[(t.dst, lv)] = max(recv_end.get((t.dst, lv), 0.0), sched.end[first + n])
+    for k, (kern, c) in enumerate(zip(order.kernels, order.call)):
+        assert sched.start[k] >= max((recv_end.get((kern.rank, lv), 0.0) for lv in range(c)), default=0.0) - 1e-12
+    launch_end = {r: max(sched.end[k] for k, kern in enumerate(order.kernels) if kern.rank == r)
+                  for r in {kern.rank for kern in order.kernels}}
+    for n, t in enumerate(msgs):
+        if t.tensor == "o":
+            assert sched.start[first + n] >= launch_end[t.src] - 1e-12
+        assert tasks[first + n].kind == t.tensor
+
+
 def test_program_rejects_a_plan_that_sends_data_its_source_lacks():
     assign = torch.full((1, 2, 2), -1, dtype=torch.int32)
     assign[0, 0, 0] = 0

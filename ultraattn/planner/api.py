@@ -85,12 +85,14 @@ def rank_bytes(plan: TilePlan, phases=("fwd", "bwd")) -> dict[int, dict[str, int
 
 
 def evaluate(plan: TilePlan, pattern: BlockPattern, *, cost: CostModel = DEFAULT_COST, backward: bool = True,
-             fwd_priority=None) -> Evaluation:
+             fwd_priority=None, executed: bool = False) -> Evaluation:
+    """The plan replayed by the simulator (``schedule``); ``executed``: as the executor runs it
+    (``schedule.ExecutedOrder``: level by level), not launch by launch."""
     work = workload(pattern, plan.shape, num_chunks=plan.num_chunks, head_groups=plan.num_head_groups,
                     chunk=plan.chunk_size)
-    g_f = build_graph(plan, work, cost, "fwd")
+    g_f = build_graph(plan, work, cost, "fwd", executed=executed)
     fwd = simulate(g_f, fwd_priority)
-    bwd = simulate(build_graph(plan, work, cost, "bwd")) if backward else None
+    bwd = simulate(build_graph(plan, work, cost, "bwd", executed=executed)) if backward else None
     phases = ("fwd", "bwd") if backward else ("fwd",)
     rb = rank_bytes(plan, phases)
     comp = defaultdict(float)  # modeled kernel seconds

@@ -337,3 +337,57 @@ class TilePlan:
         for i, row in enumerate(self.assign_GPP[head_group].tolist()):
             lines.append(f"{i:5d} " + "".join(ch(r) for r in row))
         return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- message levels
+# [Note] Levels are how the executor (``runtime/executor.py``) orders a phase's messages, and the simulator replays a
+# plan "as executed" by the same rule (``schedule.build_graph(executed=True)``): one rule, here.
+
+
+def input_levels(steps: list[tuple[int, Transfer]],
+                 have: set[tuple[str, int, int, int]]) -> tuple[dict[int, int], list[tuple[int, Transfer]]]:
+    """The level of each input message ``(index, transfer)``: the level at which its source holds the unit. The
+    units in ``have`` ((tensor, chunk, head group, rank): owners, and what a rank kept from the forward) are held at
+    level 0; a unit received at level L is held from L + 1. Also the messages whose source never holds their unit
+    (an inconsistent plan; empty when every message has a level)."""
+    avail = {k: 0 for k in have}
+    level: dict[int, int] = {}
+    todo = list(steps)
+    while todo:
+        rest = []
+        for idx, t in todo:
+            key = (t.tensor, t.chunk, t.head_group, t.src)
+            if key in avail:
+                level[idx] = avail[key]
+                dkey = (t.tensor, t.chunk, t.head_group, t.dst)
+                avail[dkey] = min(avail.get(dkey, 1 << 30), level[idx] + 1)
+            else:
+                rest.append((idx, t))
+        if len(rest) == len(todo):
+            return level, rest
+        todo = rest
+    return level, []
+
+
+def partial_levels(steps: list[tuple[int, Transfer]]) -> dict[int, int]:
+    """The level of each partial message: one after the last partial its source receives for the same unit (the
+    reduction tree); a ``ValueError`` if they form a cycle."""
+    level: dict[int, int] = {}
+    incoming: dict[tuple, list[int]] = {}
+    for idx, t in steps:
+        incoming.setdefault((t.tensor, t.chunk, t.head_group, t.dst), []).append(idx)
+    by_idx = dict(steps)
+
+    def lev(idx: int, depth: int = 0) -> int:
+        if idx in level:
+            return level[idx]
+        if depth > len(steps):
+            raise ValueError("ultraattn: partial transfers form a cycle")
+        t = by_idx[idx]
+        ins = incoming.get((t.tensor, t.chunk, t.head_group, t.src), [])
+        level[idx] = 1 + max((lev(j, depth + 1) for j in ins), default=-1)
+        return level[idx]
+
+    for idx, _ in steps:
+        lev(idx)
+    return level

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.reference import softmax_delta
-from ..planner.plan import TilePlan, Transfer
+from ..planner.plan import TilePlan, Transfer, input_levels, partial_levels
 from .comm import CommLog, pack, spec_bytes, unpack
 from .tiles import TileGeometry, merge_partial, row_backward, row_forward
 from .transport import Recv, Send, Transport
@@ -65,51 +65,24 @@ class RankProgram:
 
 
 def _levels_inputs(steps: list[Step], have: set[tuple[str, int, int, int]]) -> list[list[Step]]:
-    """Level each input message: the level at which its source holds the unit."""
-    avail = {k: 0 for k in have}
-    level: dict[int, int] = {}
-    todo = list(steps)
-    while todo:
-        rest = []
-        for idx, t in todo:
-            key = (t.tensor, t.chunk, t.head_group, t.src)
-            if key in avail:
-                level[idx] = avail[key]
-                dkey = (t.tensor, t.chunk, t.head_group, t.dst)
-                avail[dkey] = min(avail.get(dkey, 1 << 30), level[idx] + 1)
-            else:
-                rest.append((idx, t))
-        if len(rest) == len(todo):
-            idx, t = rest[0]
-            raise PlanExecutionError(
-                f"transfer #{idx} ({t.phase} {t.tensor} chunk {t.chunk} group {t.head_group}) leaves rank {t.src}, "
-                f"which never holds that unit"
-            )
-        todo = rest
+    """Level each input message: the level at which its source holds the unit (``plan.input_levels``)."""
+    level, stuck = input_levels(steps, have)
+    if stuck:
+        idx, t = stuck[0]
+        raise PlanExecutionError(
+            f"transfer #{idx} ({t.phase} {t.tensor} chunk {t.chunk} group {t.head_group}) leaves rank {t.src}, "
+            f"which never holds that unit"
+        )
     return _bucket(steps, level)
 
 
 def _levels_partials(steps: list[Step]) -> list[list[Step]]:
-    """A partial leaves a rank one level after the last partial it receives for the same unit."""
-    level: dict[int, int] = {}
-    incoming: dict[tuple, list[int]] = defaultdict(list)
-    for idx, t in steps:
-        incoming[(t.tensor, t.chunk, t.head_group, t.dst)].append(idx)
-    by_idx = dict(steps)
-
-    def lev(idx: int, depth: int = 0) -> int:
-        if idx in level:
-            return level[idx]
-        if depth > len(steps):
-            raise PlanExecutionError("partial transfers form a cycle")
-        t = by_idx[idx]
-        ins = incoming.get((t.tensor, t.chunk, t.head_group, t.src), [])
-        level[idx] = 1 + max((lev(j, depth + 1) for j in ins), default=-1)
-        return level[idx]
-
-    for idx, _ in steps:
-        lev(idx)
-    return _bucket(steps, level)
+    """A partial leaves a rank one level after the last partial it receives for the same unit
+    (``plan.partial_levels``)."""
+    try:
+        return _bucket(steps, partial_levels(steps))
+    except ValueError as exc:
+        raise PlanExecutionError(str(exc).removeprefix("ultraattn: ")) from exc
 
 
 def _bucket(steps: list[Step], level: dict[int, int]) -> list[list[Step]]:
