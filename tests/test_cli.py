@@ -37,6 +37,9 @@ def test_plan_json_schema(tmp_path, capsys):
     assert d["compute_bound_ms"] > 0
     assert d["vs_compute_bound"] == pytest.approx((ours["fwd_ms"] + ours["bwd_ms"]) / d["compute_bound_ms"])
     assert d["vs_compute_bound"] >= 1 and f"{d['vs_compute_bound']:.2f}x the compute bound" in " ".join(out.split())
+    # the same plan as today's executor runs it (level by level): never faster than the compute bound either
+    assert d["executed_vs_compute_bound"] == pytest.approx(d["executed_ms"] / d["compute_bound_ms"])
+    assert d["executed_vs_compute_bound"] >= 1 and f"level by level) {d['executed_ms']:.2f} ms" in " ".join(out.split())
     # the report names every section
     for title in ("mask", "tile assignment", "per rank", "forward schedule", "solver", "baselines"):
         assert title in out

@@ -374,8 +374,8 @@ def _launches(ev: Evaluation, pattern: BlockPattern, *, cost: CostModel, backwar
 
 #: the timed launches' variants (``_timed``): at most this many cells to a launch, and how long a launch may wait
 #: for one more cell, in units of the plan's mean seconds per cell; each regrouped from ``TIMED_ROUNDS`` replays
-TIMED_CAPS = (2, 4, 8)
-TIMED_SLACKS = (0.0, 0.5, 1.0)
+TIMED_CAPS = (2, 4)
+TIMED_SLACKS = (0.0, 0.5)
 TIMED_ROUNDS = 2
 
 
