@@ -38,8 +38,9 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
 6. Kernel batches before the choice: a small plan (``REPLAY_TASKS``) is priced again with its cells in launches of
    2, 4 or 8 chunks (``price.best_batch``) and takes that grouping and price when cheaper; its pruning bound is then
    the compute bound alone (the busiest-stream bound is of its own launches). A baseline's own launches can be
-   short: Ulysses on one node launches each remote column alone, and batched it replayed 4-11 % faster than the
-   tiled plan chosen without this step on 32K 1x4 document masks.
+   short: Ulysses on one node launches each remote column alone, and batched it (or USP) replayed 4-10 % faster than
+   the tiled plan chosen without this step on 32K 1x4 document masks. (On several nodes step 8 also tries the
+   winner's own launches: ``Candidate.unbatched``.)
 7. The robust choice: the candidates priced within ``ROBUST_WINDOW`` of the cheapest (at most
    ``FINALISTS``) are priced again under the corners of the cost-model band (``planner.robust``; half of
    them on several nodes, ``Band.corners``), and
@@ -49,8 +50,8 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    a time limit: still deterministic).
 8. The kernel level, on small plans (``REPLAY_TASKS``): the chosen plan's remote cells regrouped in per-row launches
    of 2, 4 or 8 chunks (``build.kernel_groups(batch=)``), the cheaper-priced (``price.best_batch``) kept when it also
-   replays faster (on one node, not again when step 6 batched it already); on several nodes each of the three is
-   replayed (``price.batches``) and the fastest replay kept.
+   replays faster (on one node, not again when step 6 batched it already); on several nodes each of the three, and
+   the plan's own launches when step 6 batched it, is replayed (``price.batches``) and the fastest replay kept.
 
 Determinism: integer and float64 arithmetic in a fixed order (bincounts and sorts, no threaded BLAS in
 a decision), ties broken by index; pruning only skips candidates that cannot win.
