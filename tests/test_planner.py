@@ -324,6 +324,20 @@ def test_batched_kernels_group_a_rows_remote_cells_in_arrival_order(batch):
         kernel_groups(tp.owner, tp.assign_GPP, batch=0)
 
 
+def test_a_grid_finer_than_the_node_levels_item_limit_plans(monkeypatch):
+    """When no grouping of a node's chunks has at most ``tiling.MAX_NODE_ITEMS`` items (the refinement's grid on many
+    nodes: 32x8 at 2M tokens, 4 chunks per rank, is 1024 chunks), the node level keeps its coarse items instead of
+    failing (it raised StopIteration)."""
+    from ultraattn.planner import tiling
+
+    monkeypatch.setattr(tiling, "MAX_NODE_ITEMS", 2)   # 8 chunks on 2 nodes of 2: no grouping has 2 items or fewer
+    pat = grid_pattern(mask_grid("strided", 64), block=64, name="strided")
+    mesh = Mesh(nodes=2, devices=2)
+    res = plan(pat, AttnShape(seq_len=pat.q_len, **SHAPE), mesh, options=FAST, backward=False)
+    check_plan(res.plan, pat, backward=False)
+    assert res.plan.num_chunks == 8 or "refined" in " ".join(res.notes)
+
+
 def test_timed_launches_follow_the_replays_arrivals_and_beat_every_fixed_batch():
     """``launches.timed_kernels``: every cell in one launch on its rank, one row per launch, at most ``cap`` cells; a
     rank's local launches first (stage 0, one per row), then its remote ones in the order their first inputs arrived

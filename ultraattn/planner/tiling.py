@@ -161,7 +161,9 @@ def _node_level(weight_PP: torch.Tensor, *, mesh: Mesh, cost: CostModel, opts: P
         lv = node_level(1, "node level (fixed layout)", fixed=[r // n_dev for r in fixed_owner])
         sol, info = _solve_level(lv, opts, deadline=deadline, instances_left=1 + n_nodes)
         return 1, sol.own, dict(zip(lv.cells, sol.at)), [info]
-    fine_group = next(g for g in range(1, n_dev + 1) if n_dev % g == 0 and p // g <= MAX_NODE_ITEMS)
+    # the finest grouping with at most MAX_NODE_ITEMS items; none (a refined grid on many nodes: 32x8 at 4 chunks
+    # per rank is 1024 chunks) leaves the coarse level alone
+    fine_group = next((g for g in range(1, n_dev + 1) if n_dev % g == 0 and p // g <= MAX_NODE_ITEMS), n_dev)
     if progress:
         progress("node level")
     coarse = node_level(n_dev, "node level")
