@@ -395,3 +395,10 @@ def test_timed_launches_follow_the_replays_arrivals_and_beat_every_fixed_batch()
         check_plan(dataclasses.replace(base, kernels=kernels), pat, backward=False)
     with pytest.raises(ValueError, match="`cap` must be at least 1"):
         timed_kernels(base, sched, work, DEFAULT_COST, "fwd", cap=0)
+    # past OPTIONAL_BUDGETS x the time budget neither the timed launches nor the refinement start (on 32x8 at 2M they
+    # took 47 s and 56 s on top of a 20 s plan), and the notes say so
+    late = plan(pat, AttnShape(seq_len=s, num_heads=4, head_dim=64), mesh,
+                options=dataclasses.replace(FAST, time_budget=1e-3), backward=False)
+    check_plan(late.plan, pat, backward=False)
+    assert not any(n.startswith("launches timed") or n.startswith("refined") for n in late.notes), late.notes
+    assert any(n.startswith("no refinement: planning used") for n in late.notes), late.notes

@@ -34,6 +34,9 @@ from .tiling import PlannerOptions, TilingResult, tile
 
 #: the balance tolerance of the refinement pass (``PlannerOptions.refine_over``)
 REFINED_TOL = 0.02
+#: the optional passes after the first plan (timed launches, the refinement) start only while planning has used less
+#: than this many ``PlannerOptions.time_budget``s: on 32x8 at 2M tokens they took 47 s and 56 s on top of a 20 s plan
+OPTIONAL_BUDGETS = 2.0
 
 
 def check_layout(layout: TokenSharding, pattern: BlockPattern, shape: AttnShape, mesh: Mesh) -> None:
@@ -283,11 +286,17 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
     if progress:
         progress("kernel batches")
     bound = compute_bound_ms(pattern, shape, mesh, cost=cost, backward=backward)
+    deadline = t0 + OPTIONAL_BUDGETS * options.time_budget
     chosen, launch_notes = _launches(chosen, pattern, cost=cost, backward=backward,
-                                     timed_over=options.refine_over and options.refine_over * bound)
+                                     timed_over=options.refine_over and options.refine_over * bound, deadline=deadline)
     notes.extend(launch_notes)
     finer_fits = mesh.world * 2 * options.chunks_per_rank * pattern.q_block <= pattern.q_len
-    if options.refine_over and layout is None and finer_fits and key(chosen) > options.refine_over * bound:
+    late = time.perf_counter() > deadline
+    if late and options.refine_over and key(chosen) > options.refine_over * bound:
+        notes.append(f"no refinement: planning used {time.perf_counter() - t0:.1f} s, over {OPTIONAL_BUDGETS:g}x "
+                     f"the time budget ({options.time_budget:g} s)")
+    if (options.refine_over and layout is None and finer_fits and not late
+            and key(chosen) > options.refine_over * bound):
         # [Note] refinement: far from the compute bound, the tolerance itself (the ILPs spend it on traffic) and the
         # chunk size are what is left; plan once more on chunks half as long with a tighter tolerance, in a quarter
         # of the time budget, and keep the faster (global+local at 8x8, 512K: 1.38x -> 1.10x)
@@ -301,7 +310,8 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
             progress(f"refining ({key(chosen) / bound:.2f}x the compute bound)")
         ev2, _ = _tiled_plan(pattern, shape, mesh, cost=cost, options=finer, backward=backward, progress=progress,
                              layout=None)
-        ev2, _ = _launches(ev2, pattern, cost=cost, backward=backward, timed_over=options.refine_over * bound)
+        ev2, _ = _launches(ev2, pattern, cost=cost, backward=backward, timed_over=options.refine_over * bound,
+                           deadline=deadline)
         if key(ev2) < key(chosen) * (1 - 1e-9) and ev2.compute_imbalance <= 1 + options.balance_tol + 1e-9:
             notes.append(f"refined on {finer.chunks_per_rank} chunks per rank, tolerance {finer.balance_tol}: "
                          f"{key(ev2):.3f} ms, {key(ev2) / bound:.3f}x the compute bound (was {key(chosen):.3f} ms)")
@@ -359,14 +369,15 @@ def _tiled_plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: Co
 
 
 def _launches(ev: Evaluation, pattern: BlockPattern, *, cost: CostModel, backward: bool,
-              timed_over: float | None) -> tuple[Evaluation, list[str]]:
+              timed_over: float | None, deadline: float = float("inf")) -> tuple[Evaluation, list[str]]:
     """Kernel-level tiling of a chosen plan: fixed batches (``_batched``), then, while the plan still models above
-    ``timed_over`` ms (the refinement threshold), launches timed by its replay (``_timed``); notes of what won."""
+    ``timed_over`` ms (the refinement threshold), launches timed by its replay (``_timed``, no variant started after
+    ``deadline``, a ``perf_counter`` time); notes of what won."""
     ev, note = _batched(ev, pattern, cost=cost, backward=backward)
     notes = [note] if note else []
     key = (lambda e: e.total_ms()) if backward else (lambda e: e.fwd_ms)
     if timed_over and key(ev) > timed_over:
-        ev, note = _timed(ev, pattern, cost=cost, backward=backward)
+        ev, note = _timed(ev, pattern, cost=cost, backward=backward, deadline=deadline)
         if note:
             notes.append(note)
     return ev, notes
@@ -379,11 +390,12 @@ TIMED_SLACKS = (0.0, 0.5)
 TIMED_ROUNDS = 2
 
 
-def _timed(ev: Evaluation, pattern: BlockPattern, *, cost: CostModel, backward: bool) -> tuple[Evaluation, str]:
+def _timed(ev: Evaluation, pattern: BlockPattern, *, cost: CostModel, backward: bool,
+           deadline: float = float("inf")) -> tuple[Evaluation, str]:
     """The plan's cells regrouped into launches by when their inputs arrived in its replay (``launches``), for each
     cap and slack of ``TIMED_CAPS`` x ``TIMED_SLACKS``, each phase's replay, ``TIMED_ROUNDS`` times (each round from
-    the previous round's replay: arrivals move with the grouping); the fastest replay kept when it beats ``ev``.
-    (Star at 8x8, 512K: 1.12x -> 1.08x the compute bound; streaming 1.14x -> 1.09x.)"""
+    the previous round's replay: arrivals move with the grouping); the fastest replay kept when it beats ``ev``. No
+    round starts after ``deadline``. (Star at 8x8, 512K: 1.12x -> 1.08x the compute bound; streaming 1.14x -> 1.09x.)"""
     plan_ = ev.plan
     key = (lambda e: e.total_ms()) if backward else (lambda e: e.fwd_ms)
     work = workload(pattern, plan_.shape, num_chunks=plan_.num_chunks, head_groups=plan_.num_head_groups,
@@ -396,6 +408,8 @@ def _timed(ev: Evaluation, pattern: BlockPattern, *, cost: CostModel, backward: 
             for slack in TIMED_SLACKS:
                 cur = ev
                 for _ in range(TIMED_ROUNDS):
+                    if time.perf_counter() > deadline:
+                        break
                     kernels = timed_kernels(cur.plan, cur.fwd if phase == "fwd" else cur.bwd, work, cost, phase,
                                             cap=cap, slack=slack * per_cell)
                     cur = evaluate(dataclasses.replace(plan_, kernels=kernels,
