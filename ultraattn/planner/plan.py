@@ -344,6 +344,18 @@ class TilePlan:
 # plan "as executed" by the same rule (``schedule.build_graph(executed=True)``): one rule, here.
 
 
+def kernel_rows(kernels) -> list[tuple[int, int, int, list[int]]]:
+    """Each kernel's rows as the executor launches them: (rank, head group, q chunk, sorted kv chunks), kernel after
+    kernel in plan order, a kernel's rows in the order its cells first name them."""
+    out = []
+    for k in kernels:
+        rows: dict[int, list[int]] = {}
+        for i, j in k.cells:
+            rows.setdefault(i, []).append(j)
+        out.extend((k.rank, k.head_group, i, sorted(js)) for i, js in rows.items())
+    return out
+
+
 def input_levels(steps: list[tuple[int, Transfer]],
                  have: set[tuple[str, int, int, int]]) -> tuple[dict[int, int], list[tuple[int, Transfer]]]:
     """The level of each input message ``(index, transfer)``: the level at which its source holds the unit. The

@@ -42,6 +42,7 @@ from .plan import (
     TilePlan,
     Transfer,
     input_levels,
+    kernel_rows,
     padded_chunk,
     partial_levels,
 )
@@ -384,14 +385,9 @@ def executed_order(plan: TilePlan, phase: str) -> ExecutedOrder:
         key = (m.tensor in ROW_TENSORS, m.chunk, m.head_group, m.dst)
         came[key] = min(came.get(key, 1 << 30), level[n])
     cells: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)   # (rank, call, group, row) -> columns
-    for k in plan.kernels:
-        rows: dict[int, list[int]] = defaultdict(list)
-        for i, j in k.cells:
-            rows[i].append(j)
-        for i, js in rows.items():
-            got = [came.get((True, i, k.head_group, k.rank), -1)]
-            got += [came.get((False, j, k.head_group, k.rank), -1) for j in js]
-            cells[(k.rank, 1 + max(got), k.head_group, i)].extend(js)
+    for r, g, i, js in kernel_rows(plan.kernels):   # a kernel row runs once all its inputs are there
+        got = [came.get((True, i, g, r), -1)] + [came.get((False, j, g, r), -1) for j in js]
+        cells[(r, 1 + max(got), g, i)].extend(js)
     keys = sorted(cells)
     kernels = tuple(Kernel(rank=r, head_group=g, cells=tuple((i, j) for j in sorted(cells[(r, c, g, i)])), stage=c)
                     for r, c, g, i in keys)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.reference import softmax_delta
-from ..planner.plan import TilePlan, Transfer, input_levels, partial_levels
+from ..planner.plan import TilePlan, Transfer, input_levels, kernel_rows, partial_levels
 from .comm import CommLog, pack, spec_bytes, unpack
 from .tiles import TileGeometry, merge_partial, row_backward, row_forward
 from .transport import Recv, Send, Transport
@@ -124,14 +124,12 @@ def build_program(plan: TilePlan, rank: int) -> RankProgram:
     computes_row: dict[tuple[int, int], set[int]] = defaultdict(set)   # (c, g) -> ranks
     computes_col: dict[tuple[int, int], set[int]] = defaultdict(set)
     rows_of_rank: list[tuple[int, int, list[int]]] = []
-    for k in plan.kernels:
-        per_row: dict[int, list[int]] = defaultdict(list)
-        for i, j in k.cells:
-            per_row[i].append(j)
-            computes_row[(i, k.head_group)].add(k.rank)
-            computes_col[(j, k.head_group)].add(k.rank)
-        if k.rank == rank:
-            rows_of_rank.extend((k.head_group, i, sorted(js)) for i, js in per_row.items())
+    for r, g, i, js in kernel_rows(plan.kernels):
+        computes_row[(i, g)].add(r)
+        for j in js:
+            computes_col[(j, g)].add(r)
+        if r == rank:
+            rows_of_rank.append((g, i, js))
     finisher = _finishers(plan, by)
     owned_units = {(c, g) for c in range(plan.num_chunks) for g in range(g_count)}
 
