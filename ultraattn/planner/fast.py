@@ -36,11 +36,12 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    bound exceeds the best price so far. Our structure must meet the balance tolerance when one of its
    granularities does (the ILP planner's rule); a baseline is taken on its price alone.
 6. Kernel batches before the choice: a small plan (``REPLAY_TASKS``) is priced again with its cells in launches of
-   2, 4 or 8 chunks (``price.best_batch``) and takes that grouping and price when cheaper; its pruning bound is then
-   the compute bound alone (the busiest-stream bound is of its own launches). A baseline's own launches can be
-   short: Ulysses on one node launches each remote column alone, and batched it (or USP) replayed 4-10 % faster than
-   the tiled plan chosen without this step on 32K 1x4 document masks. (On several nodes step 8 also tries the
-   winner's own launches: ``Candidate.unbatched``.)
+   2, 4 or 8 chunks (``price.batches``, ``price.cheapest``) and takes that grouping and price when cheaper; its
+   pruning bound is then the compute bound alone (the busiest-stream bound is of its own launches). A baseline's own
+   launches can be short: Ulysses on one node launches each remote column alone, and batched it (or USP) replayed
+   4-10 % faster than the tiled plan chosen without this step on 32K 1x4 document masks. (On several nodes step 8
+   also tries the winner's own launches: ``Candidate.unbatched``; every step-8 grouping was priced here already:
+   ``Candidate.batch_tries``.)
 7. The robust choice: the candidates priced within ``ROBUST_WINDOW`` of the cheapest (at most
    ``FINALISTS``) are priced again under the corners of the cost-model band (``planner.robust``; half of
    them on several nodes, ``Band.corners``), and
@@ -49,7 +50,7 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    are small (``REPLAY_TASKS``), the simulator replays both and the faster replay wins (a size bound, not
    a time limit: still deterministic).
 8. The kernel level, on small plans (``REPLAY_TASKS``): the chosen plan's remote cells regrouped in per-row launches
-   of 2, 4 or 8 chunks (``build.kernel_groups(batch=)``), the cheaper-priced (``price.best_batch``) kept when it also
+   of 2, 4 or 8 chunks (``build.kernel_groups(batch=)``), the cheaper-priced (``price.cheapest``) kept when it also
    replays faster (on one node, not again when step 6 batched it already); on several nodes each of the three, and
    the plan's own launches when step 6 batched it, is replayed (``price.batches``) and the fastest replay kept.
 
@@ -80,7 +81,19 @@ from .baselines import BASELINES, REGISTRY, Baseline, NotApplicable
 from .build import kernel_groups
 from .cost import DEFAULT_COST, CostModel
 from .plan import AttnShape, Mesh, TilePlan, TokenSharding, padded_chunk
-from .price import Draft, Grid, Kernels, assemble, batches, best_batch, busy_bound, compute_bound, grid_of, price, route
+from .price import (
+    Draft,
+    Grid,
+    Kernels,
+    assemble,
+    batches,
+    busy_bound,
+    cheapest,
+    compute_bound,
+    grid_of,
+    price,
+    route,
+)
 from .robust import DEFAULT_BAND, Band, band_prices, regrets
 from .schedule import build_graph, simulate, workload
 
@@ -124,6 +137,9 @@ class Candidate:
     """What makes two of our candidates the same plan (grid, ownership, placement): a duplicate is not priced."""
     unbatched: tuple[Kernels, float] | None = None
     """Its own launches and their price, where ``FastPlanner.batched_form`` regrouped its draft's."""
+    batch_tries: list[tuple[int, Kernels, float]] | None = None
+    """Its cells in each kernel batch above 1, priced (``price.batches``), where ``FastPlanner.batched_form`` tried
+    them, adopted or not: the kernel level replays them without grouping and pricing them again."""
     _draft: Draft | None = None
 
     @property
@@ -265,12 +281,10 @@ class FastPlanner:
         # the planning-time target (128K on 1x8).
         d = best.get()
         batched_already = "kernel_batch" in d.meta and self.mesh.nodes == 1
-        if self.mesh.world > 1 and _tasks(d) <= REPLAY_TASKS and not batched_already:
-            grid = grid_of(cells, self.shape, self.cost, chunk=d.chunk, num_chunks=d.assign_GPP.shape[1],
-                           head_groups=d.assign_GPP.shape[0])
-            args = (d.owner, d.assign_GPP, d.messages, grid, self.mesh, self.shape, self.cost)
-            tries = (batches(*args, phases=self._phases) if self.mesh.nodes > 1
-                     else [best_batch(*args, phases=self._phases)])
+        if self._batchable(d) and not batched_already:
+            tries = best.batch_tries if best.batch_tries is not None else self._batch_tries(cells, d)
+            if self.mesh.nodes == 1:
+                tries = [cheapest(tries)]
             if best.unbatched is not None:   # batched before the choice: its own launches are one more try
                 tries = [(1, *best.unbatched)] + [t for t in tries if t[0] != d.meta["kernel_batch"]]
             fastest = replayed.get(best.name) or evaluate_plan(tp, cells, self.cost, backward=self.backward)
@@ -289,28 +303,34 @@ class FastPlanner:
         return tp
 
     def batched_form(self, cells: BlockCells, c: Candidate) -> Candidate:
-        """``c`` with its cells in the kernel batch that prices cheapest (``price.best_batch``), when that is cheaper
+        """``c`` with its cells in the kernel batch that prices cheapest (``price.cheapest``), when that is cheaper
         than its own launches and the plan is small (``REPLAY_TASKS``); else ``c``."""
         d = c.get()
         if not self._batchable(d):
             return c
         own = c.seconds if c.seconds is not None else price(d.kernels, d.messages, d.owner, d.assign_GPP.shape[0],
                                                             self.mesh, self.cost)
+        tries = self._batch_tries(cells, d)
+        b, kern, sec = cheapest(tries)
+        if sec >= own * (1 - 1e-9):
+            return dataclasses.replace(c, batch_tries=tries)
+        batched = dataclasses.replace(d, kernels=kern, meta={**d.meta, "kernel_batch": b})
+        return dataclasses.replace(c, seconds=sec, unbatched=(d.kernels, own), batch_tries=tries, _draft=batched)
+
+    def _batch_tries(self, cells: BlockCells, d: Draft) -> list[tuple[int, Kernels, float]]:
+        """``d``'s cells in each kernel batch above 1, priced (``price.batches``)."""
         grid = grid_of(cells, self.shape, self.cost, chunk=d.chunk, num_chunks=d.assign_GPP.shape[1],
                        head_groups=d.assign_GPP.shape[0])
-        b, kern, sec = best_batch(d.owner, d.assign_GPP, d.messages, grid, self.mesh, self.shape, self.cost,
-                                  phases=self._phases)
-        if sec >= own * (1 - 1e-9):
-            return c
-        batched = dataclasses.replace(d, kernels=kern, meta={**d.meta, "kernel_batch": b})
-        return dataclasses.replace(c, seconds=sec, unbatched=(d.kernels, own), _draft=batched)
+        return batches(d.owner, d.assign_GPP, d.messages, grid, self.mesh, self.shape, self.cost, phases=self._phases)
 
     def regrets(self, cells: BlockCells | BlockPattern, band: Band = DEFAULT_BAND) -> dict[str, float]:
         """Every eligible candidate's worst-case regret over ``band`` (``planner.robust``) against the others, each
         priced in full (no pruning: for reports, not the planning budget) in its best-priced kernel batch
         (``batched_form``, as ``plan`` prices its leading candidates). ``plan``'s choice is ``meta["candidate"]``."""
         cells = self._check(cells)
-        cands = [self.batched_form(cells, c) for c in self.candidates(cells) if c.eligible]
+        # (``candidates`` put every candidate it priced in its batched form already)
+        cands = [c if c.seconds is not None else self.batched_form(cells, c)
+                 for c in self.candidates(cells) if c.eligible]
         return regrets(band_prices({c.name: c.get() for c in cands}, self.mesh, self.cost, band))
 
     def build(self, cand: Candidate, kernels: Kernels | None = None, **meta) -> TilePlan:

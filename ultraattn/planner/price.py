@@ -476,15 +476,14 @@ def batches(owner: np.ndarray, assign_GPP: np.ndarray, msgs: Messages, grid: Gri
     return out
 
 
-def best_batch(owner: np.ndarray, assign_GPP: np.ndarray, msgs: Messages, grid: Grid, mesh: Mesh, shape: AttnShape,
-               cost: CostModel, *, phases: tuple[int, ...]) -> tuple[int, Kernels, float]:
-    """The batch size above 1 (``build.BATCHES``) whose grouping of this plan's cells prices cheapest, its kernels and
-    its price."""
+def cheapest(tries: list[tuple[int, Kernels, float]]) -> tuple[int, Kernels, float]:
+    """The cheapest-priced of ``batches``' groupings (the smallest batch of equal prices)."""
     best = None
-    for b, kern, sec in batches(owner, assign_GPP, msgs, grid, mesh, shape, cost, phases=phases):
+    for b, kern, sec in tries:
         if best is None or sec < best[2] * (1 - 1e-9):
             best = (b, kern, sec)
     return best
+
 
 
 def price_plan(plan: TilePlan, grid: Grid, cost: CostModel, *, backward: bool = True) -> float:
