@@ -72,6 +72,8 @@ class Evaluation:
                 "compute_imbalance": self.compute_imbalance}
 
     def total_ms(self) -> float:
+        """Forward + backward; the forward alone where the backward was not replayed (``evaluate(backward=False)``):
+        what the planner minimises either way."""
         return self.fwd_ms + (self.bwd_ms or 0.0)
 
 
@@ -252,7 +254,7 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
         if progress:
             progress("schedule ILP")
         ev_ours, sched_info = refine_schedule(ev_ours, time_limit=options.schedule_time_limit)
-    key = (lambda e: e.total_ms()) if backward else (lambda e: e.fwd_ms)
+    key = Evaluation.total_ms
     # candidates: a baseline-structured plan is simulated during planning only when its lower
     # bound beats our plan; the rest are simulated afterwards, for the comparison alone
     if progress:
@@ -375,7 +377,7 @@ def _launches(ev: Evaluation, pattern: BlockPattern, *, cost: CostModel, backwar
     ``deadline``, a ``perf_counter`` time); notes of what won."""
     ev, note = _batched(ev, pattern, cost=cost, backward=backward)
     notes = [note] if note else []
-    key = (lambda e: e.total_ms()) if backward else (lambda e: e.fwd_ms)
+    key = Evaluation.total_ms
     if timed_over and key(ev) > timed_over:
         ev, note = _timed(ev, pattern, cost=cost, backward=backward, deadline=deadline)
         if note:
@@ -397,7 +399,7 @@ def _timed(ev: Evaluation, pattern: BlockPattern, *, cost: CostModel, backward: 
     the previous round's replay: arrivals move with the grouping); the fastest replay kept when it beats ``ev``. No
     round starts after ``deadline``. (Star at 8x8, 512K: 1.12x -> 1.08x the compute bound; streaming 1.14x -> 1.09x.)"""
     plan_ = ev.plan
-    key = (lambda e: e.total_ms()) if backward else (lambda e: e.fwd_ms)
+    key = Evaluation.total_ms
     work = workload(pattern, plan_.shape, num_chunks=plan_.num_chunks, head_groups=plan_.num_head_groups,
                     chunk=plan_.chunk_size)
     best, best_how = ev, ""
@@ -429,7 +431,7 @@ def _batched(ev: Evaluation, pattern: BlockPattern, *, cost: CostModel, backward
     (Replayed, not priced: the closed-form price bounds a grouping's stalls less tightly the longer its launches,
     so it always prefers the longest; the replay finds 4 best on strided masks, 8 on causal ones.)"""
     plan_ = ev.plan
-    key = (lambda e: e.total_ms()) if backward else (lambda e: e.fwd_ms)
+    key = Evaluation.total_ms
     best, best_b = ev, 1
     for b in BATCHES[1:]:
         kernels = tuple(group_kernels(owner=list(plan_.owner), assign_GPP=plan_.assign_GPP, batch=b,
