@@ -90,6 +90,14 @@ def route_transfers(
     return out
 
 
+def input_stage(owner: np.ndarray, rank_N: np.ndarray, i_N: np.ndarray, j_N: np.ndarray, devices: int) -> np.ndarray:
+    """Where each cell's inputs come from, the later of its row's and its column's: 0 the computing rank, 1 its node,
+    2 another node (``devices`` per node)."""
+    node = rank_N // devices
+    return np.maximum(*(np.where(owner[c] == rank_N, 0, np.where(owner[c] // devices == node, 1, 2))
+                        for c in (i_N, j_N)))
+
+
 #: batch sizes the planners try for remote cells (``kernel_groups``; 1: the unbatched launches)
 BATCHES = (1, 2, 4, 8)
 
@@ -118,9 +126,7 @@ def kernel_groups(owner, assign_GPP, *, batch: int = 1, devices: int = 1) -> tup
         kj = np.where(lj, -1, j)
         stage_N = ((ki >= 0) & ~li).astype(np.int64) + (kj >= 0)
     else:
-        # where each cell's inputs come from: 0 this rank, 1 this node, 2 another node (the later of row, column)
-        node = r // devices
-        stage_N = np.maximum(*(np.where(own[c] == r, 0, np.where(own[c] // devices == node, 1, 2)) for c in (i, j)))
+        stage_N = input_stage(own, r, i, j, devices)
         # per (rank, group, row): the local cells one launch, the remote ones in expected arrival order (stage, then
         # column), ``batch`` to a launch
         order = np.lexsort((j, stage_N, i, g, r))

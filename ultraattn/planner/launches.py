@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from .build import input_stage
 from .cost import CostModel
 from .plan import ROW_TENSORS, Kernel, TilePlan
 from .schedule import INPUT_TENSORS, Schedule, Workload
@@ -42,22 +43,18 @@ def timed_kernels(plan: TilePlan, schedule: Schedule, work: Workload, cost: Cost
         raise ValueError(f"`cap` must be at least 1, got {cap!r}")
     arrive = arrivals(plan, schedule, phase)
     own = np.asarray(plan.owner, dtype=np.int64)
-    devices = plan.mesh.devices
     a = plan.assign_GPP.numpy()
     g_n, i_n, j_n = np.nonzero(a >= 0)
     r_n = a[g_n, i_n, j_n].astype(np.int64)
+    stage_n = input_stage(own, r_n, i_n, j_n, plan.mesh.devices)
     local: dict[int, dict[tuple[int, int], list]] = defaultdict(lambda: defaultdict(list))
     remote: dict[int, dict[tuple[int, int], list]] = defaultdict(lambda: defaultdict(list))
-    for g, i, j, r in zip(g_n.tolist(), i_n.tolist(), j_n.tolist(), r_n.tolist()):
-        ready, stage = 0.0, 0
-        for tensor in INPUT_TENSORS[phase]:
-            c = i if tensor in ROW_TENSORS else j
-            if own[c] != r:
-                ready = max(ready, arrive.get((tensor, c, g, r), 0.0))
-                stage = max(stage, 1 if own[c] // devices == r // devices else 2)
+    for g, i, j, r, stage in zip(g_n.tolist(), i_n.tolist(), j_n.tolist(), r_n.tolist(), stage_n.tolist()):
         if stage == 0:
             local[r][(g, i)].append((i, j))
-        else:
+        else:   # (a unit this rank holds, owned or kept from the forward, arrives at 0)
+            ready = max(arrive.get((tensor, i if tensor in ROW_TENSORS else j, g, r), 0.0)
+                        for tensor in INPUT_TENSORS[phase])
             remote[r][(g, i)].append((ready, j, stage))
     kernels: list[Kernel] = []
     for r in sorted(set(local) | set(remote)):
