@@ -168,6 +168,8 @@ def run_case(case: Case, rank: int, world: int, timeout: float = 60.0) -> dict:
                                     block_size=case.block, method=case.method, mesh=mesh, options=FAST,
                                     timeout=timeout, planner=case.planner)
     t_plan = time.perf_counter() - t0
+    if "remake" in case.extra:   # the same mask and shapes, another plan (``REMAKE``)
+        plan.tile_plan = REMAKE[case.extra["remake"]](plan.tile_plan)
     q, k, v, go, gl = inputs(case)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     ql, kl, vl = (ultraattn.dispatch(x, plan) for x in (q, k, v))
@@ -187,9 +189,47 @@ def run_case(case: Case, rank: int, world: int, timeout: float = 60.0) -> dict:
         tp = plan.tile_plan
         res.update(out=out.detach(), lse=lse_g.detach(), dq=grads[0], dk=grads[1], dv=grads[2],
                    transfers=[(t.phase, t.tensor, t.chunk, t.head_group, t.src, t.dst, t.nbytes) for t in tp.transfers],
-                   structure=tp.meta.get("structure", tp.method), world=tp.world,
+                   structure=tp.meta.get("structure", tp.method), world=tp.world, relays=pure_relays(tp),
                    kernel_batch=tp.meta.get("kernel_batch", 1))
     return res
+
+
+def node_one_on_its_last_rank(tp):
+    """A causal plan for 2x2 ranks with chunks owned in sequence order (``chunk_size`` 16: four per rank), every
+    cell computed where its row lives, except two blocks: the last rank computes all of the second node's cells on
+    the first node's columns (it alone needs eight K/V units from the other node), and the first rank computes the
+    second rank's cells on its own columns (so that the second rank does not use them). ``build.NodeLinks`` lands
+    some of the eight on the other rank of the last rank's node and sends some from the second rank (pure relays:
+    they hold a unit they neither own nor use)."""
+    from ultraattn.planner.build import make_plan
+
+    chunk = 16
+    p = tp.shape.seq_len // chunk
+    owner = [c // (p // 4) for c in range(p)]
+    assign = torch.full((1, p, p), -1, dtype=torch.int32)
+    for i in range(p):
+        for j in range(i + 1):
+                assign[0, i, j] = 3 if (i >= p // 2 and j < p // 2) else 0 if owner[i] == 1 and owner[j] == 0 \
+                    else owner[i]
+    return make_plan(method="ultraattn", owner=owner, assign_GPP=assign, mesh=tp.mesh, shape=tp.shape, chunk=chunk,
+                     meta={"structure": "hand-routed"})
+
+
+#: plans a case may replace the planner's with (``Case.extra["remake"]``): pure functions of the planner's plan
+REMAKE = {"node_one_on_its_last_rank": node_one_on_its_last_rank}
+
+
+def pure_relays(tp) -> dict[str, int]:
+    """Input messages to a rank that neither owns nor uses their unit, by whether they cross a node link (a landing
+    relay) or stay inside the owner's node (a sending relay)."""
+    a = tp.assign_GPP
+    out = {"landing": 0, "sending": 0}
+    for t in tp.transfers:
+        if t.tensor in ("q", "qdo", "kv"):
+            line = a[t.head_group, :, t.chunk] if t.tensor == "kv" else a[t.head_group, t.chunk, :]
+            if tp.owner[t.chunk] != t.dst and not bool((line == t.dst).any()):
+                out["sending" if tp.mesh.same_node(t.dst, tp.owner[t.chunk]) else "landing"] += 1
+    return out
 
 
 def check_bytes(results: list[dict]) -> list[str]:

@@ -25,8 +25,8 @@ from runtime_cases import (
 from ultraattn.testing import RankFailure, run_ranks
 
 
-def run_and_check(cases: list[Case], world: int, timeout: float = 420.0, env: dict | None = None) -> set[int]:
-    """Every case exact and moving the plan's bytes; returns the kernel batches the plans used (``build.BATCHES``)."""
+def run_and_check(cases: list[Case], world: int, timeout: float = 420.0, env: dict | None = None) -> list[dict]:
+    """Every case exact and moving the plan's bytes; returns each case's rank-0 result (``run_case``)."""
     per_rank = run_ranks(cases_worker, world, args=(cases,), timeout=timeout, env=env)
     problems = []
     for n, case in enumerate(cases):
@@ -35,7 +35,12 @@ def run_and_check(cases: list[Case], world: int, timeout: float = 420.0, env: di
         problems += check_numerics(case, results[0])
         problems += [f"{case.name}: {m}" for m in check_bytes(results)]
     assert not problems, "\n".join(problems)
-    return {per_rank[0][n]["kernel_batch"] for n in range(len(cases))}
+    return [per_rank[0][n] for n in range(len(cases))]
+
+
+def batches(results: list[dict]) -> set[int]:
+    """The kernel batches the cases' plans used (``build.BATCHES``)."""
+    return {r["kernel_batch"] for r in results}
 
 
 def _lib(**kw) -> list[Case]:
@@ -97,7 +102,7 @@ def test_world4_every_mask_and_baselines():
     cases += [Case(mask="document", kwargs=(("lengths", (50, 90, 60, 50)),), seqlen=250, method=m)
               for m in ("ulysses", "allgather")]
     # the planner's plans run with their remote cells batched in longer launches and without (build.kernel_groups)
-    assert len(run_and_check(cases, 4)) > 1
+    assert len(batches(run_and_check(cases, 4))) > 1
 
 
 def test_world4_low_precision():
@@ -112,7 +117,13 @@ def test_mesh_2x2_two_nodes():
              if m in ("causal", "global_local", "document", "random")]
     cases.append(Case(mask="causal", seqlen=256, heads=4, kv_heads=2, mesh=(2, 2), method="usp"))
     cases.append(Case(mask="strided", kwargs=(("block", 32),), seqlen=256, heads=4, kv_heads=2, mesh=(2, 2)))
-    assert max(run_and_check(cases, 4)) > 1   # batched launches over inputs from the other node too
+    # pure relays at both ends of a node crossing (``build.NodeLinks``): a rank lands K/V only its node's other rank
+    # uses, and a rank sends K/V it got from its node's owner, reducing the partials that come back
+    cases.append(Case(mask="causal", seqlen=256, heads=4, kv_heads=2, block=16, mesh=(2, 2),
+                      extra={"remake": "node_one_on_its_last_rank"}))
+    res = run_and_check(cases, 4)
+    assert max(batches(res)) > 1   # batched launches over inputs from the other node too
+    assert res[-1]["structure"] == "hand-routed" and min(res[-1]["relays"].values()) > 0, res[-1]["relays"]
 
 
 def test_world8():

@@ -1,11 +1,19 @@
 """Assemble a ``TilePlan`` from ownership and cell assignment: transfers and kernels.
 
 Routing (hierarchical, the comm side of context tiling): a Q or KV unit that ranks of
-another node need crosses the node boundary ONCE, landing on one of those ranks, and
-is relayed over NVLink to the node's other consumers. Partial results travel the other
-way: ranks of a remote node reduce into the landing rank, which sends one partial
-across. The landing rank of each (unit, node) is the consumer with the least
-inter-node traffic so far (spreads the load over the node's NICs).
+another node need crosses the node boundary ONCE per node, landing on one rank there, and
+is relayed over NVLink to the node's consumers. Partial results travel the other way:
+the node's consumers reduce into the landing rank, which sends one partial across. Both
+ends of a crossing spread over the NICs (``NodeLinks``, one NIC per GPU as on a DGX H100):
+the landing rank is the receiving node's rank whose link has carried least so far
+(preferring the consumers), and the sending rank likewise on the owner's node (preferring
+the owner and the unit's senders so far, which hold it; any other rank gets the unit from
+the owner over NVLink first and reduces the partials of the nodes it serves). Before
+(landing on a consumer, sending from the owner), a rank that alone needed a long
+document's earlier K/V received all of it through its own NIC while its node's other
+NICs idled: on the 32K packed-document mask of ``benchmarks/replan.py`` on 8x8, rank 57
+took 12 units and was the busiest stream of the fast planner's plan (0.80 of its 1.25 ms
+priced backward+forward); spread, the plan prices 0.72 ms.
 
 Kernel-level tiling: a rank's cells are grouped into launches by which remote inputs
 they need: cells on local data form stage 0, one launch per local row (they run while
@@ -25,6 +33,7 @@ launch's wait being loose).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import numpy as np
@@ -43,18 +52,83 @@ def _unit_flows(backward: bool) -> tuple[list[tuple[str, str, str]], list[tuple[
     return rows, cols
 
 
+class NodeLinks:
+    """Where each unit crosses a node link: the rank that lands it and the rank that sends it, chosen to spread the
+    crossings over the NICs (module docstring, "Routing"). The routers' one rule: ``route_transfers`` here, and
+    ``price.route`` (vectorised) for the fast planner.
+
+    It counts the bytes each rank's node link has carried so far, per phase and direction (a NIC is full duplex;
+    the phases are priced apart), and takes the rank whose busiest count stays least: for landing, among the
+    receiving node's ranks; for sending, among the owner's node's ranks except the node's own consumers of the unit
+    (their launches would hold the partials the sender reduces). A rank that neither uses nor holds the unit
+    counts one unit's bytes more (it costs a hop over NVLink, and a level of the executor's exchange); ties go to the
+    ranks that do, then to the lowest."""
+
+    def __init__(self, world: int, devices: int) -> None:
+        self.dev = devices
+        self.load = [[0.0] * 4 for _ in range(world)]
+        """Bytes each rank's node link has sent and received: [fwd out, fwd in, bwd out, bwd in]."""
+        self._land = self._send = (0.0,) * 4
+
+    def unit(self, flows, shape: AttnShape, chunk: int, groups: int) -> None:
+        """Set the unit the next crossings move: its (input, partial, phase) flows. The inputs go sender -> landing
+        rank, the partials come back."""
+        land, send = [0.0] * 4, [0.0] * 4
+        for inp, part, phase in flows:
+            k = 2 * ("fwd", "bwd").index(phase)
+            n_in = shape.unit_bytes(inp, chunk, groups)
+            n_p = shape.unit_bytes(part, chunk, groups) if part else 0
+            land[k + 1] += n_in
+            land[k] += n_p
+            send[k] += n_in
+            send[k + 1] += n_p
+        self._land, self._send = tuple(land), tuple(send)
+        self._after = {d: [max(x + y for x, y in zip(ld, d)) for ld in self.load] for d in (self._land, self._send)}
+
+    def cross(self, owner: int, consumers, have: set[int], skip=(), land: int | None = None) -> tuple[int, int]:
+        """(landing rank, sending rank) of the unit crossing to the node of ``consumers`` (its ranks that need it):
+        ``have`` the owner's node's ranks that hold it (the owner, its senders so far), ``skip`` that node's own
+        consumers, ``land`` a landing rank chosen already (the ILP planner's)."""
+        dev = self.dev
+        if land is None:
+            base = next(iter(consumers)) // dev * dev
+            land = self._least(base, self._after[self._land], max(self._land), consumers, ())
+        self._add(land, self._land)
+        snd = self._least(owner // dev * dev, self._after[self._send], max(self._send), have, skip)
+        self._add(snd, self._send)
+        return land, snd
+
+    def _least(self, base: int, after: list[float], pen: float, free, skip) -> int:
+        best, best_v, best_out = -1, math.inf, True
+        for x in range(base, base + self.dev):
+            if x in skip:
+                continue
+            out = x not in free
+            v = after[x] + pen if out else after[x]
+            if v < best_v or (v == best_v and best_out and not out):
+                best, best_v, best_out = x, v, out
+        return best
+
+    def _add(self, rank: int, delta: tuple[float, ...]) -> None:
+        self.load[rank] = ld = [x + y for x, y in zip(self.load[rank], delta)]
+        for d, aft in self._after.items():
+            aft[rank] = max(x + y for x, y in zip(ld, d))
+
+
 def route_transfers(
     *, owner: list[int], assign_GPP: torch.Tensor, mesh: Mesh, shape: AttnShape, chunk: int,
     backward: bool = True, hierarchical: bool = True, landing: dict[tuple[int, int], int] | None = None,
 ) -> list[Transfer]:
-    """Transfers that bring every cell's inputs to its computing rank and partials back."""
+    """Transfers that bring every cell's inputs to its computing rank and partials back (module docstring,
+    "Routing"); ``landing``: the landing rank of (chunk, node) where the ILP planner chose it."""
     g_count, p, _ = assign_GPP.shape
     out: list[Transfer] = []
-    inter_load: dict[int, int] = defaultdict(int)
+    links = NodeLinks(mesh.world, mesh.devices)
     rows_flows, cols_flows = _unit_flows(backward)
     a = assign_GPP.tolist()
     for g in range(g_count):
         for axis, flows in (("row", rows_flows), ("col", cols_flows)):
+            links.unit(flows, shape, chunk, g_count)
             for c in range(p):
                 line = a[g][c] if axis == "row" else [a[g][i][c] for i in range(p)]
                 consumers = sorted({r for r in line if r >= 0} - {owner[c]})
@@ -64,29 +138,24 @@ def route_transfers(
                 by_node: dict[int, list[int]] = defaultdict(list)
                 for r in consumers:
                     by_node[mesh.node_of(r)].append(r)
+                have = {src}
+                local = by_node.get(mesh.node_of(src), [])
                 for node, ranks in sorted(by_node.items()):
-                    if node == mesh.node_of(src) or not hierarchical or len(ranks) == 1:
+                    if node == mesh.node_of(src) or not hierarchical:
                         hops = [(src, r) for r in ranks]
-                        land = None
                     else:
-                        land = (landing or {}).get((c, node))
-                        if land is None:
-                            land = min(ranks, key=lambda r: (inter_load[r], r))
-                        hops = [(src, land)] + [(land, r) for r in ranks if r != land]
+                        land, snd = links.cross(src, ranks, have, local, (landing or {}).get((c, node)))
+                        hops = [] if snd in have else [(src, snd)]
+                        have.add(snd)
+                        hops += [(snd, land)] + [(land, r) for r in ranks if r != land]
                     for inp, part, phase in flows:
                         n_in = shape.unit_bytes(inp, chunk, g_count)
-                        for s, d in hops:
-                            out.append(Transfer(tensor=inp, chunk=c, head_group=g, src=s, dst=d,
-                                                nbytes=n_in, phase=phase))
-                            if not mesh.same_node(s, d):
-                                inter_load[d] += n_in
+                        out.extend(Transfer(tensor=inp, chunk=c, head_group=g, src=s, dst=d, nbytes=n_in,
+                                            phase=phase) for s, d in hops)
                         if part:
                             n_p = shape.unit_bytes(part, chunk, g_count)
-                            for s, d in reversed(hops):
-                                out.append(Transfer(tensor=part, chunk=c, head_group=g, src=d, dst=s,
-                                                    nbytes=n_p, phase=phase))
-                                if not mesh.same_node(s, d):
-                                    inter_load[d] += n_p
+                            out.extend(Transfer(tensor=part, chunk=c, head_group=g, src=d, dst=s, nbytes=n_p,
+                                                phase=phase) for s, d in reversed(hops))
     return out
 
 

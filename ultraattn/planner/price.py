@@ -18,7 +18,7 @@ import torch
 
 from ..masks.cells import BlockCells
 from ..masks.pattern import BlockPattern
-from .build import BATCHES, kernel_groups
+from .build import BATCHES, NodeLinks, kernel_groups
 from .cost import CostModel, block_flops
 from .plan import AttnShape, Kernel, Mesh, TilePlan, Transfer
 
@@ -80,13 +80,10 @@ def route(owner: np.ndarray, assign_GPP: np.ndarray, mesh: Mesh, shape: AttnShap
           backward: bool) -> Messages:
     """Messages that bring every cell's inputs to its computing rank and partials back (vectorised).
 
-    Hierarchical like ``build.route_transfers``: a unit that several ranks of another node need crosses
-    the node boundary once, landing on one of them, and is relayed inside the node; partials reduce the
-    other way. The landing rank of (unit, node) is the consumer there with the least inter-node bytes so far
-    (a loop over the units that cross a node link): with one head group, the same transfers as
-    ``build.route_transfers`` (tested), the ILP planner's router. (It replaced landing on the
-    ``(chunk + group) mod n``-th consumer, which left one rank's NIC with 3x the mean inter-node bytes on a
-    32K document mask on 8x8; on the other masks of ``benchmarks/replan.py`` the two rules trade places.)
+    Hierarchical, as ``build.route_transfers`` routes (``build`` module docstring, "Routing"): a unit crosses a
+    node link once per node that needs it, landing and sent where ``build.NodeLinks`` says (a loop over the
+    crossings, in order), relayed inside the node; partials reduce the other way. With one head group, the same
+    transfers as ``build.route_transfers`` (tested), the ILP planner's router.
     """
     g_count, p, _ = assign_GPP.shape
     w, dev = mesh.world, mesh.devices
@@ -95,7 +92,7 @@ def route(owner: np.ndarray, assign_GPP: np.ndarray, mesh: Mesh, shape: AttnShap
     flows = {"row": [("q", "o", "fwd")] + ([("qdo", "dq", "bwd")] if backward else []),
              "col": [("kv", "", "fwd")] + ([("kv", "dkv", "bwd")] if backward else [])}
     parts: dict[str, list[Messages]] = {"fwd": [], "bwd": []}
-    inter = [0.0] * w   # bytes each rank has taken in (inputs) and sent back (partials) over its node link
+    links = NodeLinks(w, dev)
     for axis, unit in (("row", i), ("col", j)):
         used = np.zeros((g_count, p, w), dtype=bool)
         used[g, unit, r] = True
@@ -104,31 +101,41 @@ def route(owner: np.ndarray, assign_GPP: np.ndarray, mesh: Mesh, shape: AttnShap
         src = owner[cc]
         dnode = dd // dev
         grp = (gg * p + cc) * mesh.nodes + dnode  # consumers of a (unit, node) are contiguous
-        cnt = np.bincount(grp, minlength=g_count * p * mesh.nodes)[grp]
         starts = np.flatnonzero(np.r_[grp.size > 0, grp[1:] != grp[:-1]])
-        relay = (dnode != src // dev) & (cnt > 1)
-        # every (unit, node) across a node link in turn, as ``build.route_transfers``: one consumer there takes
-        # the unit straight; of several, the one with the least inter-node bytes so far lands it
-        nbytes = sum(shape.unit_bytes(inp, chunk, g_count) + (shape.unit_bytes(part, chunk, g_count) if part else 0)
-                     for inp, part, _ in flows[axis])
-        is_land = np.zeros(grp.size, dtype=bool)
-        dl = dd.tolist()
+        ends = np.r_[starts[1:], grp.size]
+        links.unit(flows[axis], shape, chunk, g_count)
+        prio = np.full(grp.size, 2, dtype=np.int64)   # 0 owner -> sender, 1 sender -> landing rank, 2 inside a node
+        hop_src = src.copy()
+        dl, ul, sl = dd.tolist(), (gg * p + cc).tolist(), src.tolist()
         cross = (dnode != src // dev)[starts]
-        for a, b in zip(starts[cross].tolist(), np.r_[starts[1:], grp.size][cross].tolist()):
-            land = a if b - a == 1 else min(range(a, b), key=lambda n: (inter[dl[n]], n))
-            is_land[land] = True
-            inter[dl[land]] += nbytes
-        is_land &= relay
-        land_of = np.full(g_count * p * mesh.nodes, -1, dtype=np.int64)
-        land_of[grp[is_land]] = dd[is_land]
-        hop_src = np.where(relay & ~is_land, land_of[grp], src)
-        # the landing hop first within each (unit, node): relays forward what arrived there
-        order = np.lexsort((dd, ~is_land, grp))
+        local = {ul[a]: set(dl[a:b]) for a, b in zip(starts[~cross].tolist(), ends[~cross].tolist())}
+        held: dict[int, set[int]] = {}   # unit -> its owner and its senders so far
+        extra: list[tuple[int, int, int, int, int]] = []   # (unit, src, dst, group key, prio): hops to a relay
+        for a, b in zip(starts[cross].tolist(), ends[cross].tolist()):
+            u, o = ul[a], sl[a]
+            mine = dl[a:b]
+            have = held.setdefault(u, {o})
+            land, snd = links.cross(o, mine, have, local.get(u, ()))
+            if snd not in have:
+                have.add(snd)
+                extra.append((u, o, snd, int(grp[a]), 0))
+            hop_src[a:b] = land
+            if land in mine:
+                n = a + mine.index(land)
+                hop_src[n], prio[n] = snd, 1
+            else:
+                extra.append((u, snd, land, int(grp[a]), 1))
+        if extra:
+            eu, es, ed, eg, ep = (np.asarray(x, dtype=np.int64) for x in zip(*extra))
+            gg, cc, dd, hop_src = np.r_[gg, eu // p], np.r_[cc, eu % p], np.r_[dd, ed], np.r_[hop_src, es]
+            grp, prio = np.r_[grp, eg], np.r_[prio, ep]
+        # per (unit, node): the owner -> sender hop first, then the landing hop, then the relays inside the node
+        order = np.lexsort((dd, prio, grp))
         gg, cc, dd, hop_src = gg[order], cc[order], dd[order], hop_src[order]
         for inp, part, phase in flows[axis]:
             parts[phase].append(Messages.make(inp, phase, cc, gg, hop_src, dd, shape.unit_bytes(inp, chunk, g_count)))
             if part:
-                rev = slice(None, None, -1)  # leaves first, the landing rank's partial last
+                rev = slice(None, None, -1)  # leaves first, the landing rank's partial, the sender's last
                 parts[phase].append(Messages.make(part, phase, cc[rev], gg[rev], dd[rev], hop_src[rev],
                                                   shape.unit_bytes(part, chunk, g_count)))
     return Messages.concat(parts["fwd"] + parts["bwd"])
