@@ -64,8 +64,10 @@ class NodeLinks:
     counts one unit's bytes more (it costs a hop over NVLink, and a level of the executor's exchange); ties go to the
     ranks that do, then to the lowest."""
 
-    def __init__(self, world: int, devices: int) -> None:
+    def __init__(self, world: int, devices: int, spread: bool = True) -> None:
         self.dev = devices
+        self.spread = spread
+        """False: land on a consumer and send from the owner (no relay outside the unit's users)."""
         self.load = [[0.0] * 4 for _ in range(world)]
         """Bytes each rank's node link has sent and received: [fwd out, fwd in, bwd out, bwd in]."""
         self._land = self._send = (0.0,) * 4
@@ -92,9 +94,11 @@ class NodeLinks:
         dev = self.dev
         if land is None:
             base = next(iter(consumers)) // dev * dev
-            land = self._least(base, self._after[self._land], max(self._land), consumers, ())
+            others = () if self.spread else set(range(base, base + dev)) - set(consumers)
+            land = self._least(base, self._after[self._land], max(self._land), consumers, others)
         self._add(land, self._land)
-        snd = self._least(owner // dev * dev, self._after[self._send], max(self._send), have, skip)
+        snd = (self._least(owner // dev * dev, self._after[self._send], max(self._send), have, skip) if self.spread
+               else owner)
         self._add(snd, self._send)
         return land, snd
 
@@ -118,12 +122,14 @@ class NodeLinks:
 def route_transfers(
     *, owner: list[int], assign_GPP: torch.Tensor, mesh: Mesh, shape: AttnShape, chunk: int,
     backward: bool = True, hierarchical: bool = True, landing: dict[tuple[int, int], int] | None = None,
+    spread: bool = True,
 ) -> list[Transfer]:
     """Transfers that bring every cell's inputs to its computing rank and partials back (module docstring,
-    "Routing"); ``landing``: the landing rank of (chunk, node) where the ILP planner chose it."""
+    "Routing"); ``landing``: the landing rank of (chunk, node) where the ILP planner chose it; ``spread``: as
+    ``NodeLinks``."""
     g_count, p, _ = assign_GPP.shape
     out: list[Transfer] = []
-    links = NodeLinks(mesh.world, mesh.devices)
+    links = NodeLinks(mesh.world, mesh.devices, spread)
     rows_flows, cols_flows = _unit_flows(backward)
     a = assign_GPP.tolist()
     for g in range(g_count):
@@ -237,7 +243,7 @@ def group_kernels(*, owner: list[int], assign_GPP: torch.Tensor, batch: int = 1,
 def make_plan(
     *, method: str, owner: list[int], assign_GPP: torch.Tensor, mesh: Mesh, shape: AttnShape,
     chunk: int, backward: bool = True, hierarchical: bool = True, meta: dict | None = None,
-    landing: dict[tuple[int, int], int] | None = None,
+    landing: dict[tuple[int, int], int] | None = None, spread: bool = True,
 ) -> TilePlan:
     """A direct-routed plan from ownership + assignment (used by the planner and by baselines)."""
     return TilePlan(
@@ -246,6 +252,6 @@ def make_plan(
         kernels=tuple(group_kernels(owner=owner, assign_GPP=assign_GPP)),
         transfers=tuple(route_transfers(owner=owner, assign_GPP=assign_GPP, mesh=mesh, shape=shape,
                                         chunk=chunk, backward=backward, hierarchical=hierarchical,
-                                        landing=landing)),
+                                        landing=landing, spread=spread)),
         meta=dict(meta or {}),
     )
