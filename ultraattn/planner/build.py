@@ -71,10 +71,12 @@ class NodeLinks:
         self.load = [[0.0] * 4 for _ in range(world)]
         """Bytes each rank's node link has sent and received: [fwd out, fwd in, bwd out, bwd in]."""
         self._land = self._send = (0.0,) * 4
+        self._after = {self._land: [0.0] * world}
+        """Per delta (landing, sending): each rank's busiest count once it is added (kept up to date by ``_add``)."""
 
     def unit(self, flows, shape: AttnShape, chunk: int, groups: int) -> None:
-        """Set the unit the next crossings move: its (input, partial, phase) flows. The inputs go sender -> landing
-        rank, the partials come back."""
+        """Set the unit the next crossings move (call before ``cross``): its (input, partial, phase) flows. The
+        inputs go sender -> landing rank, the partials come back."""
         land, send = [0.0] * 4, [0.0] * 4
         for inp, part, phase in flows:
             k = 2 * ("fwd", "bwd").index(phase)
