@@ -20,6 +20,9 @@ Per configuration:
   cost-weighted blocks (what the planner balances, PARTIAL blocks at 1.1) and in exact pairs (counted token by token
   from the document lengths); its busiest rank's bytes (max over ranks of bytes in or out), beside the balanced
   dispatch's; the kernel batch the planner chose;
+* as the executor runs it (``evaluate(executed=True)``: level by level), every mask: the fast plan's replayed time,
+  its ratio to the plain replay, and (on the ILP masks) its ratio to the ILP plan's executed replay; the planners
+  choose by the plain replay;
 * robustness, every mask: the chosen candidate's worst-case regret over the cost-model band
   (``planner.robust``: compute rates and bandwidths x 1/1.5 .. x 1.5, latencies x 1/2 .. x 2, every corner; its
   price over the cheapest candidate's under the same model), and the smallest any candidate has.
@@ -189,10 +192,11 @@ def run_config(seq_name: str, mesh_name: str, masks: list, ilp_masks: int) -> di
                 base[c.name], base_bytes[c.name] = bev.total_ms(), bev.max_rank_bytes
                 base_pairs[c.name] = pair_imbalance(bp, cells, pairs)
         regret = planner.regrets(cells)
+        executed = evaluate(tp, cells, executed=True).total_ms()
         row = {"docs": len(lengths), "longest": max(lengths), "cells": cells.num_cells, "fast_plan_ms": fast_ms,
                "structure": tp.meta["structure"], "chunks_per_rank": tp.meta.get("chunks_per_rank"),
                "kernel_batch": tp.meta.get("kernel_batch", 1),
-               "estimate_ms": tp.meta["estimate_ms"], "fast_model_ms": ev.total_ms(),
+               "estimate_ms": tp.meta["estimate_ms"], "fast_model_ms": ev.total_ms(), "fast_executed_ms": executed,
                "imbalance": ev.compute_imbalance, "pair_imbalance": pair_imbalance(tp, cells, pairs),
                "max_rank_bytes": ev.max_rank_bytes, "baselines_ms": base, "baselines_max_rank_bytes": base_bytes,
                "baselines_pair_imbalance": base_pairs,
@@ -205,7 +209,9 @@ def run_config(seq_name: str, mesh_name: str, masks: list, ilp_masks: int) -> di
             res = plan(pattern, shape, mesh, backward=True)
             row.update(ilp_wall_s=time.perf_counter() - t1, ilp_plan_s=res.seconds, ilp_model_ms=res.ours.total_ms(),
                        ilp_structure=res.plan.meta.get("structure"), ilp_imbalance=res.ours.compute_imbalance,
-                       vs_ilp=ev.total_ms() / res.ours.total_ms())
+                       vs_ilp=ev.total_ms() / res.ours.total_ms(),
+                       ilp_executed_ms=evaluate(res.plan, pattern, executed=True).total_ms())
+            row["executed_vs_ilp"] = executed / row["ilp_executed_ms"]
         rows.append(row)
         vs_ilp = f", x{row['vs_ilp']:.3f} vs ILP" if "vs_ilp" in row else ""
         print(f"  {seq_name} {mesh_name} mask {n}: fast {fast_ms:6.1f} ms {row['structure']:9s} "
@@ -227,6 +233,9 @@ def run_config(seq_name: str, mesh_name: str, masks: list, ilp_masks: int) -> di
         "ilp_s_p95": float(np.percentile(ilp_t, 95)) if ilp_t.size else None,
         "vs_ilp_median": float(np.median(vi)) if vi.size else None, "vs_ilp_max": float(vi.max()) if vi.size else None,
         "vs_best_baseline_median": float(np.median(vb)), "vs_best_baseline_max": float(vb.max()),
+        "executed_over_model_median": float(np.median([r["fast_executed_ms"] / r["fast_model_ms"] for r in rows])),
+        "executed_vs_ilp_median": (float(np.median([r["executed_vs_ilp"] for r in rows if "executed_vs_ilp" in r]))
+                                   if vi.size else None),
         "imbalance_median": float(np.median(imb)), "imbalance_max": float(imb.max()),
         "pair_imbalance_median": float(np.median([r["pair_imbalance"] for r in rows])),
         "pair_imbalance_max": float(max(r["pair_imbalance"] for r in rows)),
@@ -384,7 +393,8 @@ def main() -> int:
     write()
     draw(results, os.path.join(args.out, f"{args.name}.png"))
     print(f"{'config':>12} {'fast med':>9} {'p95':>7} {'first':>7} {'ILP med':>8} {'/ILP med':>8} {'max':>6} "
-          f"{'/base med':>9} {'max':>6} {'imb max':>7} {'pairs':>6} {'regret':>6} {'MiB':>7} {'bal MiB':>7}")
+          f"{'/base med':>9} {'max':>6} {'imb max':>7} {'pairs':>6} {'regret':>6} {'MiB':>7} {'bal MiB':>7} "
+          f"{'exec/mod':>8} {'exec/ILP':>8}")
     for r in results:
         s = r["summary"]
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
@@ -392,7 +402,8 @@ def main() -> int:
               f"{s['fast_ms_first']:7.1f} {f(s['ilp_s_median'], '8.1f')} {f(s['vs_ilp_median'], '8.3f')} "
               f"{f(s['vs_ilp_max'], '6.3f')} {s['vs_best_baseline_median']:9.3f} {s['vs_best_baseline_max']:6.3f} "
               f"{s['imbalance_max']:7.3f} {s['pair_imbalance_max']:6.3f} {s['regret_max']:6.3f} "
-              f"{s['max_rank_MB_median']:7.0f} {f(s['balanced_max_rank_MB_median'], '7.0f')}")
+              f"{s['max_rank_MB_median']:7.0f} {f(s['balanced_max_rank_MB_median'], '7.0f')} "
+              f"{s['executed_over_model_median']:8.3f} {f(s['executed_vs_ilp_median'], '8.3f')}")
     return 0
 
 
