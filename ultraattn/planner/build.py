@@ -89,10 +89,11 @@ class NodeLinks:
         self._land, self._send = tuple(land), tuple(send)
         self._after = {d: [max(x + y for x, y in zip(ld, d)) for ld in self.load] for d in (self._land, self._send)}
 
-    def cross(self, owner: int, consumers, have: set[int], skip=(), land: int | None = None) -> tuple[int, int]:
-        """(landing rank, sending rank) of the unit crossing to the node of ``consumers`` (its ranks that need it):
-        ``have`` the owner's node's ranks that hold it (the owner, its senders so far), ``skip`` that node's own
-        consumers, ``land`` a landing rank chosen already (the ILP planner's)."""
+    def cross(self, owner: int, consumers, have: set[int], skip=(), land: int | None = None) -> tuple[int, int, bool]:
+        """(landing rank, sending rank, whether the sender must first get the unit from the owner) of the unit
+        crossing to the node of ``consumers`` (its ranks that need it): ``have`` the owner's node's ranks that hold it
+        (the owner, its senders so far; the sender joins it), ``skip`` that node's own consumers, ``land`` a landing
+        rank chosen already (the ILP planner's)."""
         dev = self.dev
         if land is None:
             base = next(iter(consumers)) // dev * dev
@@ -102,7 +103,9 @@ class NodeLinks:
         snd = (self._least(owner // dev * dev, self._after[self._send], max(self._send), have, skip) if self.spread
                else owner)
         self._add(snd, self._send)
-        return land, snd
+        fetch = snd not in have
+        have.add(snd)
+        return land, snd, fetch
 
     def _least(self, base: int, after: list[float], pen: float, free, skip) -> int:
         best, best_v, best_out = -1, math.inf, True
@@ -152,10 +155,8 @@ def route_transfers(
                     if node == mesh.node_of(src) or not hierarchical:
                         hops = [(src, r) for r in ranks]
                     else:
-                        land, snd = links.cross(src, ranks, have, local, (landing or {}).get((c, node)))
-                        hops = [] if snd in have else [(src, snd)]
-                        have.add(snd)
-                        hops += [(snd, land)] + [(land, r) for r in ranks if r != land]
+                        land, snd, fetch = links.cross(src, ranks, have, local, (landing or {}).get((c, node)))
+                        hops = ([(src, snd)] if fetch else []) + [(snd, land)] + [(land, r) for r in ranks if r != land]
                     for inp, part, phase in flows:
                         n_in = shape.unit_bytes(inp, chunk, g_count)
                         out.extend(Transfer(tensor=inp, chunk=c, head_group=g, src=s, dst=d, nbytes=n_in,

@@ -114,10 +114,8 @@ def route(owner: np.ndarray, assign_GPP: np.ndarray, mesh: Mesh, shape: AttnShap
         for a, b in zip(starts[cross].tolist(), ends[cross].tolist()):
             u, o = ul[a], sl[a]
             mine = dl[a:b]
-            have = held.setdefault(u, {o})
-            land, snd = links.cross(o, mine, have, local.get(u, ()))
-            if snd not in have:
-                have.add(snd)
+            land, snd, fetch = links.cross(o, mine, held.setdefault(u, {o}), local.get(u, ()))
+            if fetch:
                 extra.append((u, o, snd, int(grp[a]), 0))
             hop_src[a:b] = land
             if land in mine:
