@@ -267,10 +267,14 @@ def gym_worker(rank: int, world: int, names: list[str], lengths: list[int], opti
     import ultraattn.passes
 
     results = []
+    table = ultraattn.passes.side_table()
     for name in names:
         for S in lengths:
-            ultraattn.reset()
+            # one process for every case, nothing of ultraattn reset between them (a sweep does the same): each
+            # case's sites must be its own, whatever the process compiled before
+            torch._dynamo.reset()
             res = {"name": name, "S": S}
+            graphs, rewritten = len(table.graphs), counters["ultraattn"]["rewritten"]
             try:
                 case = gym_case(name, S)
                 cross = case["q_len"] != case["kv_len"]
@@ -279,10 +283,10 @@ def gym_worker(rank: int, world: int, names: list[str], lengths: list[int], opti
                 x, ctx = _inputs(case["q_len"], case["kv_len"], cross)
                 cm = torch.compile(model, backend="ultraattn", options=dict(options))
                 res.update(gym_step(cm, case, x, ctx if cross else x))
-                recs = ultraattn.passes.side_table().graphs
+                recs = table.graphs[graphs:]
                 res["sites"] = [(s.name, s.mask, s.rewritten, s.why, s.form) for g in recs for s in g.sites]
                 res["fallbacks"] = [f.op for g in recs if g.shard for f in g.shard.fallbacks]
-                res["rewritten"] = counters["ultraattn"]["rewritten"]
+                res["rewritten"] = counters["ultraattn"]["rewritten"] - rewritten
             except Exception as exc:  # noqa: BLE001 - the test reads every case's outcome
                 res["error"] = f"{type(exc).__name__}: {exc}"
                 res["trace"] = traceback.format_exc()[-3000:]
@@ -330,12 +334,14 @@ def hf_worker(rank: int, world: int, cases: list[tuple], options: dict) -> list[
     import ultraattn.passes
 
     results = []
+    table = ultraattn.passes.side_table()
     for impl, S, packed, use_cache, compiler in cases:
-        ultraattn.reset()
+        torch._dynamo.reset()   # (ultraattn's state stays: the cases share one process as a sweep would)
+        graphs = len(table.graphs)
         ids, pos = hf_data(S, packed)
         cm = torch.compile(hf_model(impl), backend="ultraattn", options=dict(options, compiler=compiler))
         res = hf_step(cm, ids, pos, use_cache)
-        recs = ultraattn.passes.side_table().graphs
+        recs = table.graphs[graphs:]
         res["sites"] = [(s.name, s.mask, s.rewritten, s.form) for g in recs for s in g.sites]
         res["fallbacks"] = [(f.op, f.why) for g in recs if g.shard for f in g.shard.fallbacks]
         res["sharded"] = [g.shard.sharded_ops for g in recs if g.shard]
@@ -371,8 +377,10 @@ def gemma_worker(rank: int, world: int, S: int, options: dict) -> list[dict]:
     import ultraattn.passes
 
     results = []
+    table = ultraattn.passes.side_table()
     for blocks in (False, True):
-        ultraattn.reset()
+        torch._dynamo.reset()   # (ultraattn's state stays: both runs in one process)
+        graphs = len(table.graphs)
         ids, _ = hf_data(S, False)
         model = gemma_model("flex_attention")
         if blocks:
@@ -380,7 +388,7 @@ def gemma_worker(rank: int, world: int, S: int, options: dict) -> list[dict]:
         else:
             model = torch.compile(model, backend="ultraattn", options=dict(options))
         res = hf_step(model, ids, None, False)
-        recs = ultraattn.passes.side_table().graphs
+        recs = table.graphs[graphs:]
         res["sites"] = [s.to_json() for g in recs for s in g.sites]
         res["fallbacks"] = [(f.op, f.why) for g in recs if g.shard for f in g.shard.fallbacks]
         res["sharded"] = [g.shard.sharded_ops if g.shard else 0 for g in recs]
@@ -500,14 +508,16 @@ def kept_worker(rank: int, world: int, cases: list[str], options: dict) -> list[
     import ultraattn.passes
 
     results = []
+    table = ultraattn.passes.side_table()
     for case in cases:
-        ultraattn.reset()
+        torch._dynamo.reset()   # (ultraattn's state stays: the cases share one process as a sweep would)
+        graphs = len(table.graphs)
         torch.manual_seed(0)
         model = KeptModel(case)
         x, ctx = _inputs(KEPT_S, KEPT_CTX, True)
         cm = torch.compile(model, backend="ultraattn", options=dict(options))
         res = kept_step(cm, x, ctx if case in CROSS else x)
-        recs = ultraattn.passes.side_table().graphs
+        recs = table.graphs[graphs:]
         res["sites"] = [s.to_json() for g in recs for s in g.sites]
         res["code"] = [g.code_after for g in recs]
         res["fallbacks"] = [f.op for g in recs if g.shard for f in g.shard.fallbacks]

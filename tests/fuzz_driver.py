@@ -21,13 +21,14 @@ from fuzz_case import run_attention
 from ultraattn.testing import CommSpy, RankFailure, run_ranks
 
 
-def run_one(rank: int, world: int, case: dict) -> dict:
-    """One case on this rank: its result, or ``{"error": "Type: message", "comm_calls": [...]}``."""
+def run_one(rank: int, world: int, case: dict, serve=run_attention) -> dict:
+    """One case on this rank (``serve(rank, world, case)``, the runtime's attention by default): its result, or
+    ``{"error": "Type: message", "comm_calls": [...]}``."""
     spy = CommSpy()
     t0 = time.perf_counter()
     try:
         with spy:
-            res = run_attention(rank, world, case)
+            res = serve(rank, world, case)
     except Exception as exc:  # noqa: BLE001 - every error goes back to the property test, which judges it
         return {"error": f"{type(exc).__name__}: {exc}", "comm_calls": list(spy.calls),
                 "seconds": time.perf_counter() - t0}
@@ -35,8 +36,8 @@ def run_one(rank: int, world: int, case: dict) -> dict:
     return res
 
 
-def rank_loop(rank: int, world: int, inboxes: list, outbox) -> int:
-    """Serve cases from ``inboxes[rank]`` until None; returns how many ran."""
+def rank_loop(rank: int, world: int, inboxes: list, outbox, serve=run_attention) -> int:
+    """Serve cases from ``inboxes[rank]`` with ``serve`` until None; returns how many ran."""
     served = 0
     while True:
         msg = inboxes[rank].get()
@@ -44,7 +45,7 @@ def rank_loop(rank: int, world: int, inboxes: list, outbox) -> int:
             return served
         n, case = msg
         buf = io.BytesIO()
-        torch.save(run_one(rank, world, case), buf)
+        torch.save(run_one(rank, world, case, serve), buf)
         outbox.put((n, rank, buf.getvalue()))
         served += 1
 
@@ -52,8 +53,10 @@ def rank_loop(rank: int, world: int, inboxes: list, outbox) -> int:
 class RankPool:
     """``world`` ranks serving fuzz cases (module docstring)."""
 
-    def __init__(self, world: int, *, session_timeout: float = 3600.0) -> None:
-        self.world = world
+    def __init__(self, world: int, *, session_timeout: float = 3600.0, serve=run_attention) -> None:
+        """``serve(rank, world, case)``: what a rank does with a case (a module-level function: the ranks are
+        spawned); the runtime's attention by default."""
+        self.world, self.serve = world, serve
         self.count = 0
         self.served: list[int] | None = None
         self._failure: BaseException | None = None
@@ -68,7 +71,8 @@ class RankPool:
 
     def _serve(self, timeout: float) -> None:
         try:
-            self.served = run_ranks(rank_loop, self.world, args=(self._inboxes, self._outbox), timeout=timeout,
+            self.served = run_ranks(rank_loop, self.world, args=(self._inboxes, self._outbox, self.serve),
+                                    timeout=timeout,
                                     pg_timeout=120)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread by run()/close()
             self._failure = exc
@@ -78,7 +82,7 @@ class RankPool:
         assert case["world"] == self.world, (case["world"], self.world)
         self.count += 1
         if self.world == 1:
-            return [run_one(0, 1, case)]
+            return [run_one(0, 1, case, self.serve)]
         if self._failure is not None or not self._thread.is_alive():
             raise RankFailure(f"the {self.world} fuzz ranks are gone: {self._failure}")
         for box in self._inboxes:

@@ -2,7 +2,9 @@
 
 Every case is checked by the numerics policy (tests/numerics.py: loss and every parameter gradient against the
 fp64 eager single process, within 2x the fp32 eager run's error) on every rank. Cases share spawned ranks: one
-``run_ranks`` per group runs them all, each from a fresh Dynamo and side table (tests/client_cases.py).
+``run_ranks`` per group runs them all, one after another in the same processes, each from a fresh Dynamo but with
+whatever ultraattn's process state the cases before it left (tests/client_cases.py), as a sweep or a notebook
+would: every case must be exact whatever was compiled before it.
 
 The attn-gym matrix runs under ``aot_eager``: the same sharded graphs and explicit per-rank programs as
 Inductor (which test_backend and the kept/transformers cases here compile) at a fraction of the compile time.

@@ -328,3 +328,23 @@ def test_every_kernel_parameter_is_passed_at_every_launch():
         defaulted = [n for n, p in params.items() if p.default is not inspect.Parameter.empty]
         assert not defaulted, (name, defaulted)
         assert "SCORE" in params, name
+
+
+def test_layout_cache_keys_the_mask_mod_too():
+    """``block_sparse_attention``'s layout cache (``ops._LAYOUTS``): one BlockPattern with PARTIAL blocks, read
+    with two mask_mods, gives each mask_mod's own layout (the bits of its PARTIAL cells), and the same pair again
+    the cached one."""
+    from ultraattn.kernels.ops import get_layout
+
+    def stripes(b, h, q, k):   # every block PARTIAL
+        return (q + k) % 3 != 0
+
+    def other(b, h, q, k):     # the same blocks, other cells
+        return (q + k) % 3 != 1
+
+    pattern = pattern_from_mask_mod(stripes, 128, 128, block_size=32)
+    kw = dict(q_len=128, kv_len=128, batch=1, num_heads=1, device=torch.device("cpu"), block_size=32)
+    a = get_layout(pattern, mask_mod=stripes, **kw)
+    b = get_layout(pattern, mask_mod=other, **kw)
+    assert a is not b and not torch.equal(a.bits, b.bits)
+    assert get_layout(pattern, mask_mod=other, **kw) is b

@@ -4,12 +4,13 @@ reference (its gradient, buffers included); what stays kept. Models: ``score_cas
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 from numerics import check_step, fresh_dynamo  # noqa: F401 - fresh_dynamo: an autouse fixture
-from score_cases import CASES, reference, worker
+from score_cases import CASES, ScoreModel, alive_worker, inputs, reference, worker
 
 from ultraattn.kernels import config
 from ultraattn.masks.pattern import FULL
@@ -19,10 +20,23 @@ from ultraattn.testing import check_2x, dense_attention, run_ranks
 FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 300.0}
 
 
-def _runs(world: int) -> list[tuple[str, str, int]]:
-    """Every case at each world size, S = 500 (a tail) and 512 (whole blocks) alternating between the cases and
-    swapped between the world sizes: each case meets both lengths and both world sizes."""
-    return [(c, m, (500, 512)[(n + (world == 4)) % 2]) for n, (c, m) in enumerate(CASES)]
+ROW1 = (("alibi", "causal"), ("softcap", "document"), ("activation", "document"))
+"""One model after another in the same ranks, ``torch._dynamo.reset()`` between them: the second and third ran
+the first one's score_mod (their sites shared a run-time plan that carried it), silently wrong."""
+ROW2 = (("softcap:20", "document"), ("softcap:5", "document"), ("alibi", "causal"))
+"""One family, another constant, and no reset at all: graph code that differs only in a number."""
+WINDOWS = (("softcap:30", "window:64"), ("softcap:30", "window:128"))
+"""A mask_mod family with two constants (the window's width), no reset."""
+
+
+def _runs(world: int) -> list[tuple]:
+    """The in-process sequences every world size runs in the same ranks, nothing of ultraattn reset between them:
+    ``ROW1``, ``ROW2``, ``WINDOWS`` at S = 500, then all eight cases in attn-gym's order (``CASES``), S = 500 (a
+    tail) and 512 (whole blocks) alternating between the cases and swapped between the world sizes, Dynamo reset
+    before every other one (Dynamo recompiles a fresh model of the same class up to its recompile limit)."""
+    runs = [(c, m, 500, "dynamo") for c, m in ROW1] + [(c, m, 500, "none") for c, m in ROW2 + WINDOWS]
+    runs += [(c, m, (500, 512)[(n + (world == 4)) % 2], ("dynamo", "none")[n % 2]) for n, (c, m) in enumerate(CASES)]
+    return runs
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -30,25 +44,81 @@ def test_attn_gym_score_mods_train_exactly(world):
     """attn-gym's alibi (causal BlockMask, and none), softcap, sandwich, activation, graphormer (a learned table:
     its gradient is summed over the ranks) and mla_rope (documents), and GPT-OSS-style attention sinks through the
     LSE; batch 2, GQA: loss and every gradient by the numerics policy, each site rewritten as an explicit program
-    with its score_mod."""
+    with its score_mod. All of them one model after another in the same ranks (``_runs``), with soft-capping at
+    three constants and a sliding window at two: no site may run another's score_mod, mask_mod or plan."""
     runs = _runs(world)
     res = run_ranks(worker, world, args=(runs, FAST), timeout=1800)
     bad = []
-    for i, (case, mask, S) in enumerate(runs):
-        ref64, ref32 = reference(case, mask, S)
+    refs = {}
+    for i, (case, mask, S, reset) in enumerate(runs):
+        if (case, mask, S) not in refs:
+            refs[case, mask, S] = reference(case, mask, S)
+        ref64, ref32 = refs[case, mask, S]
         for rank, r in enumerate(res):
             if check_step(r[i], ref64, ref32):
-                bad.append(f"{case}/{mask} S={S} rank {rank}: {check_step(r[i], ref64, ref32)}")
-        (site,) = res[0][i]["sites"]
-        if not (site["rewritten"] and "score_mod" in site["why"] and site["form"] == "explicit"):
-            bad.append(f"{case}/{mask} S={S}: {site}")
+                bad.append(f"#{i} {case}/{mask} S={S} (after reset={reset}) rank {rank}: "
+                           f"{check_step(r[i], ref64, ref32)}")
+        sites = res[0][i]["sites"]
+        if len(sites) != 1 or not (sites[0]["rewritten"] and "score_mod" in sites[0]["why"]
+                                   and sites[0]["form"] == "explicit"):
+            bad.append(f"#{i} {case}/{mask} S={S}: {sites}")
+            continue
         want = "full" if mask == "none" else "block_mask"
-        if site["mask"] != want:
-            bad.append(f"{case}/{mask}: reported mask {site['mask']}, not {want}")
+        if sites[0]["mask"] != want:
+            bad.append(f"#{i} {case}/{mask}: reported mask {sites[0]['mask']}, not {want}")
     assert not bad, "\n".join(bad)
-    by_case = {c: r for (c, _m, _s), r in zip(runs, res[0], strict=True)}
+    by_case = {c: r for (c, _m, _s, _r), r in zip(runs, res[0], strict=True)}
     assert by_case["graphormer"]["grads"]["spatial"].abs().sum() > 0   # a learned table read by the score_mod
     assert by_case["sinks"]["grads"]["sinks"].abs().sum() > 0          # sinks: through the site's log-sum-exp
+    # the constants matter: each softcap's reference differs from the others' by more than the policy allows
+    caps = [refs[f"softcap:{c}", "document", 500][0]["loss"] for c in (20, 5)] + \
+        [refs["softcap", "document", 500][0]["loss"]]
+    assert min(abs(a - b) for a, b in itertools.combinations(caps, 2)) > 1e-6, caps
+
+
+def test_two_models_alive_at_once_and_an_eval_model():
+    """Two models of one class that differ only in the soft-cap constant, alive together and stepped in turn, then
+    an eval model of the class at another length and mask (Dynamo makes the length symbolic on that recompile; the
+    backend compiles it for its one length): every step exact against its own model's single process."""
+    res = run_ranks(alive_worker, 2, args=(FAST,), timeout=1800)
+    refs = {cap: reference(f"softcap:{cap}", "document", 500) for cap in (20, 5)}
+    ev64, ev32 = (_eval_loss(dt) for dt in (torch.float64, torch.float32))
+    for rank, r in enumerate(res):
+        for i, cap in enumerate((20, 5, 20, 5)):
+            assert not check_step(r[i], *refs[cap]), (rank, i, cap, check_step(r[i], *refs[cap]))
+        assert not check_step(r[4], ev64, ev32), (rank, "eval", check_step(r[4], ev64, ev32))
+        assert r[0]["grads"]["q.weight"].ne(r[1]["grads"]["q.weight"]).any()   # the two models differ
+
+
+def _eval_loss(dtype) -> dict:
+    import torch.nn.attention.flex_attention as fa
+
+    orig, fa._validate_device = fa._validate_device, lambda *args: None
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = ScoreModel("softcap:20", "window:128", 512).to(dtype).eval()
+        with torch.no_grad():
+            return {"loss": model(inputs(512, dtype)).double(), "grads": {}}
+    finally:
+        fa._validate_device = orig
+
+
+def test_a_restart_with_warm_caches_and_one_constant_changed(tmp_path):
+    """Across processes, with Inductor's on-disk caches warm: soft-capping at 20, then at 5 in new processes (the
+    same graph code but a constant), then at 20 again. The second must not be served the first one's graphs (its
+    site key differs) and is exact; the third hits the cache the first filled (the key is deterministic)."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    runs = [run_ranks(worker, 2, args=([(f"softcap:{cap}", "document", 500)], FAST), timeout=900, env=env)
+            for cap in (20, 5, 20)]
+    for cap, res in zip((20, 5, 20), runs, strict=True):
+        ref = reference(f"softcap:{cap}", "document", 500)
+        for rank, (r,) in enumerate(res):
+            assert not check_step(r, *ref), (cap, rank, check_step(r, *ref))
+    keys = [res[0][0]["keys"] for res in runs]
+    assert keys[0] == keys[2] and keys[0] != keys[1], keys
+    assert runs[2][0][0]["fx_cache_hits"] > 0 and runs[1][0][0]["fx_cache_hits"] == 0, \
+        [res[0][0]["fx_cache_hits"] for res in runs]
 
 
 def test_score_mods_in_one_op_sites():
@@ -68,15 +138,16 @@ def test_score_mods_in_one_op_sites():
 def test_score_mods_on_the_triton_kernels():
     """``ULTRAATTN_KERNELS=triton`` under the interpreter: the tiles run the block-sparse kernels with each score_mod
     generated into them (soft-capping; ALiBi with no block_mask; Graphormer's learned table, whose gradient the dQ
-    kernel adds atomically), trained exactly at 2 ranks. MLA's RoPE term gathers vectors, which the generator does
-    not translate: its tiles take the plain-torch path, and that is said (a warning) and exact too."""
+    kernel adds atomically), trained exactly at 2 ranks, one model after another in the same processes. MLA's RoPE
+    term gathers vectors, which the generator does not translate: its tiles take the plain-torch path, and that is
+    said (a warning) and exact too."""
     if not (torch.cuda.is_available() or config.interpret()):
         pytest.skip("no GPU and TRITON_INTERPRET is not set (tests/conftest.py sets it)")
-    runs = [("softcap", "document", 500), ("alibi", "none", 512), ("graphormer", "causal", 512),
-            ("mla_rope", "document", 500)]
+    runs = [("softcap", "document", 500, "dynamo"), ("alibi", "none", 512, "dynamo"),
+            ("graphormer", "causal", 512, "dynamo"), ("mla_rope", "document", 500, "dynamo")]   # one process
     res = run_ranks(worker, 2, args=(runs, FAST), timeout=1800,
                     env={"ULTRAATTN_KERNELS": "triton", "TRITON_INTERPRET": "1"})
-    for i, (case, mask, S) in enumerate(runs):
+    for i, (case, mask, S, _reset) in enumerate(runs):
         ref64, ref32 = reference(case, mask, S)
         for rank, r in enumerate(res):
             assert not check_step(r[i], ref64, ref32), (case, rank, check_step(r[i], ref64, ref32))

@@ -5,6 +5,7 @@ World size 1 throughout (the multi-rank behaviour is in test_backend.py and test
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import io
@@ -215,3 +216,94 @@ def test_site_keys_change_with_the_ops_so_an_upgrade_misses_the_on_disk_caches(m
     monkeypatch.setattr(state, "ops_digest", lambda: "0" * 12)
     after = SideTable().site_key("sdpa", "code", (1, 2), "bf16")
     assert after != before and after.startswith("sdpa-")
+
+
+# ----------------------------------------------------------------------------- site identity
+def _flex_specs(score_mods: list, mask_mods: list) -> list:
+    """The ``SiteSpec`` of one flex site per (score_mod, mask_mod), each compiled as a fresh model, rewritten for 2
+    ranks into one private table (no process group is needed to rewrite)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    table, specs = SideTable(), []
+    opts = parse_options({"world_size": 2}, require_group=False)
+
+    def backend(gm, example_inputs):
+        run = copy.deepcopy(gm).forward   # (the rewritten graph would need the ranks to run)
+        specs.extend(s.spec for s in rewrite_sites(gm, find_sites(gm, 2), opts, graph_index=0, table=table))
+        return run
+
+    q = torch.randn(1, 2, 256, 16)
+    for score_mod, mask_mod in zip(score_mods, mask_mods, strict=True):
+        torch._dynamo.reset()
+        bm = create_block_mask(mask_mod, None, None, 256, 256, device="cpu")
+        torch.compile(lambda q, bm=bm, sm=score_mod: flex_attention(q, q, q, score_mod=sm, block_mask=bm),
+                      backend=backend)(q)
+    return specs
+
+
+def _softcap(cap):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+    return score_mod
+
+
+def _window(w):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < w)
+    return mask_mod
+
+
+def test_a_site_key_covers_its_score_mod_and_mask_mod_constants():
+    """Sites whose graph code is the same but whose score_mod or mask_mod differs in a constant (a soft-cap, a
+    window) get different identities and keys; the same site compiled again gets the same identity and key."""
+    specs = _flex_specs([_softcap(20), _softcap(5), _softcap(20), _softcap(20)],
+                        [_window(64), _window(64), _window(128), _window(64)])
+    ids = [s.identity for s in specs]
+    keys = [s.key.split(".")[0] for s in specs]   # (a repeat in one table is numbered: key.1)
+    assert len(set(ids[:3])) == 3 and len(set(keys[:3])) == 3, keys
+    assert ids[3] == ids[0] and keys[3] == keys[0] and specs[3].key == specs[0].key + ".1"
+
+
+def test_module_digest_reads_the_constants_a_graph_holds():
+    """A tensor a graph reads as an attribute is part of its digest: two graphs with one code and another table
+    differ; equal tables agree."""
+    from ultraattn.passes.fx_util import module_digest
+
+    class Table(torch.nn.Module):
+        def __init__(self, t):
+            super().__init__()
+            self.register_buffer("t", t)
+
+        def forward(self, x):
+            return x + self.t
+
+    a, b, c = (torch.fx.symbolic_trace(Table(t)) for t in (torch.ones(3), torch.ones(3) * 2, torch.ones(3)))
+    assert a.code == b.code
+    assert module_digest(a) != module_digest(b) and module_digest(a) == module_digest(c)
+
+
+def test_a_key_collision_is_an_error_never_a_reuse():
+    """Forced: a spec arriving under a key held by a site that computes something else (another score_mod
+    constant) raises ultraattn's error naming both sites; the same spec again is no collision. Kept flex sites
+    likewise."""
+    from ultraattn.passes.kept import KeptFlex
+    from ultraattn.passes.records import NullObserver
+    from ultraattn.passes.state import KeyCollision
+
+    a, b = _flex_specs([_softcap(20), _softcap(5)], [_window(64), _window(64)])
+    table = SideTable()
+    table.add_site(a, NullObserver())
+    table.add_site(a, NullObserver())
+    forced = dataclasses.replace(b, key=a.key, name="flex#7")
+    with pytest.raises(KeyCollision, match=r"ultraattn: the site key .* flex#0 .* flex#7 .* report it"):
+        table.add_site(forced, NullObserver())
+    assert table.site(a.key).spec is a   # the held site is untouched
+
+    def kept(cap):
+        return KeptFlex(score_mod=torch.fx.symbolic_trace(_softcap(cap)), block_mask=(), scale=0.25,
+                        kernel_options={}, score_slots=(), mask_slots=(), grad_slots=())
+
+    table.add_kept("k", kept(20))
+    table.add_kept("k", kept(20))
+    with pytest.raises(KeyCollision, match="kept flex site"):
+        table.add_kept("k", kept(5))

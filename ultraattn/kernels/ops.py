@@ -280,7 +280,10 @@ bsa_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # ----------------------------------------------------------------------------- public API
 _LAYOUTS: LRU = LRU(32)
-"""Layouts of the latest masks passed to ``block_sparse_attention`` (mask identity -> (mask, layout))."""
+"""Layouts of the latest masks passed to ``block_sparse_attention``: (mask identity, mask_mod identity, shapes,
+device, block size) -> (mask, mask_mod, layout). The entry holds the mask and the mask_mod, so neither id can be
+reused by another object while it is cached, and a hit is checked to be those very objects. A mask is read once:
+a tensor changed in place afterwards keeps its old layout (pass a new mask, or ``forget_layouts()``)."""
 
 
 def forget_layouts() -> None:
@@ -297,11 +300,11 @@ def get_layout(mask, *, q_len: int, kv_len: int, batch: int, num_heads: int, dev
         key = (id(mask) if not isinstance(mask, str) else mask, id(mask_mod), q_len, kv_len, batch, num_heads,
                str(device), block_size)
         hit = _LAYOUTS.get(key)
-        if hit is not None and (isinstance(mask, str) or hit[0] is mask):
-            return hit[1]
+        if hit is not None and (isinstance(mask, str) or hit[0] is mask) and hit[1] is mask_mod:
+            return hit[2]
         lay = make_layout(mask, q_len=q_len, kv_len=kv_len, batch=batch, num_heads=num_heads, mask_mod=mask_mod,
                           block_size=block_size, device=device)
-        _LAYOUTS.put(key, (mask, lay))
+        _LAYOUTS.put(key, (mask, mask_mod, lay))
     if (lay.q_len, lay.kv_len, lay.batch, lay.num_heads) != (q_len, kv_len, batch, num_heads):
         raise ValueError(
             f"the layout was built for q_len={lay.q_len}, kv_len={lay.kv_len}, batch={lay.batch}, "

@@ -31,7 +31,7 @@ from ultraattn.passes.carrier import Carried, SeqShard
 from ultraattn.passes.explicit.dynamic import RUNTIME_MASK_STRIPES
 from ultraattn.passes.explicit.expand import expand_sites, explicit_reason, prepare, schedule_rows
 from ultraattn.passes.explicit.order import order_comm
-from ultraattn.passes.fx_util import placeholders, refresh_fake_values, tensor_value, ultraattn_op
+from ultraattn.passes.fx_util import placeholders, refresh_fake_values, specialize_sizes, tensor_value, ultraattn_op
 from ultraattn.passes.kept import keep_flex_eager
 from ultraattn.passes.options import BackendOptions
 from ultraattn.passes.records import AotGraphRecord, GraphRecord, Observer, PlanEvent, ShardSummary
@@ -70,6 +70,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
     """Run the pipeline on ``gm`` (module docstring) and compile it with ``opts.compiler``; returns the callable
     Dynamo keeps. Every rank must call this with the same graphs in the same order (planning is collective)."""
     observer = _Recorded(table, observer)
+    example_inputs = specialize_sizes(gm, example_inputs)
     carried = carried_inputs(gm, example_inputs)
     index, before, sites, states = find_and_rewrite(gm, example_inputs, opts, table=table, observer=observer)
     kept = keep_flex_eager([s for s in sites if _cpu(s)], table, before)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ultraattn.passes.fx_util import insert_call, tensor_value
+from ultraattn.passes.fx_util import insert_call, meta_value, tensor_value
 from ultraattn.passes.records import SiteRecord
 from ultraattn.passes.site import FlexMaskInfo
 
@@ -269,8 +269,8 @@ def _score_mod(s: Site, sm, buffers, world: int) -> str:
         return f"the score_mod graph takes {len(phs)} inputs, not score, b, h, q_idx, kv_idx and {len(buffers)} buffers"
     grads = []
     for b in buffers:
-        if isinstance(b, fx.Node) and tensor_value(b) is None and not isinstance(b.meta.get("val"), torch.SymInt
-                                                                                   | torch.SymFloat):
+        if isinstance(b, fx.Node) and tensor_value(b) is None and \
+                not isinstance(meta_value(b), int | float | torch.SymInt | torch.SymFloat):
             return f"the score_mod's captured input {b.name} is neither a tensor nor a number"
         val = tensor_value(b) if isinstance(b, fx.Node) else None
         grads.append(bool(val is not None and val.is_floating_point() and val.requires_grad))

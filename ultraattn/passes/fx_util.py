@@ -7,6 +7,8 @@ later pass, ours or Inductor's, can read shapes and dtypes without re-tracing.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Callable, Sequence
 
 import torch
@@ -178,3 +180,102 @@ def ultraattn_op(n: fx.Node) -> str | None:
     if n.op == "call_function" and getattr(n.target, "namespace", None) == "ultraattn":
         return n.target._opname
     return None
+
+
+def module_digest(gm: fx.GraphModule | None) -> str:
+    """A digest of what ``gm`` computes: its code (object addresses blanked), the value of every attribute its
+    graph reads (a tensor by shape, dtype and bytes, anything else by its repr) and its submodules, recursively.
+    Dynamo writes a score_mod's or mask_mod's numbers into its code (``tanh(score / 20)``) and its captured
+    tensors either as inputs (the site's buffers: their values arrive at run time) or as attributes (read here),
+    so two graphs with one digest compute the same function of their inputs."""
+    h = hashlib.sha1()
+    _digest_into(h, gm, set())
+    return h.hexdigest()[:16]
+
+
+def _digest_into(h, gm, seen: set[int]) -> None:
+    if gm is None:
+        h.update(b"none")
+        return
+    if id(gm) in seen:
+        return
+    seen.add(id(gm))
+    h.update(re.sub(r"0x[0-9a-fA-F]+", "0x", gm.code).encode())
+    for n in gm.graph.nodes:
+        if n.op not in ("get_attr", "call_module"):
+            continue
+        value = gm
+        for atom in str(n.target).split("."):
+            value = getattr(value, atom)
+        h.update(f"|{n.op}:{n.target}=".encode())
+        if isinstance(value, fx.GraphModule):
+            _digest_into(h, value, seen)
+        elif isinstance(value, torch.Tensor):
+            t = value.detach()
+            h.update(repr((tuple(t.shape), str(t.dtype), str(t.device.type))).encode())
+            if t.numel():
+                h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(re.sub(r"0x[0-9a-fA-F]+", "0x", repr(value)).encode())
+
+
+def specialize_sizes(gm: fx.GraphModule, example_inputs) -> list:
+    """Make every symbolic size of ``gm`` the number it has now, with a guard; returns the example inputs to
+    compile with.
+
+    Dynamo makes a dimension symbolic when a frame recompiles with another size (automatic dynamic shapes: a
+    second model of the same class at another sequence length, an eval pass on longer sequences). A plan is made
+    for one sequence length, so the backend compiles each length on its own, as ``torch.compile(dynamic=False)``
+    would: every size symbol is fixed to its current value through the shape environment (``guard_int``, the
+    guard Dynamo then checks before running the graph, so another length recompiles), a ``SymInt`` input's uses
+    take the number, and every node's fake value is propagated again from static inputs. A graph with no symbolic
+    size is returned as it is."""
+    phs = placeholders(gm)
+    metas = [ph.meta.get("example_value") for ph in phs]
+
+    def symbolic(v) -> bool:
+        if isinstance(v, torch.SymInt | torch.SymFloat):
+            return True
+        return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
+                                                   for d in (*v.shape, *v.stride(), v.storage_offset()))
+
+    if not any(symbolic(v) for v in metas):
+        return list(example_inputs)
+    from torch._guards import TracingContext
+    from torch.fx.experimental.symbolic_shapes import guard_float, guard_int
+
+    # (the tracing context's mode: flex_attention's fake implementation makes its score_mod's inputs there)
+    context = TracingContext.try_get()
+    mode = context.fake_mode if context is not None and context.fake_mode is not None else \
+        value_fake_mode([v for v in metas if isinstance(v, torch.Tensor)])
+    values = list(example_inputs)
+    for i, (ph, v) in enumerate(zip(phs, metas)):
+        if isinstance(v, torch.SymInt | torch.SymFloat):
+            number = guard_int(v) if isinstance(v, torch.SymInt) else guard_float(v)
+            for user in list(ph.users):
+                user.args = fx.map_arg(user.args, lambda a, ph=ph, number=number: number if a is ph else a)
+                user.kwargs = fx.map_arg(user.kwargs, lambda a, ph=ph, number=number: number if a is ph else a)
+            ph.meta["example_value"] = ph.meta["val"] = number
+            values[i] = number
+        elif symbolic(v) or (isinstance(v, FakeTensor) and v.fake_mode is not mode):
+            static = _static_fake(v, mode)
+            ph.meta["example_value"] = ph.meta["val"] = static
+            if isinstance(values[i], torch.Tensor) and symbolic(values[i]):
+                values[i] = static
+    gm.recompile()
+    refresh_fake_values(gm, phs, [ph.meta["example_value"] for ph in phs])
+    return values
+
+
+def _static_fake(v: torch.Tensor, mode) -> torch.Tensor:
+    """A fake tensor like ``v`` with every size, stride and offset its current value (guarded)."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+
+    size = tuple(guard_int(d) for d in v.shape)
+    stride = tuple(guard_int(d) for d in v.stride())
+    with mode:
+        t = torch.empty_strided(size, stride, dtype=v.dtype, device=v.device)
+        if v.storage_offset():
+            t = t.as_strided(size, stride, guard_int(v.storage_offset()))
+    t.requires_grad_(v.requires_grad)
+    return torch.nn.Parameter(t, requires_grad=v.requires_grad) if isinstance(v, torch.nn.Parameter) else t

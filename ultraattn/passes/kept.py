@@ -22,6 +22,7 @@ table under ``key``.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from ultraattn.masks.convert import listed_blocks
 from ultraattn.passes.capture import Site
-from ultraattn.passes.fx_util import insert_call, tensor_value
+from ultraattn.passes.fx_util import insert_call, module_digest, tensor_value
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,15 @@ class KeptFlex:
     mask_slots: tuple[int, ...]
     grad_slots: tuple[int, ...]
     """Tensors that may get gradients: the score_mod's floating-point buffers (a learned bias)."""
+
+    @property
+    def identity(self) -> str:
+        """A digest of what the call computes besides its tensors: the score_mod's and mask_mod's graphs with their
+        constants (``fx_util.module_digest``) and every other field."""
+        parts = [module_digest(x) if isinstance(x, fx.GraphModule) else repr(x) for x in
+                 (self.score_mod, *self.block_mask, self.scale, sorted(self.kernel_options.items()),
+                  self.score_slots, self.mask_slots, self.grad_slots)]
+        return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
     def call(self, q: Tensor, k: Tensor, v: Tensor, tensors) -> tuple[Tensor, Tensor, Tensor]:
         """flex_attention's higher-order op: (out, lse in log2 units, max), as in the graph, with the BlockMask's
@@ -129,7 +139,7 @@ def keep_flex_eager(sites: list[Site], table, code: str) -> dict[str, str]:
         if made is None:
             continue
         kept, tensors = made
-        key = table.site_key(f"{s.name}-kept", code, s.q_shape, s.kv_shape, s.dtype)
+        key = table.site_key(f"{s.name}-kept", code, s.q_shape, s.kv_shape, s.dtype, kept.identity)
         table.add_kept(key, kept)
         graph = s.node.graph
         q, k, v = s.node.args[:3]  # (not s.q: rewriting an earlier site may have replaced the node q was)

@@ -20,6 +20,7 @@ tensor as with the number.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -29,19 +30,22 @@ from ultraattn.passes.capture import Site
 from ultraattn.passes.fx_util import insert_call, is_impure, meta_value, set_value, tensor_value, value_fake_mode
 from ultraattn.passes.options import BackendOptions
 from ultraattn.passes.records import NullObserver, Observer
-from ultraattn.passes.site import SiteSpec, SiteState
+from ultraattn.passes.site import SiteSpec, SiteState, site_identity
 from ultraattn.passes.state import SideTable
 from ultraattn.runtime.tiles import ScoreMod
 
 ops = torch.ops.ultraattn
 
 
-def site_spec(s: Site, options: BackendOptions, graph_index: int, key: str) -> SiteSpec:
+def site_spec(s: Site, options: BackendOptions, graph_index: int, table: SideTable, code: str) -> SiteSpec:
+    """The site's spec, keyed in ``table`` by its name, ``code`` (its graph's) and its identity."""
     scale = float(s.scale) if s.scale is not None else 1.0 / math.sqrt(s.q_shape[3])
-    return SiteSpec(key=key, name=s.name, graph=graph_index, op=s.op, mask=s.mask,
+    spec = SiteSpec(key="", name=s.name, graph=graph_index, op=s.op, mask=s.mask,
                     q_shape=s.q_shape, kv_shape=s.kv_shape, dtype=s.dtype, scale=scale, options=options,
                     flex=s.flex_info(),
                     score=ScoreMod(fn=s.score_mod, grads=s.score_grads) if s.score_mod is not None else None)
+    identity = site_identity(spec)
+    return dataclasses.replace(spec, identity=identity, key=table.site_key(s.name, code, identity))
 
 
 def _as_tensors(graph: fx.Graph, inputs: list, like: fx.Node) -> list[fx.Node]:
@@ -72,8 +76,7 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions
             continue
         graph = s.node.graph
         touched[id(graph.owning_module)] = graph.owning_module
-        key = table.site_key(s.name, code, s.q_shape, s.kv_shape, s.dtype)
-        state = table.add_site(site_spec(s, options, graph_index, key), observer or NullObserver())
+        state = table.add_site(site_spec(s, options, graph_index, table, code), observer or NullObserver())
         with graph.inserting_before(s.node):
             res = insert_call(graph, torch.ops.ultraattn.site_attention.default,
                               (s.q, s.k, s.v, _as_tensors(graph, s.mask_inputs(), s.q), state.spec.key))

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from ultraattn.cache import LRU
 from ultraattn.kernels import BlockLists, make_layout
 from ultraattn.kernels.block_lists import MASK_DEPENDS
 from ultraattn.masks.convert import pattern_from_mask_mod, to_block_pattern
+from ultraattn.passes.fx_util import module_digest
 from ultraattn.passes.records import NullObserver, Observer, PlanEvent, SiteStats
 from ultraattn.planner.api import PlanResult, choose_planner, method_summaries, plan
 from ultraattn.planner.plan import AttnShape, Mesh
@@ -80,6 +83,8 @@ class SiteSpec:
     flex: FlexMaskInfo | None = None
     score: ScoreMod | None = None
     """A flex site's score_mod (None: the identity); its buffers follow the mask's tensors in the op's inputs."""
+    identity: str = ""
+    """A digest of everything that defines what the site computes (``site_identity``); its key digests it."""
 
     def split_inputs(self, tensors: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
         """(the mask's content, the score_mod's buffers) of the op's ``mask_tensors``."""
@@ -142,6 +147,21 @@ class SiteState:
     def stats(self) -> SiteStats:
         return SiteStats(graph=self.spec.graph, site=self.spec.name, calls=self.calls, plans=self.plans.plans,
                          cache_hits=self.plans.hits, planning_seconds=self.plans.seconds)
+
+
+def site_identity(spec: SiteSpec) -> str:
+    """A digest of everything that defines what a site computes, and nothing that names where it sits: the op,
+    the mask's kind, the shapes, dtype and scale, the options, a BlockMask's static part with its mask_mod's graph
+    and constants, and the score_mod's graph and constants with which of its buffers want a gradient
+    (``fx_util.module_digest``). Two sites that compute different things never share it (their keys, and the
+    caches keyed by it, stay apart); two that compute the same thing may (the layers of a model, a recompile)."""
+    flex, score = spec.flex, spec.score
+    parts = (spec.op, spec.mask, tuple(spec.q_shape), tuple(spec.kv_shape), str(spec.dtype), repr(spec.scale),
+             re.sub(r"0x[0-9a-fA-F]+", "0x", repr(spec.options)),
+             None if flex is None else (flex.q_len, flex.kv_len, flex.q_block, flex.kv_block, flex.has_full,
+                                        module_digest(flex.mask_mod)),
+             None if score is None else (module_digest(score.fn), score.grads))
+    return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- mask content -> mask

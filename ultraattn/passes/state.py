@@ -90,11 +90,15 @@ class SideTable:
             return self._graph_count - 1
 
     def site_key(self, name: str, graph_code: str, *parts) -> str:
-        """The key a site's call carries in the graph: ``name`` and a digest of the code of the graph it sits in and
-        of ``parts`` (its shapes, dtype), so that the same model compiles to the same graph text in every process and
-        run, and Inductor's FX graph cache hits on a restart, and of the ops themselves (``opinfo.ops_digest``), so
-        that it misses after an upgrade that changed them. The n-th repeat of one key in this table (two identical
-        blocks, a recompile) gets ``.n`` appended, in compile order, which every run repeats."""
+        """The key a site's call carries in the graph: ``name`` and a digest of the code of the graph it sits in, of
+        ``parts`` (the site's identity: everything that defines what it computes, ``site.site_identity``; a kept
+        site's shapes, dtype and ``KeptFlex.identity``) and of the ops themselves (``opinfo.ops_digest``).
+
+        Deterministic, so that the same model compiles to the same graph text in every process and run and
+        Inductor's FX graph cache hits on a restart; complete, so that graph text, and that cache, never stand for
+        two different sites (the graph's code names a score_mod's submodule, not what it computes: the identity
+        does); and it misses after an upgrade that changed the ops. The n-th repeat of one key in this table (two
+        identical blocks, a recompile) gets ``.n`` appended, in compile order, which every run repeats."""
         text = "|".join([ops_digest(), re.sub(r"0x[0-9a-fA-F]+", "0x", graph_code), *map(str, parts)])
         key = f"{name}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
         with self.lock:
@@ -107,8 +111,15 @@ class SideTable:
 
     # ------------------------------------------------------------------ sites and layouts
     def add_site(self, spec: SiteSpec, observer: Observer) -> SiteState:
+        """A new state for ``spec`` under its key. A key held by a site that computes something else is an error,
+        never a reuse: it would run one site's graph with the other's score_mod, mask_mod or options."""
         state = SiteState(spec=spec, next_id=self.next_id, observer=observer)
         with self.lock:
+            held = self.sites.get(spec.key)
+            if held is not None and held.spec.identity != spec.identity:
+                raise KeyCollision(spec.key, f"{held.spec.name} (graph {held.spec.graph}, identity "
+                                             f"{held.spec.identity})", f"{spec.name} (graph {spec.graph}, identity "
+                                                                      f"{spec.identity})")
             self.sites[spec.key] = state
         return state
 
@@ -116,7 +127,12 @@ class SideTable:
         return _held(self.sites, key, "state for site")
 
     def add_kept(self, key: str, kept) -> None:
+        """Hold ``kept`` (a ``KeptFlex``) under ``key``; a key held by a different call is an error (``add_site``)."""
         with self.lock:
+            held = self.kept.get(key)
+            if held is not None and held.identity != kept.identity:
+                raise KeyCollision(key, f"a kept flex site (identity {held.identity})",
+                                   f"another kept flex site (identity {kept.identity})")
             self.kept[key] = kept
 
     def kept_site(self, key: str):
@@ -193,6 +209,17 @@ class SideTable:
             self.counters.clear()
             self._graph_count = 0
             self._key_uses.clear()
+
+
+class KeyCollision(RuntimeError):
+    """Two different sites reached one side-table key."""
+
+    def __init__(self, key: str, held: str, new: str):
+        super().__init__(
+            f"ultraattn: the site key {key!r} is already held by {held}, and now names {new}, which computes "
+            f"something else (another score_mod, mask_mod, shape or option). Running either with the other's state "
+            f"would be silently wrong, so ultraattn stops here. This is a bug in ultraattn's site keys "
+            f"(SideTable.site_key): please report it; ultraattn.reset() before compiling the second model avoids it")
 
 
 def _held(store: dict, key: str, what: str):

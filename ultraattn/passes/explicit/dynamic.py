@@ -132,8 +132,8 @@ class DynamicProgram(ExplicitProgram):
     """The executor of ``owner_computes_plan`` in the site's chunks (``chunk``, ``num_chunks``): the messages, byte
     table and log the ops really use; a traced K/V or dK/dV message stands for its ``per_rank`` fine ones."""
     runs: LRU = field(default_factory=lambda: side_table().exchange_runs)
-    """(configuration, mask digest) -> MaskRun, shared by the sites of the process: a mask seen again, or by
-    another site of the same configuration (the next layer), is not planned again."""
+    """(site identity, configuration, mask digest) -> MaskRun, shared by the sites of the process: a mask seen
+    again, or by another site of the same identity (the next layer), is not planned again."""
     live_runs: LRU = field(default_factory=lambda: LRU(2 * MAX_PENDING + 4))
     """plan id -> MaskRun, for the ops of calls in flight."""
     last: MaskRun | None = None
@@ -181,10 +181,10 @@ class DynamicProgram(ExplicitProgram):
         state.calls += 1
         if spec.options.debug:
             check_same_inputs(state, list(mask_tensors))
-        mask_code = spec.flex.mask_mod.code if spec.flex is not None else ""
-        key = content_digest(mask_tensors, (spec.mask, mask_code, spec.q_shape, spec.kv_shape, str(spec.dtype),
-                                            spec.options.block_size, self.chunk, self.num_chunks, self.owner,
-                                            self.rank, str(self.device), self.mesh))
+        # The run holds the site's mask_mod and score_mod (its TileGeometry), so it is shared only between sites of
+        # one identity (``site_identity``: the layers of a model), never between sites that compute differently.
+        key = content_digest(mask_tensors, (spec.identity, self.chunk, self.num_chunks, self.owner, self.rank,
+                                            str(self.device), self.mesh))
         run = self.runs.get(key)
         if run is None:
             t0 = time.perf_counter()
