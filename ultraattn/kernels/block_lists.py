@@ -27,6 +27,7 @@ handled by the kernels' row predicates (their tile bits are 0).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -329,3 +330,83 @@ def _dedupe(kinds: list[Tensor], bit_sets: list[Tensor], qb: int, kb: int
         offset += len(cells)
     bits_all = torch.cat(u_bits) if offset else torch.zeros(1, qb, (kb + 31) // 32, dtype=torch.int32)
     return pattern_of, kind_u, bits_all, tile_grid
+
+
+# ----------------------------------------------------------------------------- dense masks on their device
+def dense_block_kinds(mask: Tensor, q_block: int, kv_block: int) -> Tensor:
+    """int8 [B', H', NQ, NK] block kinds (EMPTY / PARTIAL / FULL) of a boolean mask [.., Q, K] (2-D, or 4-D with
+    batch and head dims of size 1 or full; a dimension broadcast with stride 0 counts as 1), computed where the
+    mask lives in one pass. Padding past the lengths is False, so a tail block is never FULL (the layouts' tail
+    promotion). This table, not the mask's S x S elements, is what planning and cache keys read."""
+    m = _dense4(mask)
+    B, H, Q, K = m.shape
+    nq, nk = -(-Q // q_block), -(-K // kv_block)
+    if nq * q_block != Q or nk * kv_block != K:
+        m = torch.nn.functional.pad(m, (0, nk * kv_block - K, 0, nq * q_block - Q))
+    blocks = m.view(B, H, nq, q_block, nk, kv_block)
+    any_ = blocks.any(dim=5).any(dim=3)
+    all_ = blocks.all(dim=5).all(dim=3)
+    return (all_.to(torch.int8) * FULL + (any_ & ~all_).to(torch.int8) * PARTIAL).contiguous()
+
+
+def _dense4(mask: Tensor) -> Tensor:
+    """The mask as [B', H', Q, K] bool, dims broadcast with stride 0 (an ``expand``) taken once."""
+    m = mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if m.dtype != torch.bool:
+        m = m.to(torch.bool)
+    if m.shape[0] > 1 and m.stride(0) == 0:
+        m = m[:1]
+    if m.shape[1] > 1 and m.stride(1) == 0:
+        m = m[:, :1]
+    return m
+
+
+@dataclass(frozen=True, eq=False)
+class DenseLayout:
+    """A dense mask's layout for its block kinds (``dense_block_kinds``), with the PARTIAL cells the bit tiles of
+    each call's mask fill (``bits_of``): built once per block table, so a new mask with the same blocks costs one
+    gather on its device and no host work."""
+
+    lists: BlockLists
+    """The layout with empty bit tiles."""
+    cells: Tensor
+    """int64 [P, 3] on the layout's device: (pattern, q block, kv block) of tile ``p``."""
+
+    def bits_of(self, mask: Tensor) -> BlockLists:
+        """The layout with ``mask``'s bit tiles (packed on the mask's device)."""
+        if not len(self.cells):
+            return self.lists
+        lay = self.lists
+        qb, kb = lay.q_block, lay.kv_block
+        m = _dense4(mask)
+        B, H, Q, K = m.shape
+        nq, nk = lay.grid
+        if nq * qb != Q or nk * kb != K:
+            m = torch.nn.functional.pad(m, (0, nk * kb - K, 0, nq * qb - Q))
+        tiles = m.reshape(B * H, nq, qb, nk, kb)[self.cells[:, 0], self.cells[:, 1], :, self.cells[:, 2], :]
+        return dataclasses.replace(lay, bits=pack_bits(tiles).contiguous())
+
+
+def dense_layout(kinds: Tensor, *, q_len: int, kv_len: int, batch: int, num_heads: int, q_block: int,
+                 kv_block: int, device: torch.device | str) -> DenseLayout:
+    """The ``DenseLayout`` of a dense mask's block kinds ``kinds`` [B', H', NQ, NK] (on the host): one pattern per
+    (batch entry, head) of the mask, its PARTIAL cells numbered in row-major order."""
+    _check_block("q_block", q_block)
+    _check_block("kv_block", kv_block)
+    bm, hm, nq, nk = kinds.shape
+    if bm not in (1, batch) or hm not in (1, num_heads):
+        raise ValueError(f"ultraattn: a boolean mask of shape [{bm}, {hm}, ...] does not broadcast to batch {batch} "
+                         f"and {num_heads} heads")
+    kind_u = kinds.reshape(bm * hm, nq, nk).to(torch.int8)
+    b = torch.arange(batch)[:, None] if bm > 1 else torch.zeros(batch, 1, dtype=torch.long)
+    h = torch.arange(num_heads)[None, :] if hm > 1 else torch.zeros(1, num_heads, dtype=torch.long)
+    pattern_of = (b * hm + h).reshape(-1).to(torch.int32)
+    cells = (kind_u == PARTIAL).nonzero()
+    tile_grid = torch.full(kind_u.shape, -1, dtype=torch.int32)
+    tile_grid[cells[:, 0], cells[:, 1], cells[:, 2]] = torch.arange(len(cells), dtype=torch.int32)
+    bits = torch.zeros(max(1, len(cells)), q_block, (kv_block + 31) // 32, dtype=torch.int32)
+    lay = _assemble(kind_u, tile_grid, bits, pattern_of, q_len=q_len, kv_len=kv_len, q_block=q_block,
+                    kv_block=kv_block, batch=batch, num_heads=num_heads, name="dense")
+    return DenseLayout(lists=lay.to(device), cells=cells.to(device))

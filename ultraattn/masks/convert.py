@@ -99,10 +99,13 @@ def eval_mask(mask_mod: Callable, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -
     as ``create_mask`` does.
 
     A mask_mod whose tables live on another device than the indices (a document mask built for CUDA, as flex on a
-    GPU needs, evaluated on CPU indices; or the reverse) is evaluated there, and its result brought back.
+    GPU needs, evaluated on CPU indices; or the reverse) is evaluated there, and its result brought back. The
+    result is always on the indices' device: indexing a CUDA table with CPU indices succeeds and answers on CUDA,
+    which every caller would otherwise meet as a device mismatch of its own (issue 51: ``_count_partial_cells``
+    with transformers' flex masks on an H100).
     """
     try:
-        return _eval_mask(mask_mod, b, h, q, kv)
+        return _eval_mask(mask_mod, b, h, q, kv).to(q.device)
     except RuntimeError as exc:
         other = _other_device(q.device)
         if other is None or "device" not in str(exc):

@@ -98,15 +98,15 @@ def find_and_rewrite(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *
     code, capture its sites and rewrite the rewritable ones. Returns (graph index, code before, sites, states)."""
     index = table.next_graph_index()
     before = gm.code
-    sites = capture(gm, example_inputs, opts.world_size)
+    sites = capture(gm, example_inputs, opts.world_size, opts.world1)
     states = rewrite_sites(gm, sites, opts, graph_index=index, table=table, observer=observer)
     return index, before, sites, states
 
 
 # ----------------------------------------------------------------------------- capture
-def capture(gm: fx.GraphModule, example_inputs, world: int) -> list[Site]:
+def capture(gm: fx.GraphModule, example_inputs, world: int, world1: str = "auto") -> list[Site]:
     """The graph's attention sites, each with its mask density from the example inputs where they hold data."""
-    sites = find_sites(gm, world)
+    sites = find_sites(gm, world, world1)
     values = dict(zip(placeholders(gm), example_inputs))
     for s in sites:
         try:

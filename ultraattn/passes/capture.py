@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ultraattn.passes.fx_util import insert_call, meta_value, tensor_value
+from ultraattn.passes.fx_util import constant_value, insert_call, meta_value, tensor_value
 from ultraattn.passes.records import SiteRecord
 from ultraattn.passes.site import FlexMaskInfo
 
@@ -78,6 +78,8 @@ class Site:
     """flex: the score_mod's captured tensors (nodes, or numbers ``rewrite`` makes 0-d tensors)."""
     score_grads: tuple[bool, ...] = ()
     """Per score buffer: a floating-point tensor that requires grad (a learned bias)."""
+    folded: bool = False
+    """SDPA: the boolean attn_mask is a graph constant equal to ``mask`` (causal or full), read at compile time."""
 
     @property
     def name(self) -> str:
@@ -86,6 +88,18 @@ class Site:
     def skip(self, reason: str) -> None:
         self.rewritable = False
         self.reason = reason
+
+    def keep_folded(self) -> None:
+        """A kept SDPA site whose attn_mask is a graph constant equal to causal or full: call SDPA without the mask
+        (``is_causal`` for causal), the same attention on its faster kernels (flash, not a dense-mask kernel)."""
+        if self.op != "sdpa" or not self.folded or self.rewritable:
+            return
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        args = dict(zip(names, self.node.args))
+        args.update(self.node.kwargs)
+        q, k, v = args.pop("query"), args.pop("key"), args.pop("value")
+        self.node.args = (q, k, v)
+        self.node.kwargs = {**args, "attn_mask": None, "is_causal": self.mask == "causal"}
 
     def mask_inputs(self) -> list[fx.Node]:
         """The graph values the site's op takes besides q, k, v: the mask's content (the bool mask, or the
@@ -158,7 +172,7 @@ def _identity_score_mod(gm) -> bool:
     return ret is phs[0]
 
 
-def _sdpa_site(index: int, node: fx.Node, world: int) -> Site:
+def _sdpa_site(index: int, node: fx.Node, world: int, world1: str = "auto") -> Site:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     args = dict(zip(names, node.args))
     args.update(node.kwargs)
@@ -205,17 +219,61 @@ def _sdpa_site(index: int, node: fx.Node, world: int) -> Site:
                    f"pass a boolean mask (True = attend) or a BlockMask to flex_attention")
             return s
         s.mask, s.mask_node = "bool_mask", mask
+        folded = _folded_mask(mask, s)
+        if folded is not None:
+            s.mask, s.mask_node, s.is_causal, s.folded = folded, None, folded == "causal", True
     else:
         s.mask = "causal" if s.is_causal else "full"
     if s.q_shape[2] != s.kv_shape[2] and world > 1:
         s.skip(f"cross-attention (q len {s.q_shape[2]} != kv len {s.kv_shape[2]}) is not sharded; "
                f"it runs replicated")
         return s
-    s.reason = f"rewritten ({s.mask})"
+    s.reason = f"rewritten ({s.mask}" + (", an attn_mask built in the graph from positions alone" if s.folded else "") \
+        + ")"
+    _world1_choice(s, world, qv.device, world1)
     return s
 
 
-def _flex_site(index: int, node: fx.Node, world: int) -> Site:
+def _folded_mask(mask: fx.Node, s: Site) -> str | None:
+    """"causal" or "full" when the graph computes SDPA's boolean ``attn_mask`` from no input and it is exactly that
+    mask (transformers materialises its causal mask from ``torch.arange`` inside a compiled model), else None. Such a
+    site is planned at compile time like ``is_causal=True`` and its mask tensor is never read at run time."""
+    value = constant_value(mask)
+    if value is None or value.dtype != torch.bool:
+        return None
+    B, H, Sq, D = s.q_shape
+    Sk = s.kv_shape[2]
+    try:
+        value = value.expand(B, s.q_shape[1], Sq, Sk)
+    except RuntimeError:
+        return None
+    if bool(value.all()):
+        return "full"
+    rows = torch.arange(Sq, device=value.device)[:, None]
+    if bool((value == (rows >= torch.arange(Sk, device=value.device)[None, :])).all()):   # SDPA's is_causal
+        return "causal"
+    return None
+
+
+def _world1_choice(s: Site, world: int, device: torch.device, choice: str = "auto") -> None:
+    """At world size 1 there is no context to split, and a site runs wherever it is faster. On a GPU, measured on an
+    H100/H200 (docs/gpu.md, issue 52): the tiles run at 0.52-0.59x FlexAttention's forward+backward speed on every
+    mask, and at 0.6x SDPA's flash kernel on causal attention, so a flex site, and an SDPA site that is causal or
+    unmasked, keep the original op (Inductor lowers flex_attention to its own Triton template). An SDPA site with a
+    boolean mask is rewritten: the block-sparse tiles skip the blocks the mask leaves empty, which SDPA computes
+    (cuDNN on transformers' dense causal mask: 24.2 ms against the tiles' 18.6 ms at 8K, issue 51). On the CPU the
+    tiles run (the reference path the tests check). ``choice``: the backend option ``world1``."""
+    if world != 1 or not s.rewritable or choice == "tiles" or (choice == "auto" and device.type != "cuda"):
+        return
+    if s.op == "sdpa" and s.mask == "bool_mask" and choice == "auto":
+        return
+    why = "the world1 option" if choice == "original" else \
+        f"world size 1 on {device.type}: {'flex_attention' if s.op == 'flex' else 'SDPA'} is faster there than the " \
+        f"tiles (docs/gpu.md)"
+    s.skip(f"kept ({why})")
+
+
+def _flex_site(index: int, node: fx.Node, world: int, world1: str = "auto") -> Site:
     q, k, v, score_mod, bm, scale, kernel_options, score_buffers, mask_buffers = node.args[:9]
     s = Site(index=index, node=node, op="flex", q=q, k=k, v=v, scale=float(scale) if scale is not None else None)
     qv, kv, vv = tensor_value(q), tensor_value(k), tensor_value(v)
@@ -255,6 +313,7 @@ def _flex_site(index: int, node: fx.Node, world: int) -> Site:
         learned = sum(s.score_grads)
         what += ", score_mod" + (f" with {learned} learned buffer(s)" if learned else "")
     s.reason = f"rewritten ({what})"
+    _world1_choice(s, world, qv.device, world1)
     return s
 
 
@@ -332,7 +391,7 @@ def estimate_density(site: Site, values: dict) -> float | None:
     return None
 
 
-def find_sites(gm: fx.GraphModule, world: int = 1) -> list[Site]:
+def find_sites(gm: fx.GraphModule, world: int = 1, world1: str = "auto") -> list[Site]:
     """Every SDPA / flex_attention call in ``gm`` and its subgraphs, each marked rewritable or not (with why).
 
     Subgraphs are the bodies of higher-order ops (activation checkpointing, ``wrap``) that
@@ -344,7 +403,7 @@ def find_sites(gm: fx.GraphModule, world: int = 1) -> list[Site]:
             continue
         for node in mod.graph.nodes:
             if node.op == "call_function" and node.target in _SDPA_TARGETS:
-                sites.append(_sdpa_site(len(sites), node, world))
+                sites.append(_sdpa_site(len(sites), node, world, world1))
             elif _is_flex(node):
-                sites.append(_flex_site(len(sites), node, world))
+                sites.append(_flex_site(len(sites), node, world, world1))
     return sites

@@ -279,3 +279,52 @@ def _static_fake(v: torch.Tensor, mode) -> torch.Tensor:
             t = t.as_strided(size, stride, guard_int(v.storage_offset()))
     t.requires_grad_(v.requires_grad)
     return torch.nn.Parameter(t, requires_grad=v.requires_grad) if isinstance(v, torch.nn.Parameter) else t
+
+
+#: largest constant the backend computes at compile time (elements): an S x S mask at S = 16K
+MAX_CONSTANT_ELEMENTS = 1 << 28
+
+
+def constant_value(node: fx.Node) -> torch.Tensor | None:
+    """The value of ``node`` when the graph computes it from no input at all (a mask built from ``torch.arange``
+    alone, as transformers builds its causal mask inside a compiled model), computed now, eagerly, on the device the
+    graph names; None when it reads an input, calls a module, is random or impure, or would exceed
+    ``MAX_CONSTANT_ELEMENTS``."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        if n.op not in ("call_function", "call_method", "get_attr") or is_impure(n) or \
+                "rand" in str(getattr(n.target, "__name__", n.target)):
+            return None
+        v = meta_value(n)
+        if isinstance(v, torch.Tensor) and v.numel() > MAX_CONSTANT_ELEMENTS:
+            return None
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    owner = node.graph.owning_module
+    env: dict[fx.Node, object] = {}
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            for n in node.graph.nodes:
+                if n not in seen:
+                    continue
+                args = fx.map_arg(n.args, env.__getitem__)
+                kwargs = fx.map_arg(n.kwargs, env.__getitem__)
+                if n.op == "get_attr":
+                    value = owner
+                    for atom in str(n.target).split("."):
+                        value = getattr(value, atom)
+                    env[n] = value
+                elif n.op == "call_method":
+                    env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+                else:
+                    env[n] = n.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - what cannot be computed eagerly is not a constant here
+        return None
+    value = env[node]
+    return value if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) else None

@@ -29,6 +29,7 @@ ReportMode = Literal["off", "summary", "full"]
 Outputs = Literal["global", "sharded"]
 Compiler = Literal["inductor", "aot_eager", "eager"]
 PlannerName = Literal["auto", "fast", "ilp"]
+World1 = Literal["auto", "tiles", "original"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +82,11 @@ class BackendOptions:
     in the forward and backward graphs Inductor compiles (False: one opaque op per site)."""
     compiler: Compiler = "inductor"
     """What compiles the rewritten graph: inductor, aot_eager (debugging) or eager (run the FX graph as is)."""
+    world1: World1 = "auto"
+    """At world size 1 (nothing to split), what runs a site: auto (on a GPU the original op where it is faster
+    than the tiles, i.e. flex_attention, and SDPA without a boolean mask; the tiles elsewhere and on the CPU),
+    tiles (always the block-sparse tiles) or original (always the op the model called). The report says which
+    and why."""
 
     def planner_options(self) -> PlannerOptions:
         kw = {nm: getattr(self, nm) for nm in ("ilp_time_limit", "balance_tol", "time_budget")
@@ -92,7 +98,7 @@ class BackendOptions:
 
 
 VALID = tuple(f.name for f in fields(BackendOptions))
-_CHOICES = {"report": ReportMode, "outputs": Outputs, "compiler": Compiler, "method": Method,
+_CHOICES = {"report": ReportMode, "outputs": Outputs, "compiler": Compiler, "method": Method, "world1": World1,
             "planner": PlannerName}
 
 

@@ -73,6 +73,9 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions
     code = gm.code
     for s in sites:
         if not s.rewritable:
+            if s.folded:
+                s.keep_folded()
+                touched[id(s.node.graph.owning_module)] = s.node.graph.owning_module
             continue
         graph = s.node.graph
         touched[id(graph.owning_module)] = graph.owning_module

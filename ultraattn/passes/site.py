@@ -28,7 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from ultraattn.cache import LRU
 from ultraattn.kernels import BlockLists, make_layout
-from ultraattn.kernels.block_lists import MASK_DEPENDS
+from ultraattn.kernels.block_lists import MASK_DEPENDS, dense_block_kinds, dense_layout
 from ultraattn.masks.convert import pattern_from_mask_mod, to_block_pattern
 from ultraattn.passes.fx_util import module_digest
 from ultraattn.passes.records import NullObserver, Observer, PlanEvent, SiteStats
@@ -36,7 +36,7 @@ from ultraattn.planner.api import PlanResult, choose_planner, method_summaries, 
 from ultraattn.planner.plan import AttnShape, Mesh
 from ultraattn.runtime.api import AttentionPlan, plan_attention
 from ultraattn.runtime.comm import ranks_differing
-from ultraattn.runtime.plan_cache import PlanCache, content_digest
+from ultraattn.runtime.plan_cache import PlanCache, TensorMemo, content_digest
 from ultraattn.runtime.tiles import ScoreMod
 
 if TYPE_CHECKING:
@@ -128,6 +128,9 @@ class SiteState:
     program: object = None
     """The site's explicit per-rank program (``passes.explicit.program.ExplicitProgram``), when expanded."""
     calls: int = 0
+    memo: TensorMemo = field(default_factory=TensorMemo)
+    """What was read off this step's mask tensors (digests, block tables), shared by the sites of the side table
+    (``SideTable.tensor_memo``): every layer gets the same mask tensor and reads it once."""
 
     def put_state(self, value) -> int:
         """Keep ``value`` for the backward; returns its ticket."""
@@ -255,9 +258,30 @@ def offline_planner(spec: SiteSpec) -> str:
 
 
 def _plan_key(state: SiteState, q_shape, kv_shape, dtype, device, tensors: Sequence[Tensor]) -> str:
+    """The plan cache's key: each mask tensor's content digest (read once per tensor object, ``TensorMemo``) with
+    the mask kind, shapes, dtype, device and token layout."""
     spec = state.spec
-    return content_digest(tensors, (spec.mask, tuple(q_shape), tuple(kv_shape), str(dtype), str(device),
-                                    repr(state.layout)))
+    digests = [state.memo.get(t, "bytes", lambda t=t: content_digest([t])) for t in tensors]
+    return content_digest([], (digests, spec.mask, tuple(q_shape), tuple(kv_shape), str(dtype), str(device),
+                               repr(state.layout)))
+
+
+def _dense_runner(state: SiteState, q_shape, kv_shape, device, mask: Tensor) -> BlockLists:
+    """World size 1, a boolean mask: its block table computed on its device (``dense_block_kinds``, one small
+    transfer per mask tensor and step, shared by the sites that receive it), the layout of that table cached, and
+    this mask's bit tiles packed on the device. The mask's S x S elements never reach the host."""
+    block = state.spec.options.block_size
+    kinds = state.memo.get(mask, ("kinds", block), lambda: dense_block_kinds(mask, block, block).cpu())
+    key = content_digest([kinds], ("dense", tuple(q_shape), tuple(kv_shape), str(device), block))
+    dense = state.plans.lookup(key)
+    if dense is None:
+        t0 = time.perf_counter()
+        dense = dense_layout(kinds, q_len=q_shape[2], kv_len=kv_shape[2], batch=q_shape[0], num_heads=q_shape[1],
+                             q_block=block, kv_block=block, device=device)
+        seconds = time.perf_counter() - t0
+        state.plans.store(key, dense, seconds)
+        state.observer.plan_made(plan_event(state, dense.lists, seconds))
+    return dense.bits_of(mask)
 
 
 def plan_event(state: SiteState, runner: Runner, seconds: float) -> PlanEvent:
@@ -278,6 +302,8 @@ def plan_event(state: SiteState, runner: Runner, seconds: float) -> PlanEvent:
 def runner_for(state: SiteState, q_shape: tuple, kv_shape: tuple, dtype: torch.dtype, device,
                tensors: Sequence[Tensor]) -> Runner:
     """The cached runner for this call's mask content, else a new one (planned, reported, cached)."""
+    if state.spec.mask == "bool_mask" and state.spec.options.world_size == 1:
+        return _dense_runner(state, q_shape, kv_shape, device, tensors[0])
     key = _plan_key(state, q_shape, kv_shape, dtype, device, tensors)
     hit = state.plans.lookup(key)
     if hit is not None:

@@ -44,6 +44,7 @@ from ultraattn.cache import LRU
 from ultraattn.passes.opinfo import ops_digest
 from ultraattn.passes.records import AotGraphRecord, CompileReport, GraphRecord, Observer, PlanEvent
 from ultraattn.passes.site import SiteSpec, SiteState
+from ultraattn.runtime.plan_cache import TensorMemo
 
 MAX_PLAN_EVENTS = 256
 """Plan events kept (the newest); reports show the latest plan of each site."""
@@ -64,6 +65,9 @@ class SideTable:
         self.aot_graphs: list[AotGraphRecord] = []
         self.plan_events: deque[PlanEvent] = deque(maxlen=MAX_PLAN_EVENTS)
         self.meshes: dict = {}
+        self.tensor_memo = TensorMemo()
+        """What the sites read off this step's mask tensors (``runtime.plan_cache.TensorMemo``): one read per mask
+        tensor however many sites receive it."""
         self.exchange_runs: LRU = LRU(64)
         """Run-time programs' plans by configuration and mask content: sites that see the same mask (every layer of
         a model) plan it once (``explicit/dynamic.py``)."""
@@ -113,7 +117,7 @@ class SideTable:
     def add_site(self, spec: SiteSpec, observer: Observer) -> SiteState:
         """A new state for ``spec`` under its key. A key held by a site that computes something else is an error,
         never a reuse: it would run one site's graph with the other's score_mod, mask_mod or options."""
-        state = SiteState(spec=spec, next_id=self.next_id, observer=observer)
+        state = SiteState(spec=spec, next_id=self.next_id, observer=observer, memo=self.tensor_memo)
         with self.lock:
             held = self.sites.get(spec.key)
             if held is not None and held.spec.identity != spec.identity:
@@ -206,6 +210,7 @@ class SideTable:
             self.plan_events.clear()
             self.meshes.clear()
             self.exchange_runs.clear()
+            self.tensor_memo.clear()
             self.counters.clear()
             self._graph_count = 0
             self._key_uses.clear()

@@ -10,6 +10,7 @@ plan of exactly this content and a miss plans again; nothing is recompiled eithe
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -60,3 +61,32 @@ class PlanCache:
 
     def __len__(self) -> int:
         return len(self._lru)
+
+
+class TensorMemo:
+    """Values computed from a tensor, remembered while that very tensor object is alive and unchanged (its version
+    counter): the layers of a model receive the same mask tensor in a step and read it once, and a mask built
+    again next step (a new object, even at the same address) is read again. Weak references: it keeps no tensor
+    alive. ``reads`` counts the computations (misses)."""
+
+    def __init__(self, capacity: int = 32):
+        self.capacity = capacity
+        self._held: dict[tuple, tuple] = {}
+        self.reads = 0
+
+    def get(self, t: Tensor, what: object, make):
+        key = (id(t), what)
+        hit = self._held.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        value = make()
+        self.reads += 1
+        self._held.pop(key, None)
+        self._held[key] = (weakref.ref(t), t._version, value)
+        if len(self._held) > self.capacity:
+            for k in [k for k, v in self._held.items() if v[0]() is None] or [next(iter(self._held))]:
+                del self._held[k]
+        return value
+
+    def clear(self) -> None:
+        self._held.clear()
