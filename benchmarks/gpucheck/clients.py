@@ -41,7 +41,8 @@ def _llama(impl: str, cfg: dict, dtype, device):
                        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
                        num_key_value_heads=cfg["kv_heads"], max_position_embeddings=cfg["seqlen"],
                        attn_implementation=impl)
-    return LlamaForCausalLM(conf).to(device=device, dtype=dtype).train()
+    with torch.device(device):   # (initialised where it runs: a 300M-parameter model initialises slowly on a CPU)
+        return LlamaForCausalLM(conf).to(dtype=dtype).train()
 
 
 def _data(cfg: dict, device):

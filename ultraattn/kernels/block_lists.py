@@ -343,7 +343,7 @@ def dense_block_kinds(mask: Tensor, q_block: int, kv_block: int) -> Tensor:
     nq, nk = -(-Q // q_block), -(-K // kv_block)
     if nq * q_block != Q or nk * kv_block != K:
         m = torch.nn.functional.pad(m, (0, nk * kv_block - K, 0, nq * q_block - Q))
-    blocks = m.view(B, H, nq, q_block, nk, kv_block)
+    blocks = m.reshape(B, H, nq, q_block, nk, kv_block)
     any_ = blocks.any(dim=5).any(dim=3)
     all_ = blocks.all(dim=5).all(dim=3)
     return (all_.to(torch.int8) * FULL + (any_ & ~all_).to(torch.int8) * PARTIAL).contiguous()
