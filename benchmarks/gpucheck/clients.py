@@ -18,8 +18,14 @@ ultraattn's first step over plain's. Issue 51's targets: ``step_vs_plain`` >= 1/
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -28,6 +34,8 @@ from ultraattn.passes import side_table
 from ultraattn.testing import check_step
 
 from .common import Ctx, error_text, grads_of, sync
+
+BENCH = Path(__file__).resolve().parents[1]
 
 NAME = "clients"
 TITLE = "real clients, world 1"
@@ -51,7 +59,7 @@ def _data(cfg: dict, device):
     return ids.to(device), torch.arange(cfg["seqlen"])[None].to(device)
 
 
-def _step(model, ids, pos, device) -> tuple[dict, float]:
+def _step(model, ids, pos, device, grads: bool = True) -> tuple[dict, float]:
     sync(device)
     t0 = time.perf_counter()
     kw = {} if pos is None else {"position_ids": pos}   # (none: transformers counts positions itself)
@@ -59,9 +67,9 @@ def _step(model, ids, pos, device) -> tuple[dict, float]:
     out.loss.backward()
     sync(device)
     seconds = time.perf_counter() - t0
-    grads = grads_of(model)
+    got = {"loss": out.loss.detach().double().cpu(), "grads": grads_of(model) if grads else {}}
     model.zero_grad(set_to_none=True)
-    return {"loss": out.loss.detach().double().cpu(), "grads": grads}, seconds
+    return got, seconds
 
 
 def _sites() -> list[dict]:
@@ -95,7 +103,7 @@ def _profiled(model, ids, pos, device) -> dict:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        _step(model, ids, pos, device)
+        _step(model, ids, pos, device, grads=False)
     ops, dtoh = {}, {"count": 0, "device_ms": 0.0}
     for e in prof.key_averages():
         if e.key.startswith("ultraattn::"):
@@ -107,54 +115,84 @@ def _profiled(model, ids, pos, device) -> dict:
             "dtoh": dtoh}
 
 
-def speed(ctx: Ctx, impl: str, cfg: dict, compiler: str, positions: bool) -> dict:
-    """Eager (SDPA only), plain ``torch.compile`` and ``backend="ultraattn"`` on the same model and batch;
-    ``positions``: whether the call passes ``position_ids`` (transformers then derives its mask from them, at run
-    time; without them its mask depends on nothing but the length)."""
-    ids, pos = _data(cfg, ctx.device)
+def one_way(way: str, impl: str, cfg: dict, positions: bool, compiler: str, device: torch.device) -> dict:
+    """One way (eager, plain, ultraattn) of one speed row, in this process: the first step (compile and run), the
+    later steps, peak memory, the first loss; for ultraattn the sites and a profiled step."""
+    ids, pos = _data(cfg, device)
     pos = pos if positions else None
-    res = {"impl": impl, "position_ids": positions, **cfg, "first_step_s": {}, "step_ms": {}, "steps_ms": {},
-           "peak_gib": {}, "loss": {}}
+    model = _llama(impl, cfg, cfg["dtype"], device)
+    if way == "plain":
+        model = torch.compile(model, backend=compiler)
+    elif way == "ultraattn":
+        model = torch.compile(model, backend="ultraattn", options={"compiler": compiler})
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, loss = [], None
+    for _ in range(cfg["steps"]):
+        got, t = _step(model, ids, pos, device, grads=False)
+        loss = float(got["loss"]) if loss is None else loss
+        times.append(t)
+    later = times[2:] or times[1:] or times
+    res = {"first_step_s": round(times[0], 2), "step_ms": round(1e3 * statistics.median(later), 2),
+           "steps_ms": [round(1e3 * t, 2) for t in later], "loss": loss,
+           "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None}
+    if way == "ultraattn":
+        res["sites"] = _sites()
+        try:
+            res["profile"] = _profiled(model, ids, pos, device)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis, not a check
+            res["profile"] = {"error": error_text(exc).splitlines()[0]}
+    return res
+
+
+def _way_main(argv: list[str]) -> None:
+    """``one_way`` in a child process (``speed``): arguments as JSON, the result as JSON into a file."""
+    args = json.loads(argv[0])
+    cfg = {**args["cfg"], "dtype": getattr(torch, args["cfg"]["dtype"])}
+    device = torch.device(args["device"])
+    res = one_way(args["way"], args["impl"], cfg, args["positions"], args["compiler"], device)
+    Path(args["out"]).write_text(json.dumps(res, default=str))
+
+
+def speed(ctx: Ctx, impl: str, cfg: dict, compiler: str, positions: bool) -> dict:
+    """Eager (SDPA only), plain ``torch.compile`` and ``backend="ultraattn"`` on the same model and batch, each in
+    a process of its own with empty compile caches (Inductor's and Triton's): every first step is a cold start, as
+    a new user's is, and no way compiles with kernels another one built. ``positions``: whether the call passes
+    ``position_ids`` (transformers then derives its mask from them at run time; without them its mask depends on
+    the length alone)."""
+    res = {"impl": impl, "position_ids": positions, **cfg, "dtype": str(cfg["dtype"]).removeprefix("torch."),
+           "first_step_s": {}, "step_ms": {}, "steps_ms": {}, "peak_gib": {}, "loss": {}}
     ways = (["eager"] if impl == "sdpa" else []) + ["plain", "ultraattn"]
     for way in ways:
         if ctx.time_left() < 30:
             ctx.note(f"{impl}: no time left for {way}")
             break
-        torch._dynamo.reset()
-        ultraattn.reset()
-        model = _llama(impl, cfg, cfg["dtype"], ctx.device)
-        if way == "plain":
-            model = torch.compile(model, backend=compiler)
-        elif way == "ultraattn":
-            model = torch.compile(model, backend="ultraattn", options={"compiler": compiler})
-        if ctx.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(ctx.device)
-        times = []
-        for i in range(cfg["steps"]):
-            got, t = _step(model, ids, pos, ctx.device)
-            times.append(t)
-            if i == 0:
-                res["first_step_s"][way] = round(t, 2)
-                res["loss"][way] = float(got["loss"])
-                ctx.note(f"{impl} {way}: first step {t:.1f} s, loss {float(got['loss']):.5f}")
-            if ctx.time_left() < 20:
-                break
-        later = times[2:] or times[1:] or times
-        res["step_ms"][way] = round(1e3 * statistics.median(later), 2)
-        res["steps_ms"][way] = [round(1e3 * t, 2) for t in later]
-        if ctx.device.type == "cuda":
-            res["peak_gib"][way] = round(torch.cuda.max_memory_allocated(ctx.device) / 2**30, 2)
-        ctx.note(f"{impl} {way}: step {res['step_ms'][way]} ms (median of {len(later)})")
-        if way == "ultraattn":
-            res["sites"] = _sites()
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "way.json"
+            args = {"way": way, "impl": impl, "positions": positions, "compiler": compiler, "device": str(ctx.device),
+                    "cfg": {k: v for k, v in res.items() if k in cfg}, "out": str(out)}
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor", "TRITON_CACHE_DIR": f"{tmp}/triton"}
+            code = (f"import sys; sys.path.insert(0, {str(BENCH)!r}); from gpucheck.clients import _way_main; "
+                    f"_way_main(sys.argv[1:])")
             try:
-                res["profile"] = _profiled(model, ids, pos, ctx.device)
-            except Exception as exc:  # noqa: BLE001 - a diagnosis, not a check
-                res["profile"] = {"error": error_text(exc).splitlines()[0]}
+                proc = subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env, capture_output=True,
+                                      text=True, timeout=max(10.0, ctx.time_left() - 5))
+                got = json.loads(out.read_text()) if proc.returncode == 0 else \
+                    {"error": (proc.stdout + proc.stderr)[-3000:]}
+            except subprocess.TimeoutExpired:
+                got = {"error": "stopped at the part's deadline"}
+        if "error" in got:
+            res.setdefault("errors", {})[way] = got["error"]
+            ctx.note(f"{impl} {way}: {got['error'].strip().splitlines()[-1] if got['error'].strip() else 'error'}")
+            _keep(ctx, res)
+            continue
+        for key in ("first_step_s", "step_ms", "steps_ms", "peak_gib", "loss"):
+            res[key][way] = got[key]
+        for key in ("sites", "profile"):
+            if key in got:
+                res[key] = got[key]
+        ctx.note(f"{impl} {way}: first step {got['first_step_s']} s, step {got['step_ms']} ms, loss {got['loss']:.5f}")
         _keep(ctx, res)   # (as it goes: a part stopped at its deadline keeps what it measured)
-        del model
-        if ctx.device.type == "cuda":
-            torch.cuda.empty_cache()
     if "plain" in res["step_ms"] and "ultraattn" in res["step_ms"]:
         res["step_vs_plain"] = round(res["step_ms"]["plain"] / res["step_ms"]["ultraattn"], 3)
         res["first_vs_plain"] = round(res["first_step_s"]["ultraattn"] / res["first_step_s"]["plain"], 3)

@@ -335,8 +335,7 @@ def _dedupe(kinds: list[Tensor], bit_sets: list[Tensor], qb: int, kb: int
 # ----------------------------------------------------------------------------- dense masks on their device
 def dense_block_kinds(mask: Tensor, q_block: int, kv_block: int) -> Tensor:
     """int8 [B', H', NQ, NK] block kinds (EMPTY / PARTIAL / FULL) of a boolean mask [.., Q, K] (2-D, or 4-D with
-    batch and head dims of size 1 or full; a dimension broadcast with stride 0 counts as 1), computed where the
-    mask lives in one pass. Padding past the lengths is False, so a tail block is never FULL (the layouts' tail
+    batch and head dims of size 1 or full), computed where the mask lives in one pass. Padding past the lengths is False, so a tail block is never FULL (the layouts' tail
     promotion). This table, not the mask's S x S elements, is what planning and cache keys read."""
     m = _dense4(mask)
     B, H, Q, K = m.shape
@@ -350,17 +349,11 @@ def dense_block_kinds(mask: Tensor, q_block: int, kv_block: int) -> Tensor:
 
 
 def _dense4(mask: Tensor) -> Tensor:
-    """The mask as [B', H', Q, K] bool, dims broadcast with stride 0 (an ``expand``) taken once."""
+    """The mask as [B', H', Q, K] bool (a 2-D or 3-D mask gets leading dims of 1)."""
     m = mask
     while m.dim() < 4:
         m = m.unsqueeze(0)
-    if m.dtype != torch.bool:
-        m = m.to(torch.bool)
-    if m.shape[0] > 1 and m.stride(0) == 0:
-        m = m[:1]
-    if m.shape[1] > 1 and m.stride(1) == 0:
-        m = m[:, :1]
-    return m
+    return m if m.dtype == torch.bool else m.to(torch.bool)
 
 
 @dataclass(frozen=True, eq=False)

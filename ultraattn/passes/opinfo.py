@@ -38,7 +38,7 @@ OPS: dict[str, OpInfo] = {
     "site_attention_local": _AFTER, "site_attention_local_bwd": _AFTER,
     "sp_gather": _AFTER, "sp_all_reduce": _AFTER, "sp_weight_grad": _AFTER,
     "sp_dispatch": OpInfo(), "sp_dispatch_grad": OpInfo(), "sp_valid": OpInfo(),
-    "int_tensor": OpInfo(), "float_tensor": OpInfo(),
+    "int_tensor": OpInfo(), "float_tensor": OpInfo(), "mask_block_kinds": OpInfo(),
     # a site's explicit program (passes/ops/program.py): its plan traced at compile time, or run-time data
     "cp_start": _COMM_TOKEN, "cp_wait": _WAIT, "cp_finish": _COMM_TOKEN, "cp_gather": _COMM_TOKEN,
     "cp_check_inputs": _COMM_TOKEN, "cp_all_reduce": _COMM_TOKEN,

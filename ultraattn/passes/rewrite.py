@@ -65,11 +65,23 @@ def _as_tensors(graph: fx.Graph, inputs: list, like: fx.Node) -> list[fx.Node]:
     return out
 
 
+def _block_kinds(graph: fx.Graph, mask: fx.Node, block: int, made: dict[fx.Node, fx.Node]) -> fx.Node:
+    """The node of ``mask``'s block table (``ultraattn::mask_block_kinds``: reduced on the mask's device, one small
+    transfer to the host), made once after the mask and shared by every site of the graph that reads it: the layers
+    of a model read one mask, and a step moves its block table, not its S x S elements, once."""
+    node = made.get(mask)
+    if node is None:
+        with graph.inserting_after(mask):
+            node = made[mask] = insert_call(graph, torch.ops.ultraattn.mask_block_kinds.default, (mask, block))
+    return node
+
+
 def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions, *, graph_index: int,
                   table: SideTable, observer: Observer | None = None) -> list[SiteState]:
     """Replace every rewritable site in place (module docstring); returns the new sites' states, in site order."""
     states = []
     touched: dict[int, fx.GraphModule] = {}
+    kinds: dict[fx.Node, fx.Node] = {}
     code = gm.code
     for s in sites:
         if not s.rewritable:
@@ -80,9 +92,12 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions
         graph = s.node.graph
         touched[id(graph.owning_module)] = graph.owning_module
         state = table.add_site(site_spec(s, options, graph_index, table, code), observer or NullObserver())
+        inputs = s.mask_inputs()
+        if s.mask == "bool_mask" and options.world_size == 1:
+            inputs.append(_block_kinds(graph, s.mask_node, options.block_size, kinds))
         with graph.inserting_before(s.node):
             res = insert_call(graph, torch.ops.ultraattn.site_attention.default,
-                              (s.q, s.k, s.v, _as_tensors(graph, s.mask_inputs(), s.q), state.spec.key))
+                              (s.q, s.k, s.v, _as_tensors(graph, inputs, s.q), state.spec.key))
         s.replace_with(res)
         table.bump("rewritten")
         states.append(state)

@@ -266,12 +266,15 @@ def _plan_key(state: SiteState, q_shape, kv_shape, dtype, device, tensors: Seque
                                repr(state.layout)))
 
 
-def _dense_runner(state: SiteState, q_shape, kv_shape, device, mask: Tensor) -> BlockLists:
-    """World size 1, a boolean mask: its block table computed on its device (``dense_block_kinds``, one small
-    transfer per mask tensor and step, shared by the sites that receive it), the layout of that table cached, and
-    this mask's bit tiles packed on the device. The mask's S x S elements never reach the host."""
+def _dense_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence[Tensor]) -> BlockLists:
+    """World size 1, a boolean mask: its block table (``dense_block_kinds``: the rewritten graph computes it once
+    per mask and step, ``ultraattn::mask_block_kinds``, and hands it to every site after the mask; computed here
+    where a caller gives the mask alone), the layout of that table cached, and this mask's bit tiles packed on its
+    device. The mask's S x S elements never reach the host."""
     block = state.spec.options.block_size
-    kinds = state.memo.get(mask, ("kinds", block), lambda: dense_block_kinds(mask, block, block).cpu())
+    mask = tensors[0]
+    kinds = tensors[1] if len(tensors) > 1 else \
+        state.memo.get(mask, ("kinds", block), lambda: dense_block_kinds(mask, block, block).cpu())
     key = content_digest([kinds], ("dense", tuple(q_shape), tuple(kv_shape), str(device), block))
     dense = state.plans.lookup(key)
     if dense is None:
@@ -303,7 +306,7 @@ def runner_for(state: SiteState, q_shape: tuple, kv_shape: tuple, dtype: torch.d
                tensors: Sequence[Tensor]) -> Runner:
     """The cached runner for this call's mask content, else a new one (planned, reported, cached)."""
     if state.spec.mask == "bool_mask" and state.spec.options.world_size == 1:
-        return _dense_runner(state, q_shape, kv_shape, device, tensors[0])
+        return _dense_runner(state, q_shape, kv_shape, device, tensors)
     key = _plan_key(state, q_shape, kv_shape, dtype, device, tensors)
     hit = state.plans.lookup(key)
     if hit is not None:

@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.library import custom_op
 
 from ultraattn.kernels import BlockLists
+from ultraattn.kernels.block_lists import dense_block_kinds
 from ultraattn.kernels.reference import softmax_delta
 from ultraattn.passes.site import check_same_inputs, global_shapes, runner_for
 from ultraattn.passes.state import side_table
@@ -80,6 +81,22 @@ def float_tensor(x: float) -> Tensor:
 @float_tensor.register_fake
 def _(x):
     return torch.empty((), dtype=torch.float64)
+
+
+@custom_op("ultraattn::mask_block_kinds", mutates_args=())
+def mask_block_kinds(mask: Tensor, block: int) -> Tensor:
+    """A boolean mask's block table (int8 EMPTY / PARTIAL / FULL per block of every batch entry and head,
+    ``kernels.block_lists.dense_block_kinds``), reduced where the mask lives and brought to the host: the one
+    device-to-host transfer a run-time boolean mask costs per step, of (S / block)^2 bytes, computed once in the
+    graph for every site that reads the mask (``rewrite.py``)."""
+    return dense_block_kinds(mask, block, block).cpu()
+
+
+@mask_block_kinds.register_fake
+def _(mask, block):
+    *lead, q, k = mask.shape
+    lead = ([1] * (2 - len(lead)) + list(lead))[-2:] if len(lead) < 2 else list(lead)
+    return torch.empty(*lead, -(-q // block), -(-k // block), dtype=torch.int8, device="cpu")
 
 
 @custom_op("ultraattn::site_attention", mutates_args=())
