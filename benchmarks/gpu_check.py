@@ -181,14 +181,25 @@ def summarize(out: Path, records: list[dict], dry_run: bool, budget: float, seco
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG files (made if missing)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the JSON and PNG files (made if missing)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the same code paths, no GPU figures")
+    p.add_argument("--replot", type=Path, default=None,
+                   help="only redraw the PNG of a clients part's JSON (benchmarks/results/gpu_check_clients_*.json)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole run, shared out among the parts (default 450 on a GPU, 540 dry)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seconds", type=float, default=60.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.replot is not None:
+        import json
+
+        from gpucheck.clients import plot
+
+        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        return 0
+    if args.out is None:
+        p.error("--out FOLDER is required (where the parts write their JSON)")
     if args.child:
         return child(args.child, args.out, args.dry_run, args.seconds)
     parts = tuple(x.strip() for x in args.parts.split(",") if x.strip())

@@ -244,7 +244,34 @@ def run(ctx: Ctx) -> None:
         for p in res["problems"]:
             ctx.fail(f"exact {impl} position_ids={positions}: {p}")
     rows = ctx.record["speed"]
+    plot(ctx.record, ctx.path(suffix=".png"))
     ctx.save(summary="; ".join(
         f"{r['impl']}{' +pos' if r.get('position_ids') else ''}: step {r.get('step_ms')} ms, vs plain "
         f"{r.get('step_vs_plain')}, first {r.get('first_vs_plain')}"
         for r in rows))
+
+
+def plot(record: dict, png: Path) -> None:
+    """Median step (ms) and first step (s) of each speed row, by way (eager, plain compile, ultraattn)."""
+    from _results import pyplot
+
+    plt = pyplot()
+    rows = [r for r in record.get("speed", []) if r.get("step_ms")]
+    if plt is None or not rows:
+        return
+    ways = ("eager", "plain", "ultraattn")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, unit in ((axes[0], "step_ms", "median step (ms)"), (axes[1], "first_step_s", "first step (s)")):
+        for j, way in enumerate(ways):
+            xs = [i + 0.27 * (j - 1) for i, r in enumerate(rows) if way in r[key]]
+            ys = [r[key][way] for r in rows if way in r[key]]
+            ax.bar(xs, ys, width=0.27, label=way)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels([f"{r['impl']}{' + position_ids' if r.get('position_ids') else ''}" for r in rows])
+        ax.set_ylabel(unit)
+    axes[0].legend()
+    fig.suptitle(f"transformers Llama (S = {rows[0].get('seqlen')}, {rows[0].get('dtype')}), world size 1, "
+                 f"{record.get('device', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

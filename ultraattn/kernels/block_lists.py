@@ -335,8 +335,9 @@ def _dedupe(kinds: list[Tensor], bit_sets: list[Tensor], qb: int, kb: int
 # ----------------------------------------------------------------------------- dense masks on their device
 def dense_block_kinds(mask: Tensor, q_block: int, kv_block: int) -> Tensor:
     """int8 [B', H', NQ, NK] block kinds (EMPTY / PARTIAL / FULL) of a boolean mask [.., Q, K] (2-D, or 4-D with
-    batch and head dims of size 1 or full), computed where the mask lives in one pass. Padding past the lengths is False, so a tail block is never FULL (the layouts' tail
-    promotion). This table, not the mask's S x S elements, is what planning and cache keys read."""
+    batch and head dims of size 1 or full), computed where the mask lives in one pass. Padding past the lengths is
+    False, so a tail block is never FULL (the layouts' tail promotion). This table, not the mask's S x S elements,
+    is what planning and cache keys read."""
     m = _dense4(mask)
     B, H, Q, K = m.shape
     nq, nk = -(-Q // q_block), -(-K // kv_block)
