@@ -9,6 +9,7 @@ re-raised in the caller with that rank's traceback; a rank that hangs or dies is
 ``timeout`` and reported by rank number. Nothing is left running.
 
     with CommSpy() as spy: ...                    # which torch.distributed calls ran, and their bytes
+    with HostReads() as reads: ...                # what ultraattn's code read onto the host (D2H on a GPU)
 
 And the numerics policy (docs/numerics.md), which the tests and ``benchmarks/gpu_check.py`` apply:
 
@@ -83,6 +84,77 @@ class CommSpy:
 
 class RankFailure(RuntimeError):
     """A rank raised, died, or did not finish in time."""
+
+
+class HostReads:
+    """Counts what ultraattn's own code reads from tensors onto the host while active (a context manager): calls of
+    ``Tensor.cpu``, ``.tolist``, ``.item`` and ``bool`` / ``int`` / ``float`` of a tensor (``.numpy`` needs a host
+    tensor: the ``.cpu()`` before it is what moves it; ``.to(device)`` is not counted, as on a CPU machine it cannot
+    tell a move to the host from one to where the step runs, and the package moves nothing to the host with it),
+    made from a frame inside the ``ultraattn``
+    package (``SKIP`` excepted). On a GPU each one is a device-to-host
+    transfer and a wait for the device; on a CPU they cost nothing, which is why a test must count them (issue 51:
+    every site copied and hashed the S x S mask every step). ``calls`` (method names, in order) and ``nbytes``
+    (the bytes each read: the tensor's, one element for the scalar reads)."""
+
+    METHODS = ("cpu", "tolist", "item", "__bool__", "__int__", "__float__")
+    SKIP = ("testing.py", os.path.join("kernels", "reference.py"))
+    """Not counted: this module, and the kernels' CPU reference (what runs the tiles where Triton cannot; on a GPU the
+    Triton kernels read nothing onto the host)."""
+
+    def __init__(self) -> None:
+        import ultraattn
+
+        self.root = os.path.dirname(ultraattn.__file__)
+        self.calls: list[str] = []
+        self.nbytes: list[int] = []
+        self.where: list[str] = []
+        self._saved: dict[str, object] = {}
+
+    def _ours(self) -> str | None:
+        import sys
+
+        frame = sys._getframe(2)
+        path = frame.f_code.co_filename
+        if path.startswith(self.root) and not path.endswith(self.SKIP):
+            return f"{os.path.relpath(path, self.root)}:{frame.f_lineno}"
+        return None
+
+    def _wrap(self, name: str) -> None:
+        fn = getattr(torch.Tensor, name)
+        self._saved[name] = torch.Tensor.__dict__.get(name)
+
+        def counted(t, *args, **kwargs):
+            where = self._ours()
+            if where is not None:
+                self.calls.append(name)
+                scalar = name in ("item", "__bool__", "__int__", "__float__")
+                self.nbytes.append(t.element_size() if scalar else t.numel() * t.element_size())
+                self.where.append(where)
+            return fn(t, *args, **kwargs)
+
+        setattr(torch.Tensor, name, counted)
+
+    def __enter__(self) -> HostReads:
+        for name in self.METHODS:
+            self._wrap(name)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, old in self._saved.items():
+            if old is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, old)
+        self._saved.clear()
+
+    @property
+    def total(self) -> int:
+        return sum(self.nbytes)
+
+    def largest(self, n: int = 5) -> list[tuple[int, str, str]]:
+        """The ``n`` largest reads: (bytes, method, where)."""
+        return sorted(zip(self.nbytes, self.calls, self.where, strict=True), reverse=True)[:n]
 
 
 def free_port() -> int:

@@ -183,8 +183,9 @@ class DynamicProgram(ExplicitProgram):
             check_same_inputs(state, list(mask_tensors))
         # The run holds the site's mask_mod and score_mod (its TileGeometry), so it is shared only between sites of
         # one identity (``site_identity``: the layers of a model), never between sites that compute differently.
-        key = content_digest(mask_tensors, (spec.identity, self.chunk, self.num_chunks, self.owner, self.rank,
-                                            str(self.device), self.mesh))
+        digests = [state.memo.get(t, "bytes", lambda t=t: content_digest([t])) for t in mask_tensors]
+        key = content_digest([], (digests, spec.identity, self.chunk, self.num_chunks, self.owner, self.rank,
+                                  str(self.device), self.mesh))
         run = self.runs.get(key)
         if run is None:
             t0 = time.perf_counter()

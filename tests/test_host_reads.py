@@ -1,0 +1,164 @@
+"""What a step reads onto the host (issue 51): on a GPU every ``.cpu()``, ``.item()`` or ``bool()`` of a device
+tensor is a transfer and a wait, and a site that copied the S x S mask every step made transformers' Llama 23x
+slower than plain ``torch.compile`` on an H100. On the CPU those reads cost nothing, so they are counted
+(``ultraattn.testing.HostReads``: the reads made by ultraattn's own code) on transformers' Llama with the mask
+built at run time from ``position_ids`` (packed documents): SDPA (a boolean mask) and flex_attention (a BlockMask)
+at world size 1, flex_attention at 2 ranks. After the first step, a step reads at most about 8 (S/128)^2 + 8 S
+bytes per site (``_bound``: a BlockMask's int32 block tables, full and partial, and the mask_mod's per-token
+buffers), never the mask's elements, and plans nothing again; an SDPA mask the graph builds from no input is read
+at compile time only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from client_cases import hf_data, hf_model, hf_step
+from numerics import check_step, fresh_dynamo  # noqa: F401 - fresh_dynamo: an autouse fixture
+
+import ultraattn
+from ultraattn.passes import side_table
+from ultraattn.passes.capture import Site, _world1_choice
+from ultraattn.testing import HostReads, run_ranks
+
+S = 1024
+OPTIONS = {"compiler": "aot_eager", "ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 120.0}
+
+
+def _bound(sites: int) -> int:
+    """Per site: a BlockMask's int32 tables (block counts and indices, partial and full), one int64 per token of
+    the mask_mod's buffers (transformers' document ids), and a few scalars (tickets, plan ids)."""
+    n = S // 128
+    return sites * (8 * n * n + 8 * n + 8 * S + 256)
+
+
+def reads_worker(rank: int, world: int, impl: str, positions: bool) -> dict:
+    """Three steps of transformers' Llama under the backend: the host reads of steps 2 and 3 and the plan counts."""
+    torch._dynamo.reset()
+    ultraattn.reset()
+    ids, pos = hf_data(S, True)
+    cm = torch.compile(hf_model(impl), backend="ultraattn", options=dict(OPTIONS))
+
+    def run():
+        return hf_step(cm, ids, pos if positions else None, False)
+
+    run()
+    plans = sum(s.plans.plans for s in side_table().sites.values())
+    out = {"reads": [], "where": []}
+    for _ in range(2):
+        with HostReads() as r:
+            run()
+        out["reads"].append(r.total)
+        out["where"].append(r.largest(4))
+    out["plans"] = (plans, sum(s.plans.plans for s in side_table().sites.values()))
+    out["sites"] = [(s.name, s.mask, s.rewritten) for g in side_table().graphs for s in g.sites]
+    return out
+
+
+def test_a_step_reads_block_tables_not_masks_at_world_size_1():
+    for impl in ("sdpa", "flex_attention"):
+        got = reads_worker(0, 1, impl, True)
+        assert len(got["sites"]) == 2 and all(s[2] for s in got["sites"]), got["sites"]
+        assert max(got["reads"]) <= _bound(2), (impl, got)
+        assert got["plans"][0] == got["plans"][1] >= 1, (impl, got["plans"])   # nothing planned again
+    masks = [s[1] for s in got["sites"]]
+    assert masks == ["block_mask"] * 2
+
+
+def test_a_step_reads_block_tables_not_masks_at_two_ranks():
+    res = run_ranks(reads_worker, 2, args=("flex_attention", True), timeout=900)
+    for rank, got in enumerate(res):
+        assert max(got["reads"]) <= _bound(2), (rank, got)
+        assert got["plans"][0] == got["plans"][1], (rank, got["plans"])
+
+
+# ----------------------------------------------------------------------------- masks the graph builds from nothing
+class PositionsMask(torch.nn.Module):
+    """SDPA with the causal mask built inside the compiled code from ``torch.arange`` alone, as transformers 5.17
+    does under ``torch.compile``: a dense S x S boolean mask that depends on no input."""
+
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96, bias=False)
+        self.window = window
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        i = torch.arange(T, device=x.device)
+        mask = (i[None, None, :, None] >= i[None, None, None, :]).expand(B, 1, T, T)
+        if self.window is not None:
+            mask = mask & (i[:, None] - i[None, :] < self.window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).square().mean()
+
+
+def _fold_case(window, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = PositionsMask(window).to(dtype)
+    return model, torch.randn(2, 300, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+def _fold_step(model, fn, x) -> dict:
+    loss = fn(x)
+    loss.backward()
+    return {"loss": loss.detach().double(), "grads": {n: p.grad.double() for n, p in model.named_parameters()}}
+
+
+def fold_worker(rank: int, world: int, window, world1: str) -> dict:
+    torch._dynamo.reset()
+    ultraattn.reset()
+    model, x = _fold_case(window)
+    got = _fold_step(model, torch.compile(model, backend="ultraattn", options=dict(OPTIONS, world1=world1)), x)
+    rec = side_table().graphs[-1]
+    got["site"] = [(s.mask, s.rewritten, s.why) for s in rec.sites]
+    got["code"] = rec.code_after
+    return got
+
+
+def _fold_reference(window) -> tuple[dict, dict]:
+    out = []
+    for dt in (torch.float64, torch.float32):
+        model, x = _fold_case(window, dt)
+        out.append(_fold_step(model, model, x))
+    return out[0], out[1]
+
+
+def test_a_mask_built_from_positions_alone_is_causal_at_compile_time():
+    """World size 1 and 2: the site is planned as causal (the mask is read at compile time, never passed to the site
+    op) and exact; with ``world1="original"`` the kept SDPA call loses the dense mask for ``is_causal=True``. A
+    windowed mask built the same way is not causal: it stays a run-time boolean mask, exact too."""
+    ref = _fold_reference(None)
+    got1 = fold_worker(0, 1, None, "auto")
+    res2 = run_ranks(fold_worker, 2, args=(None, "auto"), timeout=600)
+    for got in (got1, *res2):
+        assert not check_step(got, *ref), check_step(got, *ref)
+        ((mask, rewritten, why),) = got["site"]
+        assert (mask, rewritten) == ("causal", True) and "positions alone" in why, got["site"]
+    kept = fold_worker(0, 1, None, "original")
+    assert not check_step(kept, *ref)
+    assert kept["site"][0][:2] == ("causal", False)
+    call = next(line for line in kept["code"].splitlines() if "scaled_dot_product_attention" in line)
+    assert "attn_mask = None" in call and "is_causal = True" in call, call
+    windowed = fold_worker(0, 1, 64, "auto")
+    assert not check_step(windowed, *_fold_reference(64))
+    assert windowed["site"][0][:2] == ("bool_mask", True)
+
+
+def test_world_size_1_keeps_the_faster_op_on_a_gpu():
+    """The world-1 choice (``capture._world1_choice``): on a GPU, flex_attention and SDPA without a boolean mask keep
+    the original op; an SDPA boolean mask runs on the tiles; the CPU runs the tiles; ``world1`` overrides."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def site(op, mask, device, choice="auto", world=1):
+        s = Site(index=0, node=None, op=op, q=None, k=None, v=None, mask=mask, reason="rewritten")
+        _world1_choice(s, world, device, choice)
+        return s.rewritable, s.reason
+
+    assert site("flex", "block_mask", cuda) == (False, "kept (world size 1 on cuda: flex_attention is faster there "
+                                                       "than the tiles (docs/gpu.md))")
+    assert not site("sdpa", "causal", cuda)[0] and not site("sdpa", "full", cuda)[0]
+    assert site("sdpa", "bool_mask", cuda)[0]
+    assert site("flex", "block_mask", cpu)[0] and site("sdpa", "causal", cpu)[0]
+    assert site("flex", "block_mask", cuda, "tiles")[0]
+    assert site("sdpa", "bool_mask", cuda, "original") == (False, "kept (the world1 option)")
+    assert site("flex", "block_mask", cuda, world=2)[0]
