@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-PARTS = ("kernels_correct", "two_ranks", "backend_e2e", "kernels_speed", "calibration", "tiles")
+PARTS = ("clients", "kernels_correct", "two_ranks", "backend_e2e", "kernels_speed", "calibration", "tiles")
 
 
 def _run(out: Path, *args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -30,7 +30,8 @@ def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
     r = _run(tmp_path)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == sorted([f"{p}.json" for p in PARTS] + ["kernels_cpu.json", "kernels_cpu.png", "summary.json"])
+    assert files == sorted([f"{p}.json" for p in PARTS] + ["clients.png", "kernels_cpu.json", "kernels_cpu.png",
+                                                            "summary.json"])
     summary = _load(tmp_path, "summary")
     assert summary["ok"] and summary["dry_run"] and [p["part"] for p in summary["parts"]] == list(PARTS)
     assert all(p["status"] == "pass" for p in summary["parts"]), summary["parts"]
@@ -38,6 +39,14 @@ def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
     for name in PARTS:
         rec = _load(tmp_path, name)
         assert rec["status"] == "pass" and rec["failures"] == [] and rec["pulp"] is False, (name, rec.get("error"))
+    # 0: real clients: every exact row within the policy, the speed row's three ways each in its own process
+    cl = _load(tmp_path, "clients")
+    assert [(r["impl"], r["position_ids"]) for r in cl["exact"]] == [("sdpa", False), ("sdpa", True),
+                                                                     ("flex_attention", True)]
+    assert all(not r["problems"] for r in cl["exact"]), cl["exact"]
+    (row,) = cl["speed"]
+    assert set(row["step_ms"]) == set(row["first_step_s"]) == {"eager", "plain", "ultraattn"}, row
+    assert row["step_vs_plain"] > 0 and row["sites"] and all(s["rewritten"] for s in row["sites"]), row
     # 1: every planned case ran and passed the 2x rule, and the op reached the compiled graph
     kc = _load(tmp_path, "kernels_correct")
     assert len(kc["rows"]) == kc["cases_planned"] >= 20 and all(row["ok"] and not row["problems"] for row in kc["rows"])

@@ -81,10 +81,18 @@ def test_compile_blocks_checks_its_argument():
         ultraattn.compile_blocks(torch.nn.ModuleList([torch.nn.Linear(2, 2)]), backend="inductor")
 
 
-def records() -> list[dict]:
+def records(since: int = 0) -> list[dict]:
+    """The sharding records of the graphs compiled since the ``since``-th."""
     return [{"sharded_ops": g.shard.sharded_ops, "replicated_ops": g.shard.replicated_ops,
              "carried": g.shard.carried, "outputs": g.shard.outputs, "fallbacks": g.shard.fallbacks,
-             "layout": g.shard.layout} if g.shard else None for g in side_table().graphs]
+             "layout": g.shard.layout} if g.shard else None for g in side_table().graphs[since:]]
+
+
+def _fresh() -> int:
+    """Before the next case of a worker: Dynamo's graphs go, ultraattn's process state stays (the cases share one
+    process, as a sweep would); the number of graphs compiled so far."""
+    torch._dynamo.reset()
+    return len(side_table().graphs)
 
 
 SEQLEN = 96
@@ -180,24 +188,23 @@ def _titan_step(ex, model, args, loss_fn=None) -> dict:
 
 
 def _titan_worker(rank: int, world: int, attns: tuple[str, ...], whole: bool, options: dict) -> dict:
-    import ultraattn
 
     ex = _titan_example()
     out = {}
     for attn in attns:
         args = _titan_args(attn)
-        ultraattn.reset()
+        since = _fresh()
         model = ex.build(args)
         ex.compile_like_torchtitan(model, LIGHT, head=False)  # (the loss it returns is not used: eager)
         out[attn] = _titan_step(ex, model, args)
-        out[attn]["graphs"] = records()
-        ultraattn.reset()
+        out[attn]["graphs"] = records(since)
+        since = _fresh()
         model = ex.build(args)
         loss_fn = ex.compile_like_torchtitan(model, options)  # blocks, norm, output projection and loss: regions
         out[attn]["regions"] = _titan_step(ex, model, args, loss_fn)
-        out[attn]["regions"]["graphs"] = records()
+        out[attn]["regions"]["graphs"] = records(since)
         if whole:
-            ultraattn.reset()
+            _fresh()
             model = ex.build(args)
             compiled = torch.compile(model, backend="ultraattn", options=dict(LIGHT, report="off"))
             out[attn]["whole"] = _titan_step(ex, compiled, args)
@@ -272,14 +279,14 @@ def _hf_run() -> list[dict]:
 
     out = []
     for impl, S, packed, options in HF_CASES:
-        ultraattn.reset()
+        since = _fresh()
         model = hf_model(impl)
         ultraattn.compile_blocks(model.model.layers, options=options)
         ids, pos = hf_data(S, packed)
         with CommSpy() as spy:
             res = hf_step(model, ids, pos, use_cache=False)
-        res.update(gathers=spy.count(*GATHERS)[0], graphs=records(),
-                   sites=[(s.name, s.rewritten) for g in side_table().graphs for s in g.sites])
+        res.update(gathers=spy.count(*GATHERS)[0], graphs=records(since),
+                   sites=[(s.name, s.rewritten) for g in side_table().graphs[since:] for s in g.sites])
         out.append(res)
     return out
 

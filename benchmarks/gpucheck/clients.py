@@ -216,11 +216,13 @@ def run(ctx: Ctx) -> None:
              "seqlen": ctx.pick(1024, 256)}
     big = ctx.pick({"layers": 4, "hidden": 2048, "ffn": 5632, "heads": 16, "kv_heads": 4, "vocab": 32000,
                     "seqlen": 8192, "dtype": torch.bfloat16, "steps": 8},
-                   {**small, "dtype": torch.float32, "steps": 3})
+                   {**small, "dtype": torch.float32, "steps": 2})
     import transformers
 
     ctx.save(transformers=transformers.__version__, exact=[], speed=[])
-    for impl, positions in SPEED_ROWS:   # speed first: it is what the issue measures; the exact checks are small
+    # (the dry run times one row, the run-time mask on the tiles: its ways are processes of their own, each a minute
+    # of imports and interpreted kernels on two cores)
+    for impl, positions in ctx.pick(SPEED_ROWS, SPEED_ROWS[2:]):   # speed first: what the issue measures
         if ctx.time_left() < 60:
             ctx.note(f"speed {impl} position_ids={positions}: no time left")
             continue

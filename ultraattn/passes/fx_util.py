@@ -227,19 +227,21 @@ def specialize_sizes(gm: fx.GraphModule, example_inputs) -> list:
     second model of the same class at another sequence length, an eval pass on longer sequences). A plan is made
     for one sequence length, so the backend compiles each length on its own, as ``torch.compile(dynamic=False)``
     would: every size symbol is fixed to its current value through the shape environment (``guard_int``, the
-    guard Dynamo then checks before running the graph, so another length recompiles), a ``SymInt`` input's uses
-    take the number, and every node's fake value is propagated again from static inputs. A graph with no symbolic
-    size is returned as it is."""
+    guard Dynamo then checks before running the graph, so another length recompiles), a ``SymInt`` input of such a
+    size takes the number, and every node's fake value is propagated again from static inputs. A symbolic number
+    that sizes no tensor (a window a mask_mod closes over, new every batch) stays symbolic: it reaches the site op
+    as a 0-d tensor (``rewrite.py``), so a new value does not recompile. A graph with no symbolic size is returned
+    as it is."""
     phs = placeholders(gm)
     metas = [ph.meta.get("example_value") for ph in phs]
 
     def symbolic(v) -> bool:
-        if isinstance(v, torch.SymInt | torch.SymFloat):
-            return True
         return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
                                                    for d in (*v.shape, *v.stride(), v.storage_offset()))
 
-    if not any(symbolic(v) for v in metas):
+    sizes = {sym for v in metas if symbolic(v) for d in (*v.shape, *v.stride(), v.storage_offset())
+             if isinstance(d, torch.SymInt) for sym in d.node.expr.free_symbols}
+    if not sizes:   # (a symbolic number that is no size, a window a mask_mod reads, stays an input: rewrite.py)
         return list(example_inputs)
     from torch._guards import TracingContext
     from torch.fx.experimental.symbolic_shapes import guard_float, guard_int
@@ -250,7 +252,7 @@ def specialize_sizes(gm: fx.GraphModule, example_inputs) -> list:
         value_fake_mode([v for v in metas if isinstance(v, torch.Tensor)])
     values = list(example_inputs)
     for i, (ph, v) in enumerate(zip(phs, metas)):
-        if isinstance(v, torch.SymInt | torch.SymFloat):
+        if isinstance(v, torch.SymInt | torch.SymFloat) and v.node.expr.free_symbols & sizes:
             number = guard_int(v) if isinstance(v, torch.SymInt) else guard_float(v)
             for user in list(ph.users):
                 user.args = fx.map_arg(user.args, lambda a, ph=ph, number=number: number if a is ph else a)
