@@ -67,14 +67,19 @@ def test_plan_invariants_and_baselines(mask, mesh):
         ev.fwd.check()
         ev.bwd.check()
     ours = res.ours
-    assert ours.compute_imbalance <= 1.05 + 1e-9
+    # balanced within the tolerance, unless a baseline the planner priced models faster: then its plan, said so
+    assert ours.compute_imbalance <= 1.05 + 1e-9 or _adopted(res), (ours.compute_imbalance, res.notes)
     # no plan beats the compute bound (the whole attention spread evenly at one device's kernel efficiency)
     assert res.compute_bound_ms == pytest.approx(compute_bound_ms(pat, shape, mesh))
     assert all(ev.total_ms() >= res.compute_bound_ms for ev in res.evaluations.values())
-    # never slower than a baseline plan that also meets the balance tolerance (the planner adopts those)
+    # never slower than a baseline plan it priced (issue 55)
     for name, ev in res.evaluations.items():
-        if name != "ultraattn" and ev.compute_imbalance <= 1.05 + 1e-9:
-            assert ours.total_ms() <= ev.total_ms() * (1 + 1e-9), name
+        assert ours.total_ms() <= ev.total_ms() * (1 + 1e-9), name
+
+
+def _adopted(res) -> bool:
+    """Whether the planner returned a baseline's plan for modelling faster (``api._no_slower_than_a_baseline``)."""
+    return any("models faster than the planned plan" in n for n in res.notes)
 
 
 @pytest.mark.parametrize("mask", ["causal", "strided"])
@@ -82,17 +87,20 @@ def test_plan_invariants_and_baselines(mask, mesh):
 @pytest.mark.parametrize("owner", [(0, 0, 1, 1, 2, 2, 3, 3), (0, 1, 2, 3, 3, 2, 1, 0), (3, 1, 0, 2, 2, 0, 1, 3)])
 def test_plan_in_a_given_layout_keeps_it(mask, mesh, owner):
     """A given token layout (what a sequence-sharded model shares between its attentions): ownership is kept
-    exactly, every invariant holds, balance stays within the tolerance, and a baseline with another layout
-    is never adopted."""
+    exactly, every invariant holds, balance stays within the tolerance (or a faster baseline in this layout is
+    adopted, said so), and a baseline with another layout is never adopted."""
     pat = grid_pattern(mask_grid(mask, 32), block=64, name=mask)
     shape = AttnShape(seq_len=pat.q_len, **SHAPE)
     lay = TokenSharding(chunk_size=pat.q_len // 8, owner=owner)
     res = plan(pat, shape, mesh, options=FAST, layout=lay)
     assert res.plan.layout == lay and res.plan.owner == owner
     check_plan(res.plan, pat)
-    assert res.ours.compute_imbalance <= 1.05 + 1e-9
+    assert res.ours.compute_imbalance <= 1.05 + 1e-9 or _adopted(res), (res.ours.compute_imbalance, res.notes)
     if res.plan.meta["structure"] != "tiled":
         assert res.evaluations[res.plan.meta["structure"]].plan.layout == lay
+    for name, ev in res.evaluations.items():   # never slower than a baseline in this layout
+        if ev.plan.layout == lay:
+            assert res.ours.total_ms() <= ev.total_ms() * (1 + 1e-9), name
 
 
 def test_given_layout_must_fit():

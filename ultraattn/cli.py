@@ -29,6 +29,7 @@ from ultraattn.planner.tiling import PlannerOptions
 from ultraattn.report.compile_report import render_saved
 from ultraattn.report.plan_report import print_plan_result
 from ultraattn.report.png import draw_plan_png
+from ultraattn.report.style import compare_words
 
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
@@ -286,7 +287,8 @@ def cmd_plan(args) -> int:
                   + (f"; {summary['vs_compute_bound']:.2f}x the compute bound" if "vs_compute_bound" in summary else "")
                   + f"; as the executor runs it (level by level) {summary['executed_ms']:.2f} ms"
                   + (f", {summary['executed_vs_compute_bound']:.2f}x" if "executed_vs_compute_bound" in summary else "")
-                  + (f"; {sp:.2f}x faster than the best baseline ({summary['best_baseline']})" if sp else ""))
+                  + (f"; {compare_words(1.0, sp)} the best baseline ({summary['best_baseline']}) as the planner "
+                     f"replays both" if sp else ""))
     return 0
 
 

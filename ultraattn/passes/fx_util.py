@@ -239,15 +239,21 @@ def specialize_sizes(gm: fx.GraphModule, example_inputs) -> list:
         return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
                                                    for d in (*v.shape, *v.stride(), v.storage_offset()))
 
-    sizes = {sym for v in metas if symbolic(v) for d in (*v.shape, *v.stride(), v.storage_offset())
-             if isinstance(d, torch.SymInt) for sym in d.node.expr.free_symbols}
-    if not sizes:   # (a symbolic number that is no size, a window a mask_mod reads, stays an input: rewrite.py)
+    # sizes anywhere in the graph: Dynamo may fix a size while it traces (a guard), leaving earlier nodes' values
+    # symbolic with a constant expression, and the placeholders static
+    dims = [d for gm_ in gm.modules() if isinstance(gm_, fx.GraphModule) for n in gm_.graph.nodes
+            for v in _flat_values(meta_value(n)) if symbolic(v)
+            for d in (*v.shape, *v.stride(), v.storage_offset()) if isinstance(d, torch.SymInt)]
+    if not dims:   # (a symbolic number that is no size, a window a mask_mod reads, stays an input: rewrite.py)
         return list(example_inputs)
+    sizes = {sym for d in dims for sym in d.node.expr.free_symbols}
     from torch._guards import TracingContext
     from torch.fx.experimental.symbolic_shapes import guard_float, guard_int
 
     # (the tracing context's mode: flex_attention's fake implementation makes its score_mod's inputs there)
     context = TracingContext.try_get()
+    for d in dims:
+        guard_int(d)
     mode = context.fake_mode if context is not None and context.fake_mode is not None else \
         value_fake_mode([v for v in metas if isinstance(v, torch.Tensor)])
     values = list(example_inputs)
@@ -330,3 +336,12 @@ def constant_value(node: fx.Node) -> torch.Tensor | None:
         return None
     value = env[node]
     return value if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) else None
+
+
+def _flat_values(v) -> list:
+    """The tensors in a node's value (one, or a tuple or list of them)."""
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, list | tuple):
+        return [x for y in v for x in _flat_values(y)]
+    return []

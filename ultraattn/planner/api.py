@@ -324,6 +324,8 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
     for name, bp in deferred.items():
         evals[name] = evaluate(bp, pattern, cost=cost, backward=backward)
     evals = {name: evals[name] for name in baselines if name in evals}
+    chosen = _no_slower_than_a_baseline(chosen, evals, pattern, cost=cost, backward=backward, layout=layout,
+                                        notes=notes)
     evals = {"ultraattn": chosen, **evals}
     total = time.perf_counter() - t0
     solver = {
@@ -336,6 +338,25 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
     }
     return PlanResult(plan=chosen.plan, evaluations=evals, not_applicable=na, solver=solver,
                       seconds=planning_seconds, pattern=pattern, notes=notes, compute_bound_ms=bound)
+
+
+def _no_slower_than_a_baseline(chosen: Evaluation, evals: dict[str, Evaluation], pattern: BlockPattern, *,
+                               cost: CostModel, backward: bool, layout: TokenSharding | None,
+                               notes: list[str]) -> Evaluation:
+    """The ILP planner never hands back a plan its own model prices above a baseline it priced: where the fastest
+    baseline (in the given layout, if any) models faster than ``chosen``, that baseline's plan is ours, and a note
+    says so. (Planning adopts a baseline early only when it is balanced within the tolerance; the comparison prices
+    all of them, and an unbalanced ring can still be faster on a short, narrow mask.)"""
+    key = Evaluation.total_ms
+    fits = {n: e for n, e in evals.items() if layout is None or e.plan.layout == layout}
+    if not fits:
+        return chosen
+    name = min(fits, key=lambda n: key(fits[n]))
+    if key(fits[name]) >= key(chosen) * (1 - 1e-9):
+        return chosen
+    notes.append(f"the {name} baseline models faster than the planned plan ({key(fits[name]):.3f} ms vs "
+                 f"{key(chosen):.3f} ms): its plan is returned")
+    return evaluate(as_ours(fits[name].plan), pattern, cost=cost, backward=backward)
 
 
 def _tiled_plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel, options: PlannerOptions,

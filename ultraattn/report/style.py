@@ -135,3 +135,15 @@ def fmt_num(x: Any, spec: str) -> str:
     return "—" if x is None else format(float(x), spec)
 
 
+
+
+def compare_words(ours: float, other: float, *, tie: float = 0.005) -> str:
+    """How ``ours`` (a time) compares with ``other``, in words whose sense follows the sign: "1.13x faster than",
+    "1.37x slower than", or "as fast as" within ``tie`` (relative). Every comparison line of the reports and the
+    CLI is worded by this one helper, so a slower plan is never called faster."""
+    if ours <= 0 or other <= 0:
+        return "as fast as" if ours == other else ("faster than" if ours < other else "slower than")
+    ratio = other / ours
+    if abs(ratio - 1.0) <= tie:
+        return "as fast as"
+    return f"{ratio:.2f}x faster than" if ratio > 1 else f"{1 / ratio:.2f}x slower than"
