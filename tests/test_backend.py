@@ -17,6 +17,7 @@ from backend_models import Tiny, build, comm_chain_breaks, compiled_worker, inpu
 from numerics import check_step, fresh_dynamo  # noqa: F401 - fresh_dynamo: an autouse fixture
 from torch._dynamo.utils import counters
 
+import ultraattn
 from ultraattn.passes import side_table
 from ultraattn.testing import run_ranks
 
@@ -426,3 +427,50 @@ def test_explicit_tiles_are_the_triton_ops_where_the_kernels_run():
         code = {g["kind"]: g["code"] for g in got["aot"]}
         assert _count(code["forward"], "bsa_fwd") > 0 and _count(code["backward"], "bsa_bwd") > 0, r
         assert "cp_tile_fwd" not in code["forward"] and "cp_tile_bwd" not in code["backward"]
+
+
+class _Fallbacks(torch.nn.Module):
+    """A causal float64 attention and a cross-attention (q 96 tokens, k/v 64): sites the backend cannot split."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(16, 16)
+
+    def forward(self, x, ctx):
+        q = self.q(x).view(1, -1, 2, 8).transpose(1, 2)
+        c = ctx.view(1, -1, 2, 8).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), is_causal=True)
+        b = F.scaled_dot_product_attention(q, c, c)
+        return a.float().sum() + b.sum()
+
+
+def _fallback_worker(rank: int, world: int) -> dict:
+    import warnings
+
+    torch.manual_seed(0)
+    model = _Fallbacks()
+    x, ctx = torch.randn(1, 96, 16), torch.randn(1, 64, 16)
+    cm = torch.compile(model, backend="ultraattn", options={"compiler": "aot_eager"})
+    out = {}
+    for step_ in ("first", "second"):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            cm(x, ctx).backward()
+        out[step_] = [(w.category.__name__, str(w.message)) for w in got
+                      if issubclass(w.category, ultraattn.FallbackWarning)]
+    out["sites"] = [(s.mask, s.rewritten) for s in side_table().graphs[-1].sites]
+    return out
+
+
+def test_every_fallback_warns_once_with_its_reason():
+    """At 2 ranks a float64 site and a cross-attention site run replicated: each says so once, as a
+    ``ultraattn.FallbackWarning`` naming the site and the reason, when its graph compiles (not at every step); the
+    float64 site called with ``is_causal=True`` is reported causal, not "full"."""
+    res = run_ranks(_fallback_worker, 2, timeout=300)
+    for got in res:
+        msgs = [m for _, m in got["first"]]
+        assert len([m for m in msgs if "attention site" in m]) == 2, msgs
+        assert any("sdpa#0" in m and "float64" in m and "mask causal" in m for m in msgs), msgs
+        assert any("sdpa#1" in m and "cross-attention" in m for m in msgs), msgs
+        assert got["second"] == [], got["second"]
+        assert got["sites"][0] == ("causal", False), got["sites"]

@@ -20,6 +20,7 @@ State lives in the side table (``state.py``); what was done is reported as recor
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import torch.fx as fx
@@ -34,7 +35,7 @@ from ultraattn.passes.explicit.order import order_comm
 from ultraattn.passes.fx_util import placeholders, refresh_fake_values, specialize_sizes, tensor_value, ultraattn_op
 from ultraattn.passes.kept import keep_flex_eager
 from ultraattn.passes.options import BackendOptions
-from ultraattn.passes.records import AotGraphRecord, GraphRecord, Observer, PlanEvent, ShardSummary
+from ultraattn.passes.records import AotGraphRecord, FallbackWarning, GraphRecord, Observer, PlanEvent, ShardSummary
 from ultraattn.passes.rewrite import rewrite_sites
 from ultraattn.passes.shard import Seq, analyse, inline_checkpoints, lower
 from ultraattn.passes.site import SiteState, seed_plan
@@ -85,11 +86,28 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
                       site_keys=tuple(s.spec.key for s in states), report_file=opts.report_file, shard=shard)
     table.bump("graphs")
     table.bump("sites", len(sites))
+    warn_fallbacks(rec)
     observer.graph_compiled(rec)
     compiled = boundary(_compile(gm, example_inputs, rec, opts, table, observer, _devices(sites, states, reasons)),
                         carried, taken, shard)
     table.forget_with(compiled, rec.site_keys + tuple(kept.values()))
     return compiled
+
+
+def warn_fallbacks(rec: GraphRecord) -> None:
+    """One ``FallbackWarning`` per site of ``rec`` that runs replicated across ranks, and per op that needed a sharded
+    tensor whole, with the reason (the report's table says the same). At world size 1 nothing is split, so nothing
+    falls back; a site kept because its own op is faster there is a choice, not a fallback."""
+    if rec.world_size <= 1:
+        return
+    for s in rec.sites:
+        if not s.rewritten and not s.why.startswith("kept ("):
+            warnings.warn(f"ultraattn: attention site {s.name} of graph {rec.index} ({s.op}, q {list(s.q_shape)}, "
+                          f"{s.dtype}, mask {s.mask}) runs replicated on every rank, as the model wrote it: {s.why}",
+                          FallbackWarning, stacklevel=2)
+    for f in rec.shard.fallbacks if rec.shard is not None else ():
+        warnings.warn(f"ultraattn: {f.op} ({f.node}) of graph {rec.index} needs a sharded tensor whole: one all-gather "
+                      f"per call ({f.why})", FallbackWarning, stacklevel=2)
 
 
 def find_and_rewrite(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, table: SideTable,

@@ -184,6 +184,7 @@ def _sdpa_site(index: int, node: fx.Node, world: int, world1: str = "auto") -> S
     s.q_shape, s.kv_shape, s.dtype = tuple(qv.shape), tuple(kv.shape), qv.dtype
     s.scale = args.get("scale")
     s.is_causal = bool(args.get("is_causal", False))
+    s.mask = "causal" if s.is_causal else "full"   # (before any refusal: a kept site is reported with its mask)
     mask = args.get("attn_mask")
     dropout = args.get("dropout_p", 0.0)
     if isinstance(dropout, fx.Node) or float(dropout or 0.0) != 0.0:

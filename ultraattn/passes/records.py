@@ -54,6 +54,13 @@ class SiteRecord:
         return cls(**{**d, "q_shape": _tuple(d["q_shape"]), "kv_shape": _tuple(d["kv_shape"])})
 
 
+class FallbackWarning(UserWarning):
+    """ultraattn ran part of a context-parallel model replicated on every rank (an attention site it cannot split,
+    or an op that needed a sharded tensor whole). Exact, but without context parallelism's memory and compute
+    savings there. Filter it like any warning:
+    ``warnings.filterwarnings("ignore", category=ultraattn.FallbackWarning)``."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fallback:
     """A sharded tensor that an op outside the sharded region needed whole (one all-gather)."""
