@@ -62,6 +62,12 @@ def test_unknown_and_bad_options_are_errors():
     with pytest.raises(Exception, match=r"unknown ultraattn backend option\(s\) \['colour'\]; valid options: mesh"):
         torch.compile(f, backend="ultraattn", options={"colour": 1})(q)
     torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"\['compilr'\] \(did you mean 'compiler'\?\)"):
+        torch.compile(f, backend="ultraattn", options={"compilr": "eager"})(q)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"options\['mesh'\]='3x5': expected a torch.distributed DeviceMesh"):
+        torch.compile(f, backend="ultraattn", options={"mesh": "3x5"})(q)
+    torch._dynamo.reset()
     with pytest.raises(Exception, match=r"options\['report'\]='loud'"):
         torch.compile(f, backend="ultraattn", options={"report": "loud"})(q)
     torch._dynamo.reset()
@@ -73,6 +79,21 @@ def test_unknown_and_bad_options_are_errors():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="needs an initialised process group"):
         torch.compile(f, backend="ultraattn", options={"world_size": 2})(q)
+
+
+def _too_many_ranks(rank: int, world: int) -> str:
+    try:
+        torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend="ultraattn",
+                      options={"world_size": 4})(torch.randn(1, 1, 32, 16))
+    except Exception as exc:  # noqa: BLE001 - the message is what the test reads
+        return str(exc)
+    return "no error"
+
+
+def test_a_world_size_larger_than_the_group_is_named():
+    """``world_size=4`` on 2 ranks: ultraattn's error naming the option and the fix, not DeviceMesh's."""
+    for msg in run_ranks(_too_many_ranks, 2, timeout=120):
+        assert "options['world_size']=4, but the process group has 2 ranks" in msg, msg
 
 
 def test_world_size_env_without_a_process_group_is_an_error(monkeypatch):

@@ -214,7 +214,7 @@ def test_ulysses_volume_and_applicability():
     # all-to-all: each rank sends 3/4 of its Q, K and V
     expect = 3 * (shape.unit_bytes("q", c, 4) + shape.unit_bytes("kv", c, 4))
     assert set(per_rank_out.values()) == {expect}
-    with pytest.raises(NotApplicable, match="divide num_heads"):
+    with pytest.raises(NotApplicable, match="num_heads=6 and num_kv_heads=6 to be multiples of the world size 4"):
         baseline_plan("ulysses", pat, AttnShape(seq_len=pat.q_len, num_heads=6, head_dim=64), Mesh(nodes=1, devices=4))
 
 

@@ -185,8 +185,8 @@ def _validate(args):
         try:
             REGISTRY[name].check(mesh, shape)
         except HeadsIndivisible:
-            raise CliError(f"--baselines {name} needs the world size {mesh.world} to divide --heads={args.heads} "
-                           f"and --kv-heads={shape.kv_heads}; drop it or use --baselines all") from None
+            raise CliError(f"--baselines {name} needs --heads={args.heads} and --kv-heads={shape.kv_heads} to be "
+                           f"multiples of the world size {mesh.world}; drop it or use --baselines all") from None
         except NotApplicable as exc:
             raise CliError(f"--baselines {name} cannot run here: {exc}; drop it or use --baselines all") from None
     return seq, mesh, shape, block, baselines

@@ -8,6 +8,7 @@ the value and the valid choices.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -160,7 +161,10 @@ def parse_options(options: dict | None, *, require_group: bool = True, meshes: d
     options = dict(options or {})
     unknown = sorted(set(options) - set(VALID))
     if unknown:
-        raise ValueError(f"unknown ultraattn backend option(s) {unknown}; valid options: {', '.join(VALID)}")
+        guess = [m for u in unknown for m in difflib.get_close_matches(str(u), VALID, n=1)]
+        raise ValueError(f"unknown ultraattn backend option(s) {unknown}"
+                         + (f" (did you mean {', '.join(map(repr, guess))}?)" if guess else "")
+                         + f"; valid options: {', '.join(VALID)}")
     if "report_file" in options and isinstance(options["report_file"], os.PathLike):
         options["report_file"] = os.fspath(options["report_file"])
     opts = BackendOptions(**{**options, "cost": DEFAULT_COST})
@@ -176,7 +180,17 @@ def parse_options(options: dict | None, *, require_group: bool = True, meshes: d
     elif world > 1 and require_group and not grouped:
         raise ValueError(f"options['world_size']={world} needs an initialised process group: call "
                          f"torch.distributed.init_process_group() first")
+    elif require_group and grouped and world > dist.get_world_size():
+        raise ValueError(f"options['world_size']={world}, but the process group has {dist.get_world_size()} ranks: "
+                         f"leave world_size unset (it defaults to the group's size) or launch {world} ranks")
     mesh = opts.mesh
+    if mesh is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh):
+            raise ValueError(f"options['mesh']={mesh!r}: expected a torch.distributed DeviceMesh (1-D, or 2-D nodes x "
+                             f"devices: init_device_mesh('cuda', (nodes, devices))); to plan for a cluster you are "
+                             f"not on, use `ultraattn plan --cp NODESxDEVICES` or ultraattn.explain(..., world_size=N)")
     if mesh is None and require_group and world > 1:
         mesh = default_mesh(world, {} if meshes is None else meshes)
     cost = _check_cost(options.get("cost", {}), grouped=grouped and require_group, mesh=mesh, world=world)

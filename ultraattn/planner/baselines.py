@@ -166,8 +166,8 @@ def usp_plan(nonempty_GPP, *, mesh: Mesh, shape: AttnShape, chunk: int, backward
         u = ulysses_degree(mesh, shape, within_node=False)
         if not u:
             raise NotApplicable(
-                f"ulysses needs the world size {world} to divide num_heads={shape.num_heads} and "
-                f"num_kv_heads={shape.kv_heads}"
+                f"ulysses needs num_heads={shape.num_heads} and num_kv_heads={shape.kv_heads} to be multiples of "
+                f"the world size {world}"
             )
     else:
         u = ulysses_degree(mesh, shape, within_node=True)
@@ -483,8 +483,8 @@ class Ulysses(HeadParallel):
     def grid(self, mesh, shape) -> tuple[int, int]:
         u = ulysses_degree(mesh, shape, within_node=False)
         if not u:
-            raise HeadsIndivisible(f"ulysses needs world size {mesh.world} to divide num_heads={shape.num_heads} and "
-                                   f"num_kv_heads={shape.kv_heads}")
+            raise HeadsIndivisible(f"ulysses needs num_heads={shape.num_heads} and num_kv_heads={shape.kv_heads} to "
+                                   f"be multiples of the world size {mesh.world}")
         return mesh.world, u
 
 
