@@ -268,8 +268,21 @@ def test_explain_plans_and_prints_without_running(capsys):
     text = buf.getvalue()
     assert set(res.plans) == {"graph0/flex#0", "graph0/flex#1"}
     assert len(res.stats) == 2 and all(s.calls == 0 for s in res.stats)  # planned, never run
-    assert "modeled time against the baselines" in text and "torch.ops.ultraattn.site_attention" in text
     assert res.plans["graph0/flex#0"].plan.world == 4
+    # the summary: what each site runs as, one line per distinct plan (the two layers share one), no graph code
+    assert res.plans["graph0/flex#1"] is res.plans["graph0/flex#0"]
+    assert [s.form for s in res.records[0].sites] == ["program, planned per mask"] * 2  # the BlockMask is an input
+    assert "graph 0: plans for 4 ranks" in text and "best baseline" in text
+    assert "torch.ops.ultraattn.site_attention" not in text and "modeled time against the baselines" not in text
+    assert len(text.splitlines()) < 40, text
+    buf = io.StringIO()
+    ultraattn.explain(model, tokens, bm, world_size=4, options=FAST, console=Console(file=buf, width=120),
+                      detail="all")
+    text = buf.getvalue()
+    assert "torch.ops.ultraattn.site_attention" in text
+    assert text.count("modeled time against the baselines") == 1  # the shared plan's full report, once
+    with pytest.raises(ValueError, match="ultraattn.explain: detail='everything' is not one of summary, plans, all"):
+        ultraattn.explain(model, tokens, bm, world_size=4, detail="everything")
     one = ultraattn.explain(model, tokens, bm, world_size=1, console=Console(file=io.StringIO()))
     assert one.plans["graph0/flex#0"].attended_pairs() == int(inputs(spec)[2].sum()) * 4  # 4 heads, batch 1
 
@@ -398,7 +411,7 @@ def test_explicit_graphs_show_every_stage_forward_and_backward(world, shard, tmp
     assert out.returncode == 0, out.stderr
     for kind in ("forward", "backward"):
         assert f"{kind} graph for Inductor: " in out.stdout
-    assert "explicit" in out.stdout and "cp_tile_bwd" in out.stdout
+    assert "program" in out.stdout and "cp_tile_bwd" in out.stdout
     assert sum(s["moved"][ph]["sent"] for got in res for s in got["sites"].values() for ph in ("fwd", "bwd")) > 0
 
 

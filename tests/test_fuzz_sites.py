@@ -57,4 +57,4 @@ def test_sites_compiled_one_after_another_stay_exact(pool, case):
     for rank, r in enumerate(results):
         assert not check_step(r, ref64, ref32), (case, rank, check_step(r, ref64, ref32))
         (site,) = r["sites"]
-        assert site["rewritten"] and "score_mod" in site["why"] and site["form"] == "explicit", (case, site)
+        assert site["rewritten"] and "score_mod" in site["why"] and site["form"].startswith("program"), (case, site)

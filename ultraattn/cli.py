@@ -29,7 +29,7 @@ from ultraattn.planner.tiling import PlannerOptions
 from ultraattn.report.compile_report import render_saved
 from ultraattn.report.plan_report import print_plan_result
 from ultraattn.report.png import draw_plan_png
-from ultraattn.report.style import compare_words
+from ultraattn.report.style import compare_words, format_ms, print_line, report_console
 
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
@@ -250,7 +250,7 @@ def cmd_plan(args) -> int:
                               ilp_time_limit=args.ilp_time_limit, time_budget=args.time_budget)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    console = Console(stderr=False)
+    console = report_console()
     batch_patterns = getattr(mask_mod, "num_batch", 1)
     if batch_patterns not in (1, shape.batch):
         raise CliError(f"--batch must be {batch_patterns} for this document mask (one length list per batch entry), "
@@ -282,10 +282,11 @@ def cmd_plan(args) -> int:
             raise CliError(str(exc)) from None
     sp = summary.get("speedup_vs_best_baseline")
     took = f"{res.seconds * 1e3:.0f} ms" if res.seconds < 1 else f"{res.seconds:.1f} s"
-    console.print(f"planned in {took} ({res.solver['planner']} planner); ultraattn {res.ours.fwd_ms:.2f} ms fwd"
-                  + (f" + {res.ours.bwd_ms:.2f} ms bwd" if args.backward else "")
+    print_line(console, f"planned in {took} ({res.solver['planner']} planner); "
+                  f"ultraattn {format_ms(res.ours.fwd_ms)} fwd"
+                  + (f" + {format_ms(res.ours.bwd_ms)} bwd" if args.backward else "")
                   + (f"; {summary['vs_compute_bound']:.2f}x the compute bound" if "vs_compute_bound" in summary else "")
-                  + f"; as the executor runs it (level by level) {summary['executed_ms']:.2f} ms"
+                  + f"; as the executor runs it (level by level) {format_ms(summary['executed_ms'])}"
                   + (f", {summary['executed_vs_compute_bound']:.2f}x" if "executed_vs_compute_bound" in summary else "")
                   + (f"; {compare_words(1.0, sp)} the best baseline ({summary['best_baseline']}) as the planner "
                      f"replays both" if sp else ""))

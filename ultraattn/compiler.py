@@ -12,7 +12,6 @@ a compile is shown: printed on rank 0 per ``options["report"]``, saved to ``opti
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +20,7 @@ import torch.fx as fx
 from rich.console import Console
 
 from ultraattn.kernels.ops import forget_layouts
-from ultraattn.passes.backend import analyse_sharding, compile_graph, find_and_rewrite
+from ultraattn.passes.backend import analyse_sharding, compile_graph, find_and_rewrite, keep_as_written, site_forms
 from ultraattn.passes.flex_shim import install_flex_cpu_shim
 from ultraattn.passes.fx_util import meta_value, placeholders
 from ultraattn.passes.options import BackendOptions, parse_options
@@ -34,11 +33,12 @@ from ultraattn.report.compile_report import (
     print_plan_event,
     print_schedule,
     render_graph,
-    report_console,
     save_report,
 )
-from ultraattn.report.plan_report import print_plan_result
+from ultraattn.report.plan_report import plan_row, plans_table, print_plan_result
+from ultraattn.report.style import print_line, report_console
 from ultraattn.runtime.api import forget_runtime_state
+from ultraattn.runtime.plan_cache import content_digest
 
 SHIM_INSTALLED = install_flex_cpu_shim()
 """Dynamo can trace CPU flex_attention training for this backend (``passes/flex_shim.py``)."""
@@ -165,20 +165,29 @@ def _zeros_like_outputs(gm: fx.GraphModule):
 
 def _print_sharding(console: Console, index: int, sh: ShardSummary, world: int) -> None:
     fb = sh.fallbacks
-    console.print(f"graph {index}: sequence sharding would run {sh.sharded_ops} ops on local tokens ({world} ranks), "
-                  f"{sh.reductions} reductions over the sequence as local sums + all-reduce, "
-                  + (f"[bold red]{len(fb)} ops on gathered data: " + ", ".join(f"{f.op} ({f.why})" for f in fb)
-                     + "[/bold red]" if fb else "[bold green]no gathered fallbacks[/bold green]"))
+    print_line(console, f"graph {index}: sequence sharding would run {sh.sharded_ops} ops on local tokens ({world} "
+               f"ranks), {sh.reductions} reductions over the sequence as local sums + all-reduce, "
+               + (f"[bold red]{len(fb)} ops on gathered data: " + ", ".join(f"{f.op} ({f.why})" for f in fb)
+                  + "[/bold red]" if fb else "[bold green]no gathered fallbacks[/bold green]"))
 
 
-def _explain_graph(gm, example_inputs, *, opts, table, result: Explanation, console: Console, nodes: int) -> None:
-    """Capture, rewrite, analyse and plan one graph (nothing compiles, nothing runs)."""
+EXPLAIN_DETAILS = ("summary", "plans", "all")
+"""What ``explain`` prints: the sites and one line per distinct plan; and each distinct plan's full report; and the
+rewritten graphs too."""
+
+
+def _explain_graph(gm, example_inputs, *, opts, table, result: Explanation, console: Console, nodes: int,
+                   detail: str, seen: dict) -> None:
+    """Capture, rewrite, analyse and plan one graph (nothing compiles, nothing runs); print as ``detail`` says.
+    ``seen``: plan key -> the first site planned with it (sites that would get the same plan are planned once)."""
     world = opts.world_size
     index, before, sites, states = find_and_rewrite(gm, example_inputs, opts, table=table, observer=NullObserver())
-    rec = GraphRecord(index=index, world_size=world, sites=tuple(s.record() for s in sites),
+    kept = keep_as_written(sites, table, before)
+    forms = site_forms(sites, states, kept, world)
+    rec = GraphRecord(index=index, world_size=world, sites=tuple(s.record(forms[s.name]) for s in sites),
                       site_keys=tuple(s.spec.key for s in states), code_before=before, code_after=gm.code)
     result.records.append(rec)
-    console.print(render_graph(rec, full=True))
+    console.print(render_graph(rec, full=detail == "all"))
     if world > 1 and opts.shard and states:
         _inlined, an = analyse_sharding(gm, example_inputs, table)
         if an is not None:
@@ -187,49 +196,73 @@ def _explain_graph(gm, example_inputs, *, opts, table, result: Explanation, cons
     values = dict(zip(placeholders(gm), example_inputs))
     site_nodes = {n.args[4]: n for mod in gm.modules() if isinstance(mod, fx.GraphModule)
                   for n in mod.graph.nodes if n.target is torch.ops.ultraattn.site_attention.default}
+    rows: dict[str, dict] = {}
     for state in states:
         spec = state.spec
         name = f"graph{index}/{spec.name}"
         tensors = [values.get(m) for m in site_nodes[spec.key].args[3]]
         if any(t is None for t in tensors):
             result.plans[name] = "the mask is computed inside the graph: planned at run time"
-            console.print(f"[yellow]{name}: {result.plans[name]}[/yellow]")
+            rows[name] = {"sites": [name], "mask": spec.mask, "seq": spec.q_shape[2], "plan": result.plans[name]}
             continue
-        res = result.plans[name] = plan_offline(spec, tensors, nodes=nodes, devices=world // nodes)
-        if world == 1:
-            density = res.attended_pairs() / (math.prod(spec.q_shape[:3]) * spec.kv_shape[2])
-            console.print(f"{name}: block-sparse kernels, {res!r}, density {density:.3f}")
+        key = content_digest(tensors, (spec.identity, nodes))
+        first = seen.setdefault(key, name)
+        if first != name:  # the same site and mask as one planned before (another layer): the same plan
+            result.plans[name] = result.plans[first]
         else:
-            print_plan_result(console, res, res.plan.mesh,
-                              title=f"{name} · {res.pattern.name} · S={spec.q_shape[2]} · {world} ranks")
+            result.plans[name] = plan_offline(spec, tensors, nodes=nodes, devices=world // nodes)
+        row = rows.setdefault(key, {"sites": [], **plan_row(result.plans[name], spec.mask, spec.q_shape[2])})
+        row["sites"].append(name if first == name or first in row["sites"] else f"{name} (as {first})")
+        if first == name and detail != "summary":
+            _print_full_plan(console, result.plans[name], name, spec, world)
+    if rows:
+        console.print(plans_table(list(rows.values()), title=f"graph {index}: plans for {world} "
+                                  f"{'rank' if world == 1 else 'ranks'} (modelled)"))
     result.stats.extend(s.stats() for s in states)
 
 
+def _print_full_plan(console: Console, res, name: str, spec, world: int) -> None:
+    if world == 1:
+        console.print(f"{name}: block-sparse kernels, {res!r}")
+    else:
+        print_plan_result(console, res, res.plan.mesh,
+                          title=f"{name} · {res.pattern.name} · S={spec.q_shape[2]} · {world} ranks")
+
+
 def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict | None = None,
-            console: Console | None = None, **kwargs) -> Explanation:
+            console: Console | None = None, detail: str = "summary", **kwargs) -> Explanation:
     """Capture, rewrite and plan ``model(*inputs, **kwargs)``'s attention for ``world_size`` ranks; print; don't run.
 
     Dynamo traces the model and hands each graph to a backend that captures and rewrites the attention sites
     exactly as ``backend="ultraattn"`` does (on a private side table: the process's own state is untouched),
     plans every rewritten site for ``world_size`` ranks with the example inputs' masks (no process group
-    needed: planning is pure) and prints the report. No graph runs: each graph returns zeros of its outputs'
-    shapes, so Dynamo goes on to the graphs after a graph break (the Python between graphs runs on those
-    zeros; a model whose control flow depends on tensor values may take another path).
+    needed: planning is pure) and prints the report. Sites that would get the same plan (the layers of a model)
+    are planned, and shown, once. No graph runs: each graph returns zeros of its outputs' shapes, so Dynamo goes
+    on to the graphs after a graph break (the Python between graphs runs on those zeros; a model whose control
+    flow depends on tensor values may take another path).
 
     Args:
         world_size: ranks to plan for (``nodes`` x devices per node); 1 shows the kernel layouts.
         options: backend options (as for ``torch.compile(..., options=)``), e.g. planner settings.
+        detail: ``"summary"`` (default): each graph's sites (what each runs as, and why) and one line per
+            distinct plan against the best baseline; ``"plans"``: each distinct plan's full report too (mask,
+            tiles, ranks, schedule, solver, baselines); ``"all"``: the rewritten graphs' code too.
     """
     if not isinstance(world_size, int) or not isinstance(nodes, int) or world_size < 1 or nodes < 1 or \
             world_size % nodes:
-        raise ValueError(f"world_size={world_size!r} must be a positive multiple of nodes={nodes!r}")
+        raise ValueError(f"ultraattn.explain: world_size={world_size!r} must be a positive multiple of "
+                         f"nodes={nodes!r}")
+    if detail not in EXPLAIN_DETAILS:
+        raise ValueError(f"ultraattn.explain: detail={detail!r} is not one of {', '.join(EXPLAIN_DETAILS)}")
     opts = parse_options({**(options or {}), "world_size": world_size}, require_group=False)
     console = console or report_console()
     result = Explanation()
+    seen: dict = {}
     with private_side_table() as table:
 
         def backend(gm, example_inputs):
-            _explain_graph(gm, example_inputs, opts=opts, table=table, result=result, console=console, nodes=nodes)
+            _explain_graph(gm, example_inputs, opts=opts, table=table, result=result, console=console, nodes=nodes,
+                           detail=detail, seen=seen)
             return _zeros_like_outputs(gm)
 
         torch._dynamo.reset()
@@ -240,6 +273,9 @@ def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict |
             torch._dynamo.reset()
     if not result.records:
         console.print("[yellow]Dynamo produced no graph: nothing to explain[/yellow]")
+    elif detail == "summary" and seen:
+        console.print("[dim]explain(..., detail='plans') prints each plan's full report; detail='all' adds the "
+                      "rewritten graphs[/dim]", soft_wrap=True)
     return result
 
 

@@ -74,15 +74,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
     example_inputs = specialize_sizes(gm, example_inputs)
     carried = carried_inputs(gm, example_inputs)
     index, before, sites, states = find_and_rewrite(gm, example_inputs, opts, table=table, observer=observer)
-    kept = keep_flex_eager([s for s in sites if _cpu(s)], table, before)
+    kept = keep_as_written(sites, table, before)
     shard = None
     if opts.world_size > 1 and (states or carried) and opts.shard:
         shard = shard_sequence(gm, states, opts, example_inputs, table, carried)
     taken = _taken(gm, carried, shard)
     example_inputs = _entry_values(gm, example_inputs, carried, taken)
     reasons = {s.spec.name: explicit_reason(s) for s in states}
+    forms = site_forms(sites, states, kept, opts.world_size)
     rec = GraphRecord(index=index, world_size=opts.world_size, code_before=before, code_after=gm.code,
-                      sites=tuple(s.record(_form(reasons, s.name, kept)) for s in sites),
+                      sites=tuple(s.record(forms[s.name]) for s in sites),
                       site_keys=tuple(s.spec.key for s in states), report_file=opts.report_file, shard=shard)
     table.bump("graphs")
     table.bump("sites", len(sites))
@@ -134,12 +135,36 @@ def capture(gm: fx.GraphModule, example_inputs, world: int, world1: str = "auto"
     return sites
 
 
-def _form(reasons: dict, name: str, eager) -> str:
-    if name in eager:
-        return "kept: PyTorch's eager flex_attention with the BlockMask's blocks (CPU)"
-    if name not in reasons:
-        return ""
-    return "explicit" if reasons[name] is None else f"one op: {reasons[name]}"
+def site_forms(sites: list[Site], states: list[SiteState], kept, world: int) -> dict[str, str]:
+    """What each site of a graph runs as, in the words the report's "form" column shows (site name -> form):
+
+    - ``program``: this rank's tiles and messages, planned at compile time and expanded into the graphs
+      Inductor compiles;
+    - ``program, planned per mask``: the same, with a plan made for each mask as it arrives (a run-time mask);
+    - ``one op (<why>)``: the tiles run inside one opaque op (why it is not expanded);
+    - ``as written``: the model's own call (``replicated`` across ranks at world size > 1);
+    - ``as written (eager flex_attention on CPU)``: a kept flex site (``kept.py``).
+
+    Shared by ``compile_graph`` and ``ultraattn.explain``, so both say the same."""
+    by_name = {st.spec.name: st for st in states}
+    forms = {}
+    for s in sites:
+        st = by_name.get(s.name)
+        if s.name in kept:
+            forms[s.name] = "as written (eager flex_attention on CPU)"
+        elif st is None:
+            forms[s.name] = "as written" + (", replicated" if world > 1 and not s.reason.startswith("kept (") else "")
+        elif (why := explicit_reason(st)) is not None:
+            forms[s.name] = f"one op ({why})"
+        else:
+            forms[s.name] = "program" if st.spec.static_mask else "program, planned per mask"
+    return forms
+
+
+def keep_as_written(sites: list[Site], table: SideTable, code: str) -> dict[str, str]:
+    """The flex sites on CPU that are not rewritten, made to run as the model wrote them (``kept.py``), in place;
+    returns site name -> their side-table key."""
+    return keep_flex_eager([s for s in sites if _cpu(s)], table, code)
 
 
 def _cpu(s: Site) -> bool:

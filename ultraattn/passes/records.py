@@ -44,7 +44,8 @@ class SiteRecord:
     why: str
     """Why the site was or was not rewritten."""
     form: str = ""
-    """'explicit' (per-rank nodes in Inductor's graphs) or 'one op: <why>' ('' when not rewritten)."""
+    """What the site runs as: 'program', 'program, planned per mask', 'one op (<why>)', 'as written[, replicated]'
+    (``passes.backend.site_forms``)."""
 
     def to_json(self) -> dict:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}

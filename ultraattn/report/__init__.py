@@ -10,7 +10,7 @@ from ultraattn.report.gantt import gantt
 from ultraattn.report.heatmaps import assignment_heatmap, mask_heatmap
 from ultraattn.report.png import draw_plan_png
 from ultraattn.report.style import format_bytes, format_ms
-from ultraattn.report.tables import comparison_table, rank_table, solver_panel
+from ultraattn.report.tables import comparison_table, not_applicable_lines, rank_table, solver_panel
 
 __all__ = [
     "assignment_heatmap",
@@ -22,4 +22,5 @@ __all__ = [
     "mask_heatmap",
     "rank_table",
     "solver_panel",
+    "not_applicable_lines",
 ]

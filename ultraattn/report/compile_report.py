@@ -19,13 +19,8 @@ from rich.text import Text
 from ultraattn.passes.opinfo import TILE_OPS
 from ultraattn.passes.records import AotGraphRecord, CompileReport, GraphRecord, PlanEvent, SiteStats
 from ultraattn.report.plan_report import print_plan_result
-from ultraattn.report.tables import comparison_table
-
-
-def report_console() -> Console:
-    """A console for reports: the terminal's width, or 120 columns when output is a file or pipe."""
-    c = Console()
-    return c if c.is_terminal else Console(width=120)
+from ultraattn.report.style import print_line, report_console, report_table
+from ultraattn.report.tables import comparison_table, not_applicable_lines
 
 
 def _short(name: str) -> str:
@@ -35,14 +30,22 @@ def _short(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- one graph
+def _shape(shape) -> str:
+    return "×".join(str(d) for d in shape)
+
+
 def sites_table(rec: GraphRecord) -> Table:
-    t = Table(title=f"graph {rec.index}: attention sites (world size {rec.world_size})", title_justify="left")
-    for col in ("site", "op", "q shape", "k/v shape", "dtype", "mask", "density", "rewritten", "why", "form"):
-        t.add_column(col)
+    """One row per attention site: its call (shapes B×H×S×D, q over k/v where they differ), mask, what it runs as
+    (``form``: green when ultraattn runs it, red when it runs as the model wrote it) and why."""
+    t = report_table(title=f"graph {rec.index}: attention sites (world size {rec.world_size})", title_justify="left")
+    for col in ("site", "op", "shape", "dtype", "mask", "density", "runs as", "why"):
+        t.add_column(col, overflow="fold", no_wrap=col in ("site", "op", "shape", "dtype", "mask", "density"))
     for s in rec.sites:
-        t.add_row(s.name, s.op, str(s.q_shape), str(s.kv_shape), s.dtype, s.mask,
-                  "?" if s.density is None else f"{s.density:.3f}",
-                  Text("yes", style="bold green") if s.rewritten else Text("no", style="bold red"), s.why, s.form)
+        shape = _shape(s.q_shape) if tuple(s.q_shape) == tuple(s.kv_shape) else \
+            f"{_shape(s.q_shape)}\nk/v {_shape(s.kv_shape)}"
+        t.add_row(s.name, s.op, shape, s.dtype, s.mask, "?" if s.density is None else f"{s.density:.3f}",
+                  Text(s.form or ("rewritten" if s.rewritten else "as written"),
+                       style="green" if s.rewritten else "bold red"), s.why)
     return t
 
 
@@ -55,18 +58,19 @@ def shard_summary(rec: GraphRecord) -> Text | None:
     t = Text()
     t.append(f"graph {rec.index}: sequence sharding", style="bold")
     t.append(f" · layout {sh.layout} · {sh.seq_len} tokens, {sh.local_len} per rank\n")
-    t.append(f"  ops on local tokens {sh.sharded_ops} · inputs sliced {len(sh.dispatched)}")
+    t.append(f"  ops on local tokens {sh.sharded_ops} · replicated ops {sh.replicated_ops} · reductions over the "
+             f"sequence {sh.reductions}\n")
     names = sorted({_short(n) for n in sh.dispatched})
-    if names:
-        t.append(f" ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''})")
+    t.append(f"  inputs sliced {len(sh.dispatched)}"
+             + (f" ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})" if names else "")
+             + f" · weights entering {sh.entered} (their gradients all-reduced)\n")
     if sh.carried:
-        t.append(f" · inputs arriving as shards (no communication) {len(sh.carried)} "
-                 f"({', '.join(sorted({_short(n) for n in sh.carried}))})")
+        t.append(f"  inputs arriving as shards (no communication) {len(sh.carried)} "
+                 f"({', '.join(sorted({_short(n) for n in sh.carried}))})\n")
     returned = sum(o is not None for o in sh.outputs)
     if returned:
-        t.append(f" · outputs returned as shards {returned}")
-    t.append(f" · weights entering (gradients all-reduced) {sh.entered} · reductions over the sequence "
-             f"{sh.reductions} · replicated ops {sh.replicated_ops} · ")
+        t.append(f"  outputs returned as shards {returned}\n")
+    t.append("  ")
     t.append(f"gathered fallbacks {n_fb}", style="bold red" if n_fb else "bold green")
     if sh.inlined_checkpoints:
         t.append(f"\n  {sh.inlined_checkpoints} activation-checkpoint regions inlined (still recomputed in the "
@@ -81,7 +85,7 @@ def fallbacks_table(rec: GraphRecord) -> Table | None:
     sh = rec.shard
     if sh is None or not sh.fallbacks:
         return None
-    t = Table(title=f"graph {rec.index}: ops run on gathered data", title_justify="left")
+    t = report_table(title=f"graph {rec.index}: ops run on gathered data", title_justify="left")
     for col in ("gathered", "for op", "why", "bytes"):
         t.add_column(col, justify="right" if col == "bytes" else "left")
     for f in sh.fallbacks:
@@ -117,7 +121,7 @@ def _counts(rec: AotGraphRecord) -> str:
 
 def schedule_table(rec: AotGraphRecord) -> Table:
     """The ultraattn nodes of one graph the compiler receives, in order; communication nodes highlighted."""
-    t = Table(title=f"graph {rec.graph} · {rec.kind} graph for Inductor: {_counts(rec)}", title_justify="left")
+    t = report_table(title=f"graph {rec.graph} · {rec.kind} graph for Inductor: {_counts(rec)}", title_justify="left")
     for col in ("node", "site", "op", "what", "bytes sent"):
         t.add_column(col, justify="right" if col == "bytes sent" else "left")
     for r in rec.schedule:
@@ -137,7 +141,7 @@ def print_schedule(rec: AotGraphRecord, *, full: bool, console: Console | None =
 
 # ----------------------------------------------------------------------------- plans made at run time
 def plans_table(stats: list[SiteStats] | tuple[SiteStats, ...]) -> Table:
-    t = Table(title="plans made at run time (cached on the mask's content)", title_justify="left")
+    t = report_table(title="plans made at run time (cached on the mask's content)", title_justify="left")
     for col in ("site", "calls", "plans", "cache hits", "planning s"):
         t.add_column(col, justify="right")
     for s in stats:
@@ -168,8 +172,8 @@ def planning_table(history: tuple[PlanEvent, ...] | list[PlanEvent], *, last: in
     """One row per plan made at run time: the step (the site's call) that needed it, the planner, the time the
     step spent (a plan made ahead costs the step only the lookup) and the plan's hash."""
     rows = list(history)[-last:] if last else list(history)
-    t = Table(title="planning per step" + (f" (last {len(rows)})" if last and len(history) > last else ""),
-              title_justify="left")
+    t = report_table(title="planning per step" + (f" (last {len(rows)})" if last and len(history) > last else ""),
+                     title_justify="left")
     staged = any(ev.stages for ev in rows)
     robust = any(ev.regret is not None for ev in rows)
     cols = ("site", "call", "planner", "ahead", "on the step") + \
@@ -219,7 +223,7 @@ def load_report(path: str | os.PathLike) -> CompileReport:
 def render_saved(path: str | os.PathLike, console: Console | None = None) -> None:
     """Print a report saved with ``options={"report_file": path}``."""
     report = load_report(path)
-    console = console or Console()
+    console = console or report_console()
     for g in report.graphs:
         console.print(render_graph(g, stats=report.stats))
         console.print(graph_code(g.code_after))
@@ -233,3 +237,5 @@ def render_saved(path: str | os.PathLike, console: Console | None = None) -> Non
                       f"({_planner_words(p)}plan {p.hash}, {p.world} ranks, structure {p.structure})")
         if p.comparison:
             console.print(comparison_table(p.comparison, title=f"{p.site}: modeled time against the baselines"))
+            for line in not_applicable_lines(p.comparison):
+                print_line(console, line)

@@ -9,8 +9,13 @@ when piped to a file without colour.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
 # Block kinds, matching the mask pattern's encoding.
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -40,6 +45,29 @@ DEVICE_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"
 BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
 
+PIPED_WIDTH = 120
+"""Columns of a report written to a file or a pipe (unless ``COLUMNS`` says otherwise): wide enough for every table
+of a report without cutting a header. Sentences are never broken there (``print_line``)."""
+
+
+def report_console() -> Console:
+    """The console every report prints on: the terminal's width, or ``COLUMNS``, or ``PIPED_WIDTH`` columns when output
+    is a file or pipe (rich's own default there is 80)."""
+    c = Console()
+    return c if c.is_terminal or os.environ.get("COLUMNS") else Console(width=PIPED_WIDTH)
+
+
+def report_table(**kwargs) -> Table:
+    """A report's table: a rule under the header and no vertical borders, one column of space between columns, so
+    that every table of a report fits 80 columns without cutting a header (a long word in a cell folds)."""
+    return Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, padding=(0, 1), **kwargs)
+
+
+def print_line(console: Console, text: str) -> None:
+    """A sentence of a report, on one line whatever the width: the terminal wraps it, a pipe keeps it whole."""
+    console.print(text, soft_wrap=True)
+
+
 def format_bytes(n: int | float | None) -> str:
     """Human-readable binary size: ``512 -> "512 B"``, ``1536 -> "1.5 KiB"``.
 
@@ -47,7 +75,7 @@ def format_bytes(n: int | float | None) -> str:
         n: byte count (``None`` renders as an em dash).
 
     Returns:
-        The size with one decimal in the largest unit that keeps the value >= 1.
+        The size in the largest unit that keeps the value >= 1, with one decimal below 100 (at most 8 characters).
 
     Raises:
         ValueError: if ``n`` is negative.
@@ -63,18 +91,20 @@ def format_bytes(n: int | float | None) -> str:
         value /= 1024.0
         # Round first so 1023.96 KiB becomes "1.0 MiB", not "1024.0 KiB".
         if round(value, 1) < 1024 or unit == BYTE_UNITS[-1]:
-            return f"{value:.1f} {unit}"
+            return f"{value:.1f} {unit}" if round(value, 1) < 100 else f"{value:.0f} {unit}"
     raise AssertionError("unreachable")
 
 
 def format_ms(x: float | None) -> str:
-    """Milliseconds with precision that scales with magnitude: ``0.123 ms``, ``12.35 ms``, ``1234.6 ms``.
+    """Milliseconds with precision that scales with magnitude: ``4.20 us``, ``0.123 ms``, ``12.35 ms``, ``1234.6 ms``.
 
     ``None`` renders as an em dash.
     """
     if x is None:
         return "—"
     x = float(x)
+    if 0 < abs(x) < 0.01:
+        return f"{x * 1e3:.2f} us"
     if abs(x) < 1:
         return f"{x:.3f} ms"
     if abs(x) < 100:

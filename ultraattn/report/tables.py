@@ -15,7 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ultraattn.report.style import fmt_num, format_bytes, format_ms, plain
+from ultraattn.report.style import fmt_num, format_bytes, format_ms, plain, report_table
 
 _RANK_KEYS = (
     "rank",
@@ -74,15 +74,17 @@ def rank_table(rows: Sequence[Mapping[str, Any]], *, title: str) -> Table:
     mean_share = sum(share) / n
     imbalance = max(share) / mean_share if mean_share > 0 else float("nan")
 
-    table = Table(
+    one_node = all(int(r["node"]) == 0 for r in rows)
+    table = report_table(
         title=title,
         show_footer=True,
-        caption=f"compute imbalance (max / mean share) {imbalance:.3f}×; intra = NVLink, "
+        caption=f"compute imbalance (max / mean share) {imbalance:.3f}×\nintra = NVLink, "
         f"inter = inter-node; {HIGHLIGHT.split()[-1]} = busiest rank per column",
         caption_justify="left",
     )
     table.add_column("rank", justify="right", footer="max\nmean")
-    table.add_column("node", justify="right")
+    if not one_node:
+        table.add_column("node", justify="right")
     table.add_column("compute", justify="right", footer=max_mean(share, lambda v: f"{100 * v:.1f}%"))
     table.add_column("compute ms", justify="right", footer=max_mean(ms, format_ms))
     byte_values = {key: col(key) for key, _ in _BYTES_COLS}
@@ -96,7 +98,7 @@ def rank_table(rows: Sequence[Mapping[str, Any]], *, title: str) -> Table:
     for i, r in enumerate(rows):
         cells: list[Text | str] = [
             str(int(r["rank"])),
-            str(int(r["node"])),
+            *(() if one_node else (str(int(r["node"])),)),
             f"{100 * share[i]:.1f}%",
             format_ms(ms[i]),
         ]
@@ -142,7 +144,7 @@ def comparison_table(
         methods: name -> dict with keys ``fwd_ms, bwd_ms`` (may be None),
             ``max_rank_bytes, max_rank_inter_node_bytes, compute_imbalance`` and optionally
             ``note``. A method whose ``fwd_ms`` is None is not applicable: its numbers
-            show as ``—`` and its note is shown.
+            show as ``—``; ``not_applicable_lines`` says why.
         best_of: the method the speedups are relative to (must be in ``methods`` and
             have a forward time).
         title: table title.
@@ -159,19 +161,24 @@ def comparison_table(
     if ours.get("fwd_ms") is None:
         raise ValueError(f"`methods[{best_of!r}]['fwd_ms']` must be a time in ms, got None")
     best_baseline = _best_baseline(methods, best_of)
-    has_notes = any(m.get("note") for m in methods.values())
-    table = Table(title=title, caption=f"speedup = method time / {best_of} time; ★ = best baseline",
-                  caption_justify="left")
-    table.add_column("method")
-    for col in ("fwd", "fwd+bwd", "max rank\nbytes", "max rank\ninter-node", "compute\nimbalance", "speedup\nfwd",
+    caption = f"speedup = method time / {best_of} time\n★ = best baseline" + (
+        "; — = does not apply (why: below)" if any(m.get("fwd_ms") is None for m in methods.values()) else "")
+    table = report_table(title=title, caption=caption, caption_justify="left")
+    table.add_column("method", no_wrap=True)
+    for col in ("fwd", "fwd+bwd", "max rank\nbytes", "max rank\ninter node", "compute\nimbalance", "speedup\nfwd",
                 "speedup\nfwd+bwd"):
         table.add_column(col, justify="right")
-    if has_notes:
-        table.add_column("note", style="dim")
     for name in [best_of] + [n for n in methods if n != best_of]:
         cells = _comparison_row(name, methods[name], ours, best_of=best_of, best_baseline=best_baseline)
-        table.add_row(*(cells if has_notes else cells[:-1]), end_section=name == best_of)
+        table.add_row(*cells, end_section=name == best_of)
     return table
+
+
+def not_applicable_lines(methods: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One sentence per method of ``comparison_table`` that does not apply, saying why (printed under the table, one
+    line each: ``style.print_line``)."""
+    return [f"{name} does not apply: {m.get('note') or 'not applicable'}" for name, m in methods.items()
+            if m.get("fwd_ms") is None]
 
 
 def _best_baseline(methods: Mapping[str, Mapping[str, Any]], best_of: str) -> str | None:
@@ -186,27 +193,35 @@ def _best_baseline(methods: Mapping[str, Mapping[str, Any]], best_of: str) -> st
 
 def _comparison_row(name: str, m: Mapping[str, Any], ours: Mapping[str, Any], *, best_of: str,
                     best_baseline: str | None) -> list[Text | str]:
-    """One method's cells: label, times, traffic, imbalance, the two speedups, the note (last)."""
-    note = str(m.get("note") or "")
+    """One method's cells: label, times, traffic, imbalance, the two speedups."""
     if name == best_of:
         label = Text(name, style="bold cyan")
         speed = [Text("(ref)", style="dim"), Text("(ref)", style="dim")]
     elif m.get("fwd_ms") is None:
         label = Text(name, style="dim")
         speed = [Text("—", style="dim"), Text("—", style="dim")]
-        note = note or "not applicable"
     else:
         label = Text(name + (" ★" if name == best_baseline else ""), style="bold" if name == best_baseline else "")
         speed = [_speedup_text(float(m["fwd_ms"]), float(ours["fwd_ms"])), _speedup_text(_total(m), _total(ours))]
     imb = m.get("compute_imbalance")
     return [label, format_ms(m.get("fwd_ms")), format_ms(_total(m)), format_bytes(m.get("max_rank_bytes")),
-            format_bytes(m.get("max_rank_inter_node_bytes")), "—" if imb is None else f"{float(imb):.2f}", *speed,
-            note]
+            format_bytes(m.get("max_rank_inter_node_bytes")), "—" if imb is None else f"{float(imb):.2f}", *speed]
 
 
 # ---------------------------------------------------------------------------------------
 # 6. Solver panel
 # ---------------------------------------------------------------------------------------
+
+
+STATUS_MEANING = {
+    "Stopped": "Stopped: a time or node limit ended the search; its best solution is used (gap: how far it may be "
+               "from the optimum; 0.00% means optimal but not proven so).",
+    "Infeasible": "Infeasible: no solution meets that stage's constraints; the fallback column says what was used.",
+    "NoSolution": "NoSolution: no solution found within the limits; the fallback column says what was used.",
+    "Error": "Error: the solver failed; the fallback column says what was used.",
+    "Skipped": "Skipped: not run (switched off, or not needed for this plan).",
+}
+"""What a solver status other than Optimal means, shown under the solver table when it occurs."""
 
 
 def solver_panel(info: Mapping[str, Any]) -> Panel:
@@ -250,6 +265,8 @@ def solver_panel(info: Mapping[str, Any]) -> Panel:
             Text("—", style="dim") if fallback is None else Text(str(fallback), style="red"),
         )
     parts: list[RenderableType] = [table]
+    legend = [STATUS_MEANING[st] for st in STATUS_MEANING if any(str(s.get("status")) == st for s in stages)]
+    parts.extend(Text(line, style="dim") for line in legend)
     notes = [str(n) for n in info.get("notes") or []]
     if notes:
         parts.append(Text(""))
