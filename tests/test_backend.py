@@ -59,26 +59,32 @@ def test_unknown_and_bad_options_are_errors():
     def f(q):
         return F.scaled_dot_product_attention(q, q, q)
 
-    with pytest.raises(Exception, match=r"unknown ultraattn backend option\(s\) \['colour'\]; valid options: mesh"):
+    with pytest.raises(ultraattn.BackendError,
+                       match=r"unknown ultraattn backend option\(s\) \['colour'\]; valid options: mesh"):
         torch.compile(f, backend="ultraattn", options={"colour": 1})(q)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"\['compilr'\] \(did you mean 'compiler'\?\)"):
+    with pytest.raises(ultraattn.BackendError, match=r"\['compilr'\] \(did you mean 'compiler'\?\)"):
         torch.compile(f, backend="ultraattn", options={"compilr": "eager"})(q)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"options\['mesh'\]='3x5': expected a torch.distributed DeviceMesh"):
+    with pytest.raises(ultraattn.BackendError,
+                       match=r"options\['mesh'\]='3x5': expected a torch.distributed DeviceMesh"):
         torch.compile(f, backend="ultraattn", options={"mesh": "3x5"})(q)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"options\['report'\]='loud'"):
+    with pytest.raises(ultraattn.BackendError, match=r"options\['report'\]='loud'"):
         torch.compile(f, backend="ultraattn", options={"report": "loud"})(q)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"options\['cost'\] has unknown field"):
+    with pytest.raises(ultraattn.BackendError, match=r"options\['cost'\] has unknown field"):
         torch.compile(f, backend="ultraattn", options={"cost": {"speed": 1}})(q)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"options\['planner'\]='greedy': expected one of auto, fast, ilp"):
+    with pytest.raises(ultraattn.BackendError, match=r"options\['planner'\]='greedy': expected one of auto, fast, ilp"):
         torch.compile(f, backend="ultraattn", options={"planner": "greedy"})(q)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="needs an initialised process group"):
+    with pytest.raises(ultraattn.BackendError, match="needs an initialised process group") as err:
         torch.compile(f, backend="ultraattn", options={"world_size": 2})(q)
+    # ultraattn's message first, not Dynamo's "backend='ultraattn' raised: ..." asking for a PyTorch bug report
+    assert not isinstance(err.value, torch._dynamo.exc.BackendCompilerFailed)
+    assert str(err.value).startswith("ultraattn: options['world_size']=2 needs an initialised process group")
+    assert isinstance(err.value.inner, ValueError)
 
 
 def _too_many_ranks(rank: int, world: int) -> str:
@@ -98,7 +104,7 @@ def test_a_world_size_larger_than_the_group_is_named():
 
 def test_world_size_env_without_a_process_group_is_an_error(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(Exception, match="WORLD_SIZE=4 but torch.distributed is not initialised"):
+    with pytest.raises(ultraattn.BackendError, match="WORLD_SIZE=4 but torch.distributed is not initialised"):
         torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend="ultraattn")(torch.randn(1, 1, 32, 16))
 
 

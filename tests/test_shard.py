@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from numerics import check_step, fresh_dynamo  # noqa: F401 - fresh_dynamo: an autouse fixture
 from shard_models import VOCAB, batch, build, oracle, shard_worker
 
+import ultraattn
 from ultraattn.passes import shard as SH
 from ultraattn.passes import side_table
 from ultraattn.testing import run_ranks
@@ -293,10 +294,10 @@ def test_world1_does_not_shard():
 
 
 def test_options_are_checked():
-    with pytest.raises(Exception, match=r"options\['outputs'\]='local': expected one of global, sharded"):
+    with pytest.raises(ultraattn.BackendError, match=r"options\['outputs'\]='local': expected one of global, sharded"):
         torch.compile(lambda q: q * 2, backend="ultraattn", options={"outputs": "local"})(torch.randn(2))
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"options\['shard'\]='yes': expected True or False"):
+    with pytest.raises(ultraattn.BackendError, match=r"options\['shard'\]='yes': expected True or False"):
         torch.compile(lambda q: q * 2, backend="ultraattn", options={"shard": "yes"})(torch.randn(2))
 
 

@@ -15,9 +15,9 @@ from ultraattn.planner.profile import CostProfile
 from ultraattn.runtime import AttentionPlan, dispatch, dist_attention, plan_ahead, plan_attention, undispatch
 from ultraattn.runtime.calibrate import calibrate
 
-__all__ = ["AttentionPlan", "CostProfile", "FallbackWarning", "SeqShard", "backend", "calibrate", "compile_blocks",
-           "dispatch", "dist_attention", "explain", "plan_ahead", "plan_attention", "reset", "undispatch",
-           "__version__"]
+__all__ = ["AttentionPlan", "BackendError", "CostProfile", "FallbackWarning", "SeqShard", "backend", "calibrate",
+           "compile_blocks", "dispatch", "dist_attention", "explain", "plan_ahead", "plan_attention", "reset",
+           "undispatch", "__version__"]
 
 
 def __getattr__(name: str):
@@ -25,10 +25,10 @@ def __getattr__(name: str):
         from ultraattn import compiler
 
         return getattr(compiler, name)
-    if name == "FallbackWarning":  # what the backend warns with where it runs something replicated across ranks
-        from ultraattn.passes.records import FallbackWarning
+    if name in ("FallbackWarning", "BackendError"):  # what the backend warns with, and raises for the user's errors
+        from ultraattn.passes import records
 
-        return FallbackWarning
+        return getattr(records, name)
     if name == "SeqShard":  # what a compiled region returns for a tensor that carries the sequence
         from ultraattn.passes.carrier import SeqShard
 

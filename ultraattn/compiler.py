@@ -12,6 +12,7 @@ a compile is shown: printed on rank 0 per ``options["report"]``, saved to ``opti
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -24,10 +25,18 @@ from ultraattn.passes.backend import analyse_sharding, compile_graph, find_and_r
 from ultraattn.passes.flex_shim import install_flex_cpu_shim
 from ultraattn.passes.fx_util import meta_value, placeholders
 from ultraattn.passes.options import BackendOptions, parse_options
-from ultraattn.passes.records import AotGraphRecord, GraphRecord, NullObserver, PlanEvent, ShardSummary, SiteStats
+from ultraattn.passes.records import (
+    AotGraphRecord,
+    BackendError,
+    GraphRecord,
+    NullObserver,
+    PlanEvent,
+    ShardSummary,
+    SiteStats,
+)
 from ultraattn.passes.shard import summarize
 from ultraattn.passes.site import plan_offline
-from ultraattn.passes.state import SideTable, private_side_table, side_table
+from ultraattn.passes.state import KeyCollision, SideTable, private_side_table, side_table
 from ultraattn.report.compile_report import (
     print_graph_report,
     print_plan_event,
@@ -38,6 +47,7 @@ from ultraattn.report.compile_report import (
 from ultraattn.report.plan_report import plan_row, plans_table, print_plan_result
 from ultraattn.report.style import print_line, report_console
 from ultraattn.runtime.api import forget_runtime_state
+from ultraattn.runtime.comm import RankTimeoutError
 from ultraattn.runtime.plan_cache import content_digest
 
 SHIM_INSTALLED = install_flex_cpu_shim()
@@ -79,13 +89,24 @@ class LiveReport:
 
 
 def ultraattn_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **unused):
-    """torch.compile backend: context-parallel attention for ``gm`` (``passes/backend.py``), then the compiler."""
-    if unused:
-        raise ValueError(f"the ultraattn backend takes no torch.compile mode (got mode={unused.get('mode')!r}); "
-                         f"pass options={{...}} instead")
-    table = side_table()
-    opts = parse_options(options, meshes=table.meshes)
-    return compile_graph(gm, example_inputs, opts, table=table, observer=LiveReport(opts, table))
+    """torch.compile backend: context-parallel attention for ``gm`` (``passes/backend.py``), then the compiler.
+
+    An error of the user's making (an option, a mesh, a shape the site cannot take, a peer rank that did not answer)
+    reaches the user as ``ultraattn.BackendError`` with ultraattn's message first; anything else is a bug and reaches
+    them as Dynamo reports it."""
+    try:
+        if unused:
+            raise ValueError(f"the ultraattn backend takes no torch.compile mode (got mode={unused.get('mode')!r}); "
+                             f"pass options={{...}} instead")
+        table = side_table()
+        opts = parse_options(options, meshes=table.meshes)
+        return compile_graph(gm, example_inputs, opts, table=table, observer=LiveReport(opts, table))
+    except USER_ERRORS as exc:
+        raise BackendError(exc, inspect.currentframe()) from None
+
+
+USER_ERRORS = (ValueError, TypeError, KeyCollision, RankTimeoutError)
+"""What ``ultraattn_backend`` raises as ``BackendError``: errors our checks raise with a message for the user."""
 
 
 backend = ultraattn_backend

@@ -55,6 +55,31 @@ class SiteRecord:
         return cls(**{**d, "q_shape": _tuple(d["q_shape"]), "kv_shape": _tuple(d["kv_shape"])})
 
 
+try:  # what Dynamo passes through from a backend as it is (not wrapped in BackendCompilerFailed)
+    from torch._dynamo.exc import ShortenTraceback as _PassedThrough
+except ImportError:  # pragma: no cover - a torch without it: the error arrives wrapped, message intact
+    _PassedThrough = RuntimeError
+
+
+class BackendError(_PassedThrough):  # shown as ultraattn.BackendError (module set below)
+    """An error the ultraattn backend met while compiling a graph (a bad option, a mesh that does not fit, a peer that
+    did not answer), raised to the user with ultraattn's message first instead of inside Dynamo's
+    ``BackendCompilerFailed`` ("... please report to PyTorch"). ``inner`` is the original exception (a
+    ``ValueError``, ``TypeError``, ...). Dynamo may append where in the user's code the graph came from."""
+
+    def __init__(self, inner: BaseException, frame=None):
+        text = str(inner)
+        msg = text if "ultraattn" in text[:60] else f"ultraattn: {text}"
+        if _PassedThrough is RuntimeError:
+            super().__init__(msg)
+        else:
+            super().__init__(msg, first_useful_frame=frame)
+        self.inner = inner
+
+
+BackendError.__module__ = "ultraattn"
+
+
 class FallbackWarning(UserWarning):
     """ultraattn ran part of a context-parallel model replicated on every rank (an attention site it cannot split,
     or an op that needed a sharded tensor whole). Exact, but without context parallelism's memory and compute

@@ -25,8 +25,13 @@ def print_plan_result(console, res, mesh, *, backward: bool = True, title: str |
         console.print(Rule())
         print_line(console, title)
     console.print(mask_heatmap(pat.kind_BGQK[0, 0].tolist(), title=f"mask {pat.name}"))
-    console.print(assignment_heatmap(plan.assign_GPP[0].tolist(), list(plan.owner), nodes=mesh.nodes,
-                                            devices=mesh.devices, title="tile assignment (head group 0)"))
+    real = min(plan.num_chunks, -(-pat.q_len // plan.chunk_size))  # chunks past these hold only padding
+    grid = [row[:real] for row in plan.assign_GPP[0].tolist()[:real]]
+    console.print(assignment_heatmap(grid, list(plan.owner)[:real], nodes=mesh.nodes, devices=mesh.devices,
+                                     title="tile assignment (head group 0)"))
+    if real < plan.num_chunks:
+        print_line(console, f"(chunks {real}-{plan.num_chunks - 1} of the {plan.num_chunks} hold only padding: "
+                            f"{pat.q_len} tokens fill {real} chunks of {plan.chunk_size}; not shown)")
     rows = ours.rank_rows
     if len(rows) > 16:
         keep = {r["rank"] for r in rows if r["node"] == 0}
