@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import ultraattn
 
@@ -65,3 +66,12 @@ def test_every_ultraattn_op_has_one_row_in_the_op_table():
                   if isinstance(getattr(torch.ops.ultraattn, n, None), torch._ops.OpOverloadPacket)}
     assert registered == set(OPS), (sorted(registered - set(OPS)), sorted(set(OPS) - registered))
     assert ops_where("wait") <= ops_where("comm") and ops_where("after") <= ops_where("comm")
+
+
+def test_the_readme_stays_short_and_links_what_it_leaves_out():
+    """README: at most 1,500 words (issue 55); the details it leaves out live in docs/ and are linked."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    assert len(text.split()) <= 1500, len(text.split())
+    for link in re.findall(r"\]\(((?:docs|examples)/[^)#]+)", text):
+        assert (root / link).exists(), link

@@ -64,6 +64,7 @@ class LiveReport:
     def __init__(self, opts: BackendOptions, table: SideTable):
         self.opts, self.table = opts, table
         self.full = opts.report == "full"
+        self.console = report_console()
 
     def _save(self) -> None:
         if self.opts.report_file:
@@ -80,6 +81,10 @@ class LiveReport:
             if self.opts.report != "off":
                 print_schedule(rec, full=self.full)
             self._save()
+
+    def progress(self, text: str) -> None:
+        if self.opts.report != "off" and _rank0():
+            print_line(self.console, f"[dim]ultraattn {text}[/dim]")
 
     def plan_made(self, event: PlanEvent) -> None:
         if event.rank == 0 and _rank0():
@@ -244,7 +249,7 @@ def _explain_graph(gm, example_inputs, *, opts, table, result: Explanation, cons
 
 def _print_full_plan(console: Console, res, name: str, spec, world: int) -> None:
     if world == 1:
-        console.print(f"{name}: block-sparse kernels, {res!r}")
+        print_line(console, f"{name}: block-sparse kernels, {res!r}")
     else:
         print_plan_result(console, res, res.plan.mesh,
                           title=f"{name} · {res.pattern.name} · S={spec.q_shape[2]} · {world} ranks")

@@ -20,6 +20,8 @@ State lives in the side table (``state.py``); what was done is reported as recor
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 import warnings
 
 import torch
@@ -65,18 +67,46 @@ class _Recorded:
         self.table.record_plan(event)
         self.observer.plan_made(event)
 
+    def progress(self, text: str) -> None:
+        self.observer.progress(text)
+
+
+class _Phases:
+    """Progress lines of one graph's compile: each phase says what it does or waits for, with the seconds since the
+    backend received the graph."""
+
+    def __init__(self, observer: Observer):
+        self.observer, self.t0, self.index = observer, time.perf_counter(), None
+
+    def __call__(self, text: str) -> None:
+        where = "" if self.index is None else f"graph {self.index}: "
+        self.observer.progress(f"[{time.perf_counter() - self.t0:5.1f} s] {where}{text}")
+
+
+def crowded_cores(world: int) -> str:
+    """Words for a compile whose ranks share this machine's cores (more ranks on the host than cores), else ''."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local <= cores:
+        return ""
+    return f"; {local} ranks compile at once on {cores} CPU cores, so each takes about {local / cores:.0f}x as long"
+
 
 def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, table: SideTable,
                   observer: Observer):
     """Run the pipeline on ``gm`` (module docstring) and compile it with ``opts.compiler``; returns the callable
     Dynamo keeps. Every rank must call this with the same graphs in the same order (planning is collective)."""
     observer = _Recorded(table, observer)
+    say = _Phases(observer)
     example_inputs = specialize_sizes(gm, example_inputs)
     carried = carried_inputs(gm, example_inputs)
     index, before, sites, states = find_and_rewrite(gm, example_inputs, opts, table=table, observer=observer)
+    say.index = index
+    say(f"captured {len(sites)} attention sites, {len(states)} rewritten")
     kept = keep_as_written(sites, table, before)
     shard = None
     if opts.world_size > 1 and (states or carried) and opts.shard:
+        say("sharding the sequence (the token layout: rank 0 plans it, every rank waits for it)")
         shard = shard_sequence(gm, states, opts, example_inputs, table, carried)
     taken = _taken(gm, carried, shard)
     example_inputs = _entry_values(gm, example_inputs, carried, taken)
@@ -89,9 +119,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
     table.bump("sites", len(sites))
     warn_fallbacks(rec)
     observer.graph_compiled(rec)
-    compiled = boundary(_compile(gm, example_inputs, rec, opts, table, observer, _devices(sites, states, reasons)),
-                        carried, taken, shard)
+    compiled = boundary(_compile(gm, example_inputs, rec, opts, table, observer, _devices(sites, states, reasons),
+                                 say), carried, taken, shard)
     table.forget_with(compiled, rec.site_keys + tuple(kept.values()))
+    say("ready" + ("" if opts.compiler == "eager" else "; its backward compiles when it first runs"))
     return compiled
 
 
@@ -280,11 +311,15 @@ def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendO
 
 # ----------------------------------------------------------------------------- compile, expand
 def _compile(gm, example_inputs, rec: GraphRecord, opts: BackendOptions, table: SideTable, observer: Observer,
-             devices: dict[str, torch.device]):
+             devices: dict[str, torch.device], say=lambda text: None):
     if opts.compiler == "eager":
         return gm.forward
     for key, device in devices.items():  # compile-time plans (collective): now, not inside Inductor
-        prepare(table.site(key), device)
+        state = table.site(key)
+        if state.program is None:
+            say(f"planning {state.spec.name} for {opts.world_size} rank{'s' if opts.world_size > 1 else ''}"
+                + (" (rank 0 plans, every rank waits for it)" if opts.world_size > 1 else ""))
+        prepare(state, device)
 
     def expand(g: fx.GraphModule, backward: bool | None = None) -> None:
         expand_graph(rec, g, table, observer, backward)
@@ -299,8 +334,13 @@ def _compile(gm, example_inputs, rec: GraphRecord, opts: BackendOptions, table: 
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(g, inputs, **kw):
-        expand(g, backward=bool(kw.get("is_backward")))
-        return compile_fx_inner(g, inputs, **kw)
+        which = "backward" if kw.get("is_backward") else "forward"
+        expand(g, backward=which == "backward")
+        say(f"Inductor compiling the {which}: code generation and kernel builds{crowded_cores(opts.world_size)}")
+        t0 = time.perf_counter()
+        out = compile_fx_inner(g, inputs, **kw)
+        say(f"Inductor compiled the {which} in {time.perf_counter() - t0:.1f} s")
+        return out
 
     # AOT autograd's cache is keyed on the graph before ``expand``: a hit would skip it and serve another compile's
     # programs (another plan, other options). Inductor's FX graph cache, keyed on the expanded graph's text, stays on:

@@ -339,6 +339,9 @@ class Observer(Protocol):
 
     def plan_made(self, event: PlanEvent) -> None: ...
 
+    def progress(self, text: str) -> None:
+        """A phase of a compile begins or ends: what it is doing, or waiting for (one line)."""
+
 
 class NullObserver:
     """Shows nothing (``ultraattn.explain`` renders its own report; tests may pass it)."""
@@ -350,4 +353,7 @@ class NullObserver:
         pass
 
     def plan_made(self, event: PlanEvent) -> None:
+        pass
+
+    def progress(self, text: str) -> None:
         pass

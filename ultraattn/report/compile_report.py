@@ -135,8 +135,8 @@ def print_schedule(rec: AotGraphRecord, *, full: bool, console: Console | None =
     if full:
         console.print(schedule_table(rec))
     else:
-        console.print(f"[bold]ultraattn[/bold] graph {rec.graph} {rec.kind}: sites {list(rec.expanded)} as "
-                      f"explicit nodes ({_counts(rec)})")
+        print_line(console, f"[bold]ultraattn[/bold] graph {rec.graph} {rec.kind}: sites {list(rec.expanded)} as "
+                            f"explicit nodes ({_counts(rec)})")
 
 
 # ----------------------------------------------------------------------------- plans made at run time
@@ -196,7 +196,7 @@ def planning_table(history: tuple[PlanEvent, ...] | list[PlanEvent], *, last: in
 
 def print_plan_event(ev: PlanEvent, *, full: bool, console: Console | None = None) -> None:
     console = console or report_console()
-    console.print(plan_line(ev))
+    print_line(console, plan_line(ev))
     if full and ev.result is not None:
         print_plan_result(console, ev.result, ev.result.plan.mesh, title=f"{ev.site} · run-time plan")
 
@@ -233,8 +233,8 @@ def render_saved(path: str | os.PathLike, console: Console | None = None) -> Non
     if report.history:
         console.print(planning_table(report.history))
     for p in report.plans:
-        console.print(f"[bold]{p.site}[/bold] (latest plan, call {p.call}): planned in {duration(p.seconds)} "
-                      f"({_planner_words(p)}plan {p.hash}, {p.world} ranks, structure {p.structure})")
+        print_line(console, f"[bold]{p.site}[/bold] (latest plan, call {p.call}): planned in {duration(p.seconds)} "
+                            f"({_planner_words(p)}plan {p.hash}, {p.world} ranks, structure {p.structure})")
         if p.comparison:
             console.print(comparison_table(p.comparison, title=f"{p.site}: modeled time against the baselines"))
             for line in not_applicable_lines(p.comparison):
