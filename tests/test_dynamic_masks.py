@@ -14,9 +14,11 @@ import sys
 
 import pytest
 import torch
-from backend_models import build, make_masks, oracle, runtime_mask_worker
+from backend_models import build, inputs, make_masks, oracle, runtime_mask_worker
 from numerics import check_step
 
+from ultraattn.kernels.block_lists import dense_block_kinds
+from ultraattn.masks.convert import block_table_kinds
 from ultraattn.testing import run_ranks
 
 FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 60.0}
@@ -28,10 +30,26 @@ def _count(code: str, op: str) -> int:
     return code.count(f"torch.ops.ultraattn.{op}.default(")
 
 
+def _block_tables(specs: list[dict], block_size: int = 128) -> int:
+    """How many different block tables the specs' masks have, as the runtime reduces them (a boolean mask in the
+    backend's ``block_size``, a BlockMask in its own blocks): what a run-time mask is planned once per."""
+    seen = set()
+    for s in specs:
+        _, bm, dense = inputs(s)
+        if s["attn"] == "dense_mask":
+            kinds = dense_block_kinds(dense, block_size, block_size)
+        else:
+            nq, nk = (-(-s["seqlen"] // b) for b in bm.BLOCK_SIZE)
+            kinds = block_table_kinds(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, nq,
+                                      nk)
+        seen.add((tuple(kinds.shape), kinds.numpy().tobytes()))
+    return len(seen)
+
+
 def _check_run(res: list[dict], specs: list[dict], *, graphs: int = 1, local: bool = False,
                distinct: int | None = None, calls: int = 1) -> None:
-    """``distinct``: how many different masks ``specs`` hold (default: all); ``calls``: forward runs per step of
-    each site (2 with activation checkpointing: the backward recomputes it)."""
+    """``distinct``: how many plans ``specs`` need (default: one per block table, ``_block_tables``); ``calls``:
+    forward runs per step of each site (2 with activation checkpointing: the backward recomputes it)."""
     refs = [oracle(s) for s in specs]
     for r, got in enumerate(res):
         for i, (step, ref) in enumerate(zip(got["steps"], refs)):
@@ -67,10 +85,11 @@ def _check_run(res: list[dict], specs: list[dict], *, graphs: int = 1, local: bo
             assert _count(code, "cp_tile_fwd") == _count(code, "cp_tile_bwd") == 0
             gathers = 2 * fwd + 3 * bwd
             assert _count(code, "cp_gather") == (0 if local else gathers)
-        # one plan per mask content: a mask seen before is not planned again, and the later layers' sites (same
-        # configuration, same mask; in this graph or the next) take the first one's plan
+        # one plan per block table: a mask whose blocks were seen before is not planned again (its tiles read its own
+        # elements), and the later layers' sites (same configuration, same mask; in this graph or the next) take the
+        # first one's plan
         made = [(e["graph"], e["site"]) for e in got["events"] if e["planner"] == "exchange"]  # (not seed plans)
-        assert len(made) == (distinct or len(specs)), made
+        assert len(made) == (distinct or _block_tables(specs)), made
     # the same plans on every rank
     for i in range(len(specs)):
         assert len({tuple(sorted((n, s["plan"]) for n, s in got["steps"][i]["sites"].items())) for got in res}) == 1
@@ -109,7 +128,7 @@ def test_document_masks_over_five_batches_compile_once(world, shard, tmp_path):
         assert "head-tail stripes x2 (a new mask every batch)" in text, text
     rows = [ln for ln in text.splitlines() if " exchange " in ln and ln.lstrip().startswith("flex#")
             and "latest plan" not in ln]
-    assert len(rows) == len(DOCS), rows  # a plan per batch (both layers' sites use it)
+    assert len(rows) == _block_tables(specs), rows  # a plan per block table (both layers' sites use it)
     fwd_bytes = {sum(s["moved"]["fwd"]["sent"] for got in res for s in [got["steps"][i]["sites"]["flex#0"]])
                  for i in range(len(DOCS))}
     assert len(fwd_bytes) > 1 and all(any(f" {b} " in ln for ln in rows) for b in fwd_bytes), (fwd_bytes, rows)

@@ -3,10 +3,10 @@ tensor is a transfer and a wait, and a site that copied the S x S mask every ste
 slower than plain ``torch.compile`` on an H100. On the CPU those reads cost nothing, so they are counted
 (``ultraattn.testing.HostReads``: the reads made by ultraattn's own code) on transformers' Llama with the mask
 built at run time from ``position_ids`` (packed documents): SDPA (a boolean mask) and flex_attention (a BlockMask)
-at world size 1, flex_attention at 2 ranks. After the first step, a step reads at most about 8 (S/128)^2 + 8 S
-bytes per site (``_bound``: a BlockMask's int32 block tables, full and partial, and the mask_mod's per-token
-buffers), never the mask's elements, and plans nothing again; an SDPA mask the graph builds from no input is read
-at compile time only.
+at world size 1 and at 2 ranks. After the first step a step plans nothing again and never reads a mask's elements.
+At 2 ranks it reads the mask's int8 block table, reduced on the mask's device, once for every site
+(``_bound_ranks``); at world size 1 a BlockMask site's kernel layout still digests the mask_mod's per-token
+buffers, 8 S bytes each (``_bound``). An SDPA mask the graph builds from no input is read at compile time only.
 """
 
 from __future__ import annotations
@@ -65,11 +65,26 @@ def test_a_step_reads_block_tables_not_masks_at_world_size_1():
     assert masks == ["block_mask"] * 2
 
 
+def _bound_ranks(sites: int) -> int:
+    """Per site at two ranks: the mask's int8 block table (read once per step for every site, ``TensorMemo``, and
+    digested on the host) and the tiles' block-id lists (a few per row of blocks); no per-token buffer."""
+    n = S // 128
+    return sites * (4 * n * n + 64 * n)
+
+
 def test_a_step_reads_block_tables_not_masks_at_two_ranks():
-    res = run_ranks(reads_worker, 2, args=("flex_attention", True), timeout=900)
-    for rank, got in enumerate(res):
-        assert max(got["reads"]) <= _bound(2), (rank, got)
-        assert got["plans"][0] == got["plans"][1], (rank, got["plans"])
+    """SDPA (a boolean mask) and flex_attention (a BlockMask with transformers' per-token document ids): after the
+    first step, the only mask data a step reads is its int8 block table, (S/128)^2 bytes, once for both sites; no
+    read is larger than 4 (S/128)^2 bytes (not the S x S elements, not the BlockMask's int32 lists or buffers), and
+    a mask with the blocks of one seen before plans nothing."""
+    n = S // 128
+    for impl in ("sdpa", "flex_attention"):
+        res = run_ranks(reads_worker, 2, args=(impl, True), timeout=900)
+        for rank, got in enumerate(res):
+            assert max(got["reads"]) <= _bound_ranks(2), (impl, rank, got)
+            assert all(size <= 4 * n * n for where in got["where"] for size, *_ in where), (impl, rank, got["where"])
+            assert got["plans"][0] == got["plans"][1], (impl, rank, got["plans"])
+            assert [s[1] for s in got["sites"]] == (["bool_mask"] * 2 if impl == "sdpa" else ["block_mask"] * 2)
 
 
 # ----------------------------------------------------------------------------- masks the graph builds from nothing

@@ -325,9 +325,9 @@ def pattern_from_mask_mod(
 
 def _ordered_to_dense_BHQK(num_BHQ: Tensor, idx_BHQX: Tensor, nq: int, nk: int) -> Tensor:
     """bool [B, H, nq, nk] from FlexAttention's (num_blocks, indices) rows (extra rows/cols dropped)."""
-    valid = torch.arange(idx_BHQX.shape[-1]) < num_BHQ[..., None].long()
+    valid = torch.arange(idx_BHQX.shape[-1], device=idx_BHQX.device) < num_BHQ[..., None].long()
     idx = torch.where(valid & (idx_BHQX.long() < nk), idx_BHQX.long(), nk)
-    dense = torch.zeros((*idx.shape[:-1], nk + 1), dtype=torch.bool)
+    dense = torch.zeros((*idx.shape[:-1], nk + 1), dtype=torch.bool, device=idx.device)
     dense.scatter_(-1, idx, True)
     dense = dense[..., :nk]
     if dense.shape[-2] < nq:
@@ -402,12 +402,12 @@ def _block_mask_kinds(block_mask: BlockMask, nq: int, nk: int) -> tuple[Tensor, 
 
 
 def listed_blocks(kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Tensor | None,
-                  full_kv_indices: Tensor | None, nq: int, nk: int) -> tuple[Tensor, Tensor]:
-    """(partial, full) bool [B, H, nq, nk] (on the CPU) of the blocks a BlockMask's index lists name, broadcast to
-    one shape; a block listed as both counts as PARTIAL."""
+                  full_kv_indices: Tensor | None, nq: int, nk: int, *, on_host: bool = True) -> tuple[Tensor, Tensor]:
+    """(partial, full) bool [B, H, nq, nk] of the blocks a BlockMask's index lists name, broadcast to one shape; a
+    block listed as both counts as PARTIAL. On the CPU, or (``on_host=False``) where the lists live."""
 
     def to4(x: Tensor) -> Tensor:
-        x = x.cpu()
+        x = x.cpu() if on_host else x
         while x.dim() < 4:
             x = x.unsqueeze(0)
         return x
@@ -422,6 +422,16 @@ def listed_blocks(kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks:
         full = _ordered_to_dense_BHQK(fnum, fidx, nq, nk)
     shape = torch.broadcast_shapes(partial.shape, full.shape)
     return partial.expand(shape), full.expand(shape) & ~partial.expand(shape)
+
+
+def block_table_kinds(kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Tensor | None,
+                      full_kv_indices: Tensor | None, nq: int, nk: int) -> Tensor:
+    """int8 [B, H, nq, nk] block kinds (EMPTY / PARTIAL / FULL) of a BlockMask's index lists, computed where the
+    lists live: the one small table a run-time BlockMask's plan reads (``pattern_from_kinds``), not its int32
+    lists."""
+    partial, full = listed_blocks(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, nq, nk,
+                                  on_host=False)
+    return (full.to(torch.int8) * FULL + partial.to(torch.int8) * PARTIAL).contiguous()
 
 
 def _count_partial_cells(block_mask: BlockMask, cells: Tensor) -> Tensor:
@@ -471,6 +481,28 @@ def pattern_from_dense(mask: Tensor, *, block_size: int | tuple[int, int] = 128,
     kind, count, group_of = _group(count_BHQK, qe.diff()[:, None] * ke.diff()[None, :])
     return BlockPattern(kind_BGQK=kind, count_BGQK=count, q_len=q_len, kv_len=kv_len, q_block=qb, kv_block=kb,
                         head_group_of=group_of, name=name)
+
+
+def pattern_from_kinds(kind_BHQK: Tensor, *, q_len: int, kv_len: int, q_block: int, kv_block: int,
+                       name: str = "dense") -> BlockPattern:
+    """Block pattern of a block-kind table (int8 ``[B, H, NQ, NK]`` of EMPTY / PARTIAL / FULL, as
+    ``kernels.block_lists.dense_block_kinds`` reduces a dense mask on its device): what a run-time mask's plan
+    reads instead of the mask's elements. A PARTIAL cell counts as its area (an upper estimate), as a BlockMask's
+    own kinds do (``pattern_from_block_mask(count=False)``).
+
+    Raises:
+        ValueError: a table that is not 4-D or whose grid does not cover the lengths in those blocks.
+    """
+    kind = kind_BHQK.detach().to("cpu", torch.int8)
+    qe, ke = _edges(q_len, q_block), _edges(kv_len, kv_block)
+    if kind.dim() != 4 or tuple(kind.shape[2:]) != (qe.numel() - 1, ke.numel() - 1):
+        raise ValueError(f"`kind_BHQK` must be [B, H, {qe.numel() - 1}, {ke.numel() - 1}] for {q_len} x {kv_len} "
+                         f"tokens in {q_block} x {kv_block} blocks, got shape {tuple(kind.shape)}")
+    area_QK = qe.diff()[:, None] * ke.diff()[None, :]
+    count_BHQK = torch.where(kind != EMPTY, area_QK, 0)
+    kind, count, group_of = _group(count_BHQK, area_QK, kind)
+    return BlockPattern(kind_BGQK=kind, count_BGQK=count, q_len=q_len, kv_len=kv_len, q_block=q_block,
+                        kv_block=kv_block, head_group_of=group_of, name=name)
 
 
 def pattern_from_is_causal(

@@ -93,7 +93,7 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions
         touched[id(graph.owning_module)] = graph.owning_module
         state = table.add_site(site_spec(s, options, graph_index, table, code), observer or NullObserver())
         inputs = s.mask_inputs()
-        if s.mask == "bool_mask" and options.world_size == 1:
+        if s.mask == "bool_mask":  # its block table, what planning reads (once per mask and step, on its device)
             inputs.append(_block_kinds(graph, s.mask_node, options.block_size, kinds))
         with graph.inserting_before(s.node):
             res = insert_call(graph, torch.ops.ultraattn.site_attention.default,

@@ -168,35 +168,69 @@ def site_identity(spec: SiteSpec) -> str:
 
 
 # ----------------------------------------------------------------------------- mask content -> mask
-def _bool_mask(spec: SiteSpec, tensors: Sequence[Tensor], batch: int, heads: int):
-    m = tensors[0].detach().to(torch.bool)
+def dense_mask_mod(mask: Tensor) -> Callable:
+    """A boolean mask ``[Q, K]`` / ``[B|1, H|1, Q, K]`` as a mask_mod that reads it where it lives: indices on another
+    device go to the mask's, the answer comes back on theirs (nothing is copied whole; a tile on the mask's device
+    moves nothing)."""
+    m = mask.detach()
+    m = m if m.dtype == torch.bool else m.to(torch.bool)
     while m.dim() < 4:
         m = m.unsqueeze(0)
-    m = m.cpu()
-    bm, hm = m.shape[0], m.shape[1]
+    bm, hm, dev = m.shape[0], m.shape[1], m.device
+
+    def on(x):
+        return x.to(dev) if isinstance(x, Tensor) else x
 
     def dense_mask(b, h, q_idx, kv_idx):
-        return m[b if bm > 1 else b * 0, h if hm > 1 else h * 0, q_idx, kv_idx]
+        out = m[on(b if bm > 1 else b * 0), on(h if hm > 1 else h * 0), on(q_idx), on(kv_idx)]
+        return out.to(q_idx.device) if isinstance(q_idx, Tensor) else out
 
     setattr(dense_mask, MASK_DEPENDS, (bm > 1, hm > 1))
+    return dense_mask
 
+
+def _bool_mask(spec: SiteSpec, tensors: Sequence[Tensor], batch: int, heads: int):
+    """(pattern with exact pair counts, mask_mod) of a boolean mask: what a plan made once (at compile time, for a
+    sequence-sharded graph's layout, ``explain``) reads. A run-time mask's plan per step reads its block table
+    instead (``explicit/dynamic.py``)."""
+    dense_mask = dense_mask_mod(tensors[0])
+    bm, hm = getattr(dense_mask, MASK_DEPENDS)
     pat = pattern_from_mask_mod(dense_mask, spec.q_shape[2], spec.kv_shape[2], block_size=spec.options.block_size,
-                                batch=batch if bm > 1 else 1, num_heads=heads if hm > 1 else 1)
+                                batch=batch if bm else 1, num_heads=heads if hm else 1)
     return pat, dense_mask
 
 
-def _block_mask(info: FlexMaskInfo, tensors: Sequence[Tensor]):
-    kvn, kvi = tensors[0], tensors[1]
-    fkn, fki = (tensors[2], tensors[3]) if info.has_full else (None, None)
-    buffers = [t.detach().cpu() for t in tensors[4 if info.has_full else 2:]]
+def flex_mask_mod(info: FlexMaskInfo, buffers: Sequence[Tensor]) -> Callable:
+    """A flex site's mask_mod with this call's buffers (document ids, ...) where they live: indices on another
+    device go to the buffers', the answer comes back on theirs (nothing is copied whole)."""
+    buffers = [t.detach() for t in buffers]
+    dev = buffers[0].device if buffers else None
     gm = info.mask_mod
 
+    def on(x):
+        return x.to(dev) if dev is not None and isinstance(x, Tensor) else x
+
     def mask_mod(b, h, q_idx, kv_idx):
-        return gm(b, h, q_idx, kv_idx, *buffers)
+        out = gm(on(b), on(h), on(q_idx), on(kv_idx), *buffers)
+        return out.to(q_idx.device) if isinstance(q_idx, Tensor) and isinstance(out, Tensor) else out
 
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(phs) >= 4:  # its graph reads b / h, or not
         setattr(mask_mod, MASK_DEPENDS, (bool(phs[0].users), bool(phs[1].users)))
+    return mask_mod
+
+
+def flex_tables(info: FlexMaskInfo, tensors: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """(the BlockMask's index lists: kv_num_blocks, kv_indices[, full_kv_num_blocks, full_kv_indices]; the mask_mod's
+    buffers) of a flex site's mask tensors."""
+    n = 4 if info.has_full else 2
+    return list(tensors[:n]), list(tensors[n:])
+
+
+def _block_mask(info: FlexMaskInfo, tensors: Sequence[Tensor]):
+    (kvn, kvi, *full), buffers = flex_tables(info, tensors)
+    fkn, fki = full if full else (None, None)
+    mask_mod = flex_mask_mod(info, buffers)
 
     # [Note] A BlockMask without its transposed (q-side) tensors: BlockMask's constructors compute them with
     # vmap, which is unavailable below the autograd dispatch key where custom ops run; only the kv side is

@@ -44,9 +44,11 @@ them (four ranks share two cores: idle time goes to the others, only total work 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,10 +56,18 @@ import torch
 from torch import Tensor
 
 from ultraattn.cache import LRU
-from ultraattn.masks.convert import to_block_pattern
+from ultraattn.kernels.block_lists import dense_block_kinds
+from ultraattn.masks.convert import block_table_kinds, pattern_from_kinds
 from ultraattn.passes.explicit.program import ExplicitProgram
 from ultraattn.passes.records import PlanEvent
-from ultraattn.passes.site import MAX_PENDING, SiteState, check_same_inputs, mask_from_content
+from ultraattn.passes.site import (
+    MAX_PENDING,
+    SiteState,
+    check_same_inputs,
+    dense_mask_mod,
+    flex_mask_mod,
+    flex_tables,
+)
 from ultraattn.passes.state import side_table
 from ultraattn.planner.baselines import striped_owner
 from ultraattn.planner.exchange import ExchangePlan, owner_computes_plan, pattern_weights, plan_exchange
@@ -100,6 +110,25 @@ class MaskRun:
     """int64 [local_len]: the global (padded) position of each local token (the dispatch)."""
     seq: SequenceShards
     """The plan's token layout on this rank's group (the gathers)."""
+    bound: dict = field(default_factory=dict, repr=False)
+    """ids of a call's mask tensors -> (weakrefs to them, their versions, weakref to this run bound to them)."""
+
+    def bound_to(self, tensors: list[Tensor], make_mod) -> MaskRun:
+        """This run with its tiles reading the mask through ``make_mod()``: the mask_mod over this call's tensors (a
+        boolean mask's elements, a BlockMask's buffers) where they live. A run-time mask's run is keyed by its block
+        table, so one run serves every mask with the same blocks, and each call's tiles read the call's own
+        elements; the element masks are cached per mask, shared by the sites that read it in a step. Held weakly:
+        a bound run lives while a call in flight holds its plan id."""
+        key = tuple(id(t) for t in tensors)
+        hit = self.bound.get(key)
+        if hit is not None and all(r() is t and v == t._version for r, v, t in zip(hit[0], hit[1], tensors)) and \
+                (run := hit[2]()) is not None:
+            return run
+        geo = dataclasses.replace(self.geo, mask_mod=make_mod(), mask_cache={}, cache_bytes=0)
+        run = dataclasses.replace(self, geo=geo, bound={})
+        self.bound = {k: v for k, v in self.bound.items() if v[2]() is not None}
+        self.bound[key] = ([weakref.ref(t) for t in tensors], [t._version for t in tensors], weakref.ref(run))
+        return run
 
     def cells(self, q_virtual: int, kv_supers: tuple[int, ...], per: int) -> tuple[int, list[tuple[int, int, int]]]:
         """(global q chunk, [(position in ``kv_supers``, chunk inside it, global kv chunk)] of the non-empty cells) of
@@ -183,13 +212,16 @@ class DynamicProgram(ExplicitProgram):
             check_same_inputs(state, list(mask_tensors))
         # The run holds the site's mask_mod and score_mod (its TileGeometry), so it is shared only between sites of
         # one identity (``site_identity``: the layers of a model), never between sites that compute differently.
-        digests = [state.memo.get(t, "bytes", lambda t=t: content_digest([t])) for t in mask_tensors]
-        key = content_digest([], (digests, spec.identity, self.chunk, self.num_chunks, self.owner, self.rank,
+        # planned from the mask's block table: its elements (and a BlockMask's int32 lists and per-token buffers)
+        # never reach the host; the run serves every mask with these blocks (``MaskRun.bound_to``)
+        kinds = self._kinds(mask_tensors)
+        digest = state.memo.get(kinds, "bytes", lambda: content_digest([kinds]))
+        key = content_digest([], (digest, spec.identity, self.chunk, self.num_chunks, self.owner, self.rank,
                                   str(self.device), self.mesh))
         run = self.runs.get(key)
         if run is None:
             t0 = time.perf_counter()
-            run = self._make(mask_tensors)
+            run = self._make(kinds)
             seconds = time.perf_counter() - t0
             object.__setattr__(run.plan, "seconds", seconds)
             self.runs.put(key, run)
@@ -199,8 +231,31 @@ class DynamicProgram(ExplicitProgram):
             state.observer.plan_made(self._event(run, seconds))
         else:
             state.plans.hits += 1
+        if spec.mask == "bool_mask":
+            run = run.bound_to(mask_tensors[:1], lambda: dense_mask_mod(mask_tensors[0]))
+        else:
+            _, buffers = flex_tables(spec.flex, mask_tensors)
+            run = run.bound_to(buffers, lambda: flex_mask_mod(spec.flex, buffers))
         self.last = run
         return self.keep(run)
+
+    def _kinds(self, mask_tensors: list[Tensor]) -> Tensor:
+        """The call's mask as its block table (int8 EMPTY / PARTIAL / FULL, on the host): a boolean mask's from the
+        graph's ``ultraattn::mask_block_kinds`` node (computed once per mask and step for every site that reads it)
+        or reduced here on its device; a BlockMask's from its index lists, on their device. Once per mask object
+        (``TensorMemo``: the layers of a step share it)."""
+        spec, memo = self.state.spec, self.state.memo
+        if spec.mask == "bool_mask":
+            if len(mask_tensors) > 1:
+                return mask_tensors[1]
+            mask, block = mask_tensors[0], spec.options.block_size
+            return memo.get(mask, ("kinds", block), lambda: dense_block_kinds(mask, block, block).cpu())
+        info = spec.flex
+        tables, _ = flex_tables(info, mask_tensors)
+        nq, nk = -(-info.q_len // info.q_block), -(-info.kv_len // info.kv_block)
+        kvn, kvi, *full = tables
+        return memo.get(kvi, ("kinds", nq, nk), lambda: block_table_kinds(kvn, kvi, *(full or (None, None)), nq,
+                                                                           nk).cpu())
 
     def keep(self, run: MaskRun) -> int:
         pid = self.state.next_id()
@@ -214,14 +269,15 @@ class DynamicProgram(ExplicitProgram):
                                f"{self.live_runs.capacity} calls in flight)")
         return run
 
-    def _make(self, mask_tensors: list[Tensor]) -> MaskRun:
-        """Kinds of the whole mask (no mask_mod evaluation for a BlockMask) -> chunk weights -> the plan (the same
-        on every rank) -> the mask's tile geometry (element masks evaluated by the tiles, for this rank's rows)."""
+    def _make(self, kinds: Tensor) -> MaskRun:
+        """The mask's block table -> chunk weights -> the plan (the same on every rank) -> the tile geometry of
+        these blocks (its element masks: each call's own, ``MaskRun.bound_to``)."""
         spec = self.state.spec
         B, H, S, D = spec.q_shape
-        mask, mask_mod = mask_from_content(spec, mask_tensors, B, H)
-        pattern = to_block_pattern(mask, q_len=S, kv_len=spec.kv_shape[2], block_size=spec.options.block_size,
-                                   batch=B, num_heads=H, count=False)
+        qb, kb = (spec.flex.q_block, spec.flex.kv_block) if spec.mask == "block_mask" else \
+            (spec.options.block_size,) * 2
+        pattern = pattern_from_kinds(kinds, q_len=S, kv_len=spec.kv_shape[2], q_block=qb, kv_block=kb)
+        mask_mod = None
         if self.chunk % pattern.q_block or self.chunk % pattern.kv_block:
             raise RuntimeError(f"ultraattn site {spec.name}: chunks of {self.chunk} tokens are not whole mask blocks "
                                f"({pattern.q_block} x {pattern.kv_block})")
