@@ -367,6 +367,9 @@ class DenseLayout:
     """The layout with empty bit tiles."""
     cells: Tensor
     """int64 [P, 3] on the layout's device: (pattern, q block, kv block) of tile ``p``."""
+    by_pattern: tuple = ()
+    """(pattern, its tiles' ids on the layout's device, how many) per pattern with PARTIAL tiles: what ``mod_bits``
+    walks without reading the device."""
 
     def bits_of(self, mask: Tensor) -> BlockLists:
         """The layout with ``mask``'s bit tiles (packed on the mask's device)."""
@@ -381,6 +384,29 @@ class DenseLayout:
             m = torch.nn.functional.pad(m, (0, nk * kb - K, 0, nq * qb - Q))
         tiles = m.reshape(B * H, nq, qb, nk, kb)[self.cells[:, 0], self.cells[:, 1], :, self.cells[:, 2], :]
         return dataclasses.replace(lay, bits=pack_bits(tiles).contiguous())
+
+
+def mod_bits(layout: DenseLayout, mask_mod: Callable, mask_heads: int) -> BlockLists:
+    """``layout`` with the bit tiles of ``mask_mod`` (a BlockMask's mask_mod over this call's buffers) evaluated on the
+    layout's device over its PARTIAL cells, pattern by pattern (pattern ``u`` is batch entry ``u // mask_heads``,
+    head ``u % mask_heads`` of the kinds it was built from): what a run-time BlockMask costs per call at world size
+    1, no host work. Padded positions are evaluated clamped and come out 0."""
+    lay, cells = layout.lists, layout.cells
+    if not len(cells):
+        return lay
+    qb, kb, dev = lay.q_block, lay.kv_block, cells.device
+    rows, cols = torch.arange(qb, device=dev), torch.arange(kb, device=dev)
+    bits = torch.empty(len(cells), qb, (kb + 31) // 32, dtype=torch.int32, device=dev)
+    chunk = max(1, _EVAL_CHUNK // (qb * kb))
+    for u, at, n in layout.by_pattern:
+        b, h = torch.tensor(u // mask_heads, device=dev), torch.tensor(u % mask_heads, device=dev)
+        for c0 in range(0, n, chunk):
+            sel = at[c0:c0 + chunk]
+            qi = (cells[sel, 1, None] * qb + rows)[:, :, None]
+            ki = (cells[sel, 2, None] * kb + cols)[:, None, :]
+            m = eval_mask(mask_mod, b, h, qi.clamp(max=lay.q_len - 1), ki.clamp(max=lay.kv_len - 1))
+            bits[sel] = pack_bits(m & (qi < lay.q_len) & (ki < lay.kv_len))
+    return dataclasses.replace(lay, bits=bits.contiguous())
 
 
 def dense_layout(kinds: Tensor, *, q_len: int, kv_len: int, batch: int, num_heads: int, q_block: int,
@@ -403,4 +429,6 @@ def dense_layout(kinds: Tensor, *, q_len: int, kv_len: int, batch: int, num_head
     bits = torch.zeros(max(1, len(cells)), q_block, (kv_block + 31) // 32, dtype=torch.int32)
     lay = _assemble(kind_u, tile_grid, bits, pattern_of, q_len=q_len, kv_len=kv_len, q_block=q_block,
                     kv_block=kv_block, batch=batch, num_heads=num_heads, name="dense")
-    return DenseLayout(lists=lay.to(device), cells=cells.to(device))
+    by_pattern = tuple((u, (cells[:, 0] == u).nonzero().flatten().to(device), int((cells[:, 0] == u).sum()))
+                       for u in cells[:, 0].unique().tolist())
+    return DenseLayout(lists=lay.to(device), cells=cells.to(device), by_pattern=by_pattern)

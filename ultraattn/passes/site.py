@@ -28,8 +28,9 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from ultraattn.cache import LRU
 from ultraattn.kernels import BlockLists, make_layout
-from ultraattn.kernels.block_lists import MASK_DEPENDS, dense_block_kinds, dense_layout
-from ultraattn.masks.convert import pattern_from_mask_mod, to_block_pattern
+from ultraattn.kernels.block_lists import MASK_DEPENDS, dense_block_kinds, dense_layout, mod_bits
+from ultraattn.masks.convert import block_table_kinds, pattern_from_mask_mod, to_block_pattern
+from ultraattn.masks.pattern import FULL, PARTIAL
 from ultraattn.passes.fx_util import module_digest
 from ultraattn.passes.records import NullObserver, Observer, PlanEvent, SiteStats
 from ultraattn.planner.api import PlanResult, choose_planner, method_summaries, plan
@@ -201,18 +202,19 @@ def _bool_mask(spec: SiteSpec, tensors: Sequence[Tensor], batch: int, heads: int
 
 
 def flex_mask_mod(info: FlexMaskInfo, buffers: Sequence[Tensor]) -> Callable:
-    """A flex site's mask_mod with this call's buffers (document ids, ...) where they live: indices on another
-    device go to the buffers', the answer comes back on theirs (nothing is copied whole)."""
-    buffers = [t.detach() for t in buffers]
-    dev = buffers[0].device if buffers else None
+    """A flex site's mask_mod over this call's buffers (document ids, ...), evaluated where its indices are: on the
+    buffers' device (a kernel layout's bit tiles on the GPU read them there), or, for indices elsewhere (the CPU
+    tiles' element masks), on a copy of the buffers made there once per mask (8 bytes per token, shared by the
+    sites that read the mask in a step; the answers never cross devices)."""
+    copies = {None: [t.detach() for t in buffers]}
     gm = info.mask_mod
 
-    def on(x):
-        return x.to(dev) if dev is not None and isinstance(x, Tensor) else x
-
     def mask_mod(b, h, q_idx, kv_idx):
-        out = gm(on(b), on(h), on(q_idx), on(kv_idx), *buffers)
-        return out.to(q_idx.device) if isinstance(q_idx, Tensor) and isinstance(out, Tensor) else out
+        dev = q_idx.device if isinstance(q_idx, Tensor) else None
+        bufs = copies.get(dev)
+        if bufs is None:
+            bufs = copies[dev] = [t.to(dev) for t in copies[None]]
+        return gm(b, h, q_idx, kv_idx, *bufs)
 
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(phs) >= 4:  # its graph reads b / h, or not
@@ -321,6 +323,39 @@ def _dense_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence
     return dense.bits_of(mask)
 
 
+def _flex_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence[Tensor]) -> BlockLists:
+    """World size 1, a BlockMask that arrives at run time: its block table (``block_table_kinds``, reduced where its
+    index lists live, once per mask object for every site), the layout of that table cached, and this call's bit
+    tiles evaluated from the mask_mod over the call's buffers on their device (``mod_bits``). The BlockMask's int32
+    lists and per-token buffers never reach the host; a mask with the blocks of one seen before builds nothing."""
+    info = state.spec.flex
+    (kvn, kvi, *full), buffers = flex_tables(info, tensors)
+    B, H = q_shape[0], q_shape[1]
+    nq, nk = -(-info.q_len // info.q_block), -(-info.kv_len // info.kv_block)
+    kinds = state.memo.get(kvi, ("kinds", nq, nk), lambda: block_table_kinds(kvn, kvi, *(full or (None, None)), nq,
+                                                                              nk).cpu())
+    mask_mod = flex_mask_mod(info, buffers)
+    dep_b, dep_h = getattr(mask_mod, MASK_DEPENDS, (True, True))
+    bm = B if dep_b or kinds.shape[0] > 1 else 1
+    hm = H if dep_h or kinds.shape[1] > 1 else 1
+    kinds = kinds.expand(bm, hm, nq, nk).clone()
+    if info.kv_len % info.kv_block:  # a FULL tail block would be read past the keys: its bits bound it
+        tail = kinds[..., nk - 1]
+        tail[tail == FULL] = PARTIAL
+    key = content_digest([kinds], ("flex", tuple(q_shape), tuple(kv_shape), str(device), info.q_block,
+                                   info.kv_block))
+    layout = state.plans.lookup(key)
+    if layout is None:
+        t0 = time.perf_counter()
+        layout = dense_layout(kinds, q_len=q_shape[2], kv_len=kv_shape[2], batch=B, num_heads=H,
+                              q_block=info.q_block, kv_block=info.kv_block, device=device)
+        seconds = time.perf_counter() - t0
+        state.plans.store(key, layout, seconds)
+        state.observer.plan_made(plan_event(state, layout.lists, seconds))
+    anchor = buffers[0] if buffers else kvi
+    return state.memo.get(anchor, ("bits", key), lambda: mod_bits(layout, mask_mod, hm))
+
+
 def plan_event(state: SiteState, runner: Runner, seconds: float) -> PlanEvent:
     """What ``runner_for`` made for the site's call number ``state.calls``, in ``seconds`` on the step's path."""
     spec = state.spec
@@ -339,8 +374,11 @@ def plan_event(state: SiteState, runner: Runner, seconds: float) -> PlanEvent:
 def runner_for(state: SiteState, q_shape: tuple, kv_shape: tuple, dtype: torch.dtype, device,
                tensors: Sequence[Tensor]) -> Runner:
     """The cached runner for this call's mask content, else a new one (planned, reported, cached)."""
-    if state.spec.mask == "bool_mask" and state.spec.options.world_size == 1:
+    spec = state.spec
+    if spec.options.world_size == 1 and spec.mask == "bool_mask":
         return _dense_runner(state, q_shape, kv_shape, device, tensors)
+    if spec.options.world_size == 1 and spec.mask == "block_mask" and not spec.static_mask:
+        return _flex_runner(state, q_shape, kv_shape, device, tensors)
     key = _plan_key(state, q_shape, kv_shape, dtype, device, tensors)
     hit = state.plans.lookup(key)
     if hit is not None:
