@@ -75,7 +75,9 @@ def _check_reads(got: dict, label) -> None:
 
 CASES = [(impl, positions) for impl in ("sdpa", "flex_attention") for positions in (True, False)]
 """transformers' Llama with SDPA and with flex_attention, each packed (documents from ``position_ids``: a mask
-built at run time) and plain (causal: SDPA's mask folds to ``is_causal`` at compile time)."""
+built at run time) and plain (no ``position_ids``: SDPA's causal mask, built in the graph from ``arange``, folds to
+``is_causal`` at compile time; flex gets its BlockMask as a graph input, a run-time mask as far as the graph can
+tell)."""
 
 
 def test_a_step_reads_block_tables_not_masks_at_world_size_1():
