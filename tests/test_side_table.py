@@ -179,8 +179,9 @@ def test_site_keys_are_derived_from_the_graph_so_a_restart_compiles_the_same_tex
 
 
 def test_ultraattn_reset_clears_every_place_process_state_lives():
-    """The side table, the online planner of run-time masks and the kernels' layout cache: all empty after
-    ``ultraattn.reset()``, and a graph compiled before it recompiles instead of failing."""
+    """The side table, the online planner of run-time masks, the kernels' layout cache and the score_mods' generated
+    functions: all empty after ``ultraattn.reset()``, and a graph compiled before it recompiles instead of
+    failing."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from ultraattn.kernels import block_sparse_attention
@@ -194,11 +195,14 @@ def test_ultraattn_reset_clears_every_place_process_state_lives():
     bm = create_block_mask(lambda b, h, i, j: i >= j, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
     plan = ultraattn.plan_attention(bm, seqlen=64, num_heads=2, head_dim=16, dtype=torch.float32)
     assert plan.planner == "fast"
+    from ultraattn.runtime import tiles
+
+    tiles._SCORE_KERNELS["a score_mod's code"] = object()  # (generating one needs Triton's interpreter: a stand-in)
     table = side_table()
     assert table.sites and table.graphs and len(kernel_ops._LAYOUTS) and len(ONLINE._planners)
     ultraattn.reset()
     assert not table.sites and not table.graphs and not counters["ultraattn"]
-    assert not len(kernel_ops._LAYOUTS) and not len(ONLINE._planners)
+    assert not len(kernel_ops._LAYOUTS) and not len(ONLINE._planners) and not tiles._SCORE_KERNELS
     torch.testing.assert_close(f(q), _sdpa(q))  # Dynamo forgot the graph too: it compiles again
     assert len(table.graphs) == 1
 

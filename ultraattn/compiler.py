@@ -308,9 +308,11 @@ def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict |
 def reset() -> None:
     """Forget all of ultraattn's process state, and Dynamo's compiled graphs (which hold keys into it).
 
-    The state lives in three places, each cleared here: the backend's side table (sites, layouts, records, counts,
-    meshes: ``passes/state.py``), the online planner of masks that arrive at run time (``runtime/online.py``), and
-    the kernels' cache of block-sparse layouts (``kernels/ops.py``). Every rank must call it at the same point."""
+    The state lives in four places, each cleared here: the backend's side table (sites, layouts, records, counts,
+    meshes: ``passes/state.py``), the online planner of masks that arrive at run time (``runtime/online.py``), the
+    kernels' cache of block-sparse layouts (``kernels/ops.py``) and the score_mods' generated Triton functions
+    (``runtime/tiles.py``); docs/architecture.md lists what stays process-wide on purpose. Every rank must call it
+    at the same point."""
     torch._dynamo.reset()
     side_table().reset()
     forget_runtime_state()
