@@ -70,10 +70,11 @@ class BackendError(_PassedThrough):  # shown as ultraattn.BackendError (module s
     def __init__(self, inner: BaseException, frame=None):
         text = str(inner)
         msg = text if "ultraattn" in text[:60] else f"ultraattn: {text}"
-        if _PassedThrough is RuntimeError:
-            super().__init__(msg)
-        else:
+        try:
             super().__init__(msg, first_useful_frame=frame)
+        except TypeError:  # another torch's signature: the message still reads first
+            Exception.__init__(self, msg)
+            self.first_useful_frame = None
         self.inner = inner
 
 
