@@ -293,17 +293,24 @@ def _partial_bits(mask_mod: Callable | None, kind: Tensor, b: int, h: int, qb: i
     cells = (kind == PARTIAL).nonzero()
     if not len(cells):
         return torch.zeros(0, qb, (kb + 31) // 32, dtype=torch.int32)
-    rows, cols = torch.arange(qb), torch.arange(kb)
+    return torch.cat(list(_cell_bits(mask_mod, torch.tensor(b), torch.tensor(h), cells[:, 0], cells[:, 1], len(cells),
+                                     qb, kb, q_len, kv_len)))
+
+
+def _cell_bits(mask_mod: Callable, b: Tensor, h: Tensor, q_blocks: Tensor, kv_blocks: Tensor, n: int, qb: int,
+               kb: int, q_len: int, kv_len: int):
+    """The packed element masks (int32 [P, qb, ceil(kb / 32)]) of the cells ``(q_blocks[p], kv_blocks[p])`` of one
+    (batch entry, head), ``n`` of them, evaluated where the block ids live, ``_EVAL_CHUNK`` elements at a time
+    (yielded a chunk at a time). Padded positions are evaluated clamped (mask_mods may index tables of the true
+    length) and come out 0."""
+    dev = q_blocks.device
+    rows, cols = torch.arange(qb, device=dev), torch.arange(kb, device=dev)
     chunk = max(1, _EVAL_CHUNK // (qb * kb))
-    parts = []
-    for c0 in range(0, len(cells), chunk):
-        cc = cells[c0:c0 + chunk]
-        qi = (cc[:, 0, None] * qb + rows)[:, :, None]  # [P, qb, 1]
-        ki = (cc[:, 1, None] * kb + cols)[:, None, :]  # [P, 1, kb]
-        # padded positions are evaluated clamped (mask_mods may index tables of the true length)
-        m = eval_mask(mask_mod, torch.tensor(b), torch.tensor(h), qi.clamp(max=q_len - 1), ki.clamp(max=kv_len - 1))
-        parts.append(pack_bits(m & (qi < q_len) & (ki < kv_len)))
-    return torch.cat(parts)
+    for c0 in range(0, n, chunk):
+        qi = (q_blocks[c0:c0 + chunk, None] * qb + rows)[:, :, None]  # [P, qb, 1]
+        ki = (kv_blocks[c0:c0 + chunk, None] * kb + cols)[:, None, :]  # [P, 1, kb]
+        m = eval_mask(mask_mod, b, h, qi.clamp(max=q_len - 1), ki.clamp(max=kv_len - 1))
+        yield pack_bits(m & (qi < q_len) & (ki < kv_len))
 
 
 def _dedupe(kinds: list[Tensor], bit_sets: list[Tensor], qb: int, kb: int
@@ -395,17 +402,11 @@ def mod_bits(layout: DenseLayout, mask_mod: Callable, mask_heads: int) -> BlockL
     if not len(cells):
         return lay
     qb, kb, dev = lay.q_block, lay.kv_block, cells.device
-    rows, cols = torch.arange(qb, device=dev), torch.arange(kb, device=dev)
     bits = torch.empty(len(cells), qb, (kb + 31) // 32, dtype=torch.int32, device=dev)
-    chunk = max(1, _EVAL_CHUNK // (qb * kb))
     for u, at, n in layout.by_pattern:
         b, h = torch.tensor(u // mask_heads, device=dev), torch.tensor(u % mask_heads, device=dev)
-        for c0 in range(0, n, chunk):
-            sel = at[c0:c0 + chunk]
-            qi = (cells[sel, 1, None] * qb + rows)[:, :, None]
-            ki = (cells[sel, 2, None] * kb + cols)[:, None, :]
-            m = eval_mask(mask_mod, b, h, qi.clamp(max=lay.q_len - 1), ki.clamp(max=lay.kv_len - 1))
-            bits[sel] = pack_bits(m & (qi < lay.q_len) & (ki < lay.kv_len))
+        bits[at] = torch.cat(list(_cell_bits(mask_mod, b, h, cells[at, 1], cells[at, 2], n, qb, kb, lay.q_len,
+                                             lay.kv_len)))
     return dataclasses.replace(lay, bits=bits.contiguous())
 
 
@@ -429,6 +430,6 @@ def dense_layout(kinds: Tensor, *, q_len: int, kv_len: int, batch: int, num_head
     bits = torch.zeros(max(1, len(cells)), q_block, (kv_block + 31) // 32, dtype=torch.int32)
     lay = _assemble(kind_u, tile_grid, bits, pattern_of, q_len=q_len, kv_len=kv_len, q_block=q_block,
                     kv_block=kv_block, batch=batch, num_heads=num_heads, name="dense")
-    by_pattern = tuple((u, (cells[:, 0] == u).nonzero().flatten().to(device), int((cells[:, 0] == u).sum()))
-                       for u in cells[:, 0].unique().tolist())
+    by_pattern = tuple((u, at.to(device), len(at)) for u in cells[:, 0].unique().tolist()
+                       for at in [(cells[:, 0] == u).nonzero().flatten()])
     return DenseLayout(lists=lay.to(device), cells=cells.to(device), by_pattern=by_pattern)

@@ -302,16 +302,34 @@ def _plan_key(state: SiteState, q_shape, kv_shape, dtype, device, tensors: Seque
                                repr(state.layout)))
 
 
+def call_block_kinds(state: SiteState, tensors: Sequence[Tensor]) -> Tensor:
+    """A run-time mask as its block table (int8 EMPTY / PARTIAL / FULL, on the host), what planning and layouts read
+    instead of the mask: a boolean mask's from the graph's ``ultraattn::mask_block_kinds`` node (computed once per
+    mask and step for every site after it) or reduced here on the mask's device (``dense_block_kinds``); a
+    BlockMask's from its index lists, on their device (``block_table_kinds``). Once per mask object (``TensorMemo``:
+    the layers of a step share it)."""
+    spec, memo = state.spec, state.memo
+    if spec.mask == "bool_mask":
+        if len(tensors) > 1:
+            return tensors[1]
+        mask, block = tensors[0], spec.options.block_size
+        return memo.get(mask, ("kinds", block), lambda: dense_block_kinds(mask, block, block).cpu())
+    info = spec.flex
+    (kvn, kvi, *full), _ = flex_tables(info, tensors)
+    nq, nk = -(-info.q_len // info.q_block), -(-info.kv_len // info.kv_block)
+    return memo.get(kvi, ("kinds", nq, nk), lambda: block_table_kinds(kvn, kvi, *(full or (None, None)), nq,
+                                                                       nk).cpu())
+
+
 def _dense_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence[Tensor]) -> BlockLists:
-    """World size 1, a boolean mask: its block table (``dense_block_kinds``: the rewritten graph computes it once
-    per mask and step, ``ultraattn::mask_block_kinds``, and hands it to every site after the mask; computed here
-    where a caller gives the mask alone), the layout of that table cached, and this mask's bit tiles packed on its
-    device. The mask's S x S elements never reach the host."""
+    """World size 1, a boolean mask: its block table (``call_block_kinds``), the layout of that table cached, and
+    this mask's bit tiles packed on its device. The mask's S x S elements never reach the host."""
     block = state.spec.options.block_size
     mask = tensors[0]
-    kinds = tensors[1] if len(tensors) > 1 else \
-        state.memo.get(mask, ("kinds", block), lambda: dense_block_kinds(mask, block, block).cpu())
-    key = content_digest([kinds], ("dense", tuple(q_shape), tuple(kv_shape), str(device), block))
+    kinds = call_block_kinds(state, tensors)
+    key = state.memo.get(kinds, ("dense layout", tuple(q_shape), tuple(kv_shape), str(device), block),
+                         lambda: content_digest([kinds], ("dense", tuple(q_shape), tuple(kv_shape), str(device),
+                                                          block)))
     dense = state.plans.lookup(key)
     if dense is None:
         t0 = time.perf_counter()
@@ -324,26 +342,29 @@ def _dense_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence
 
 
 def _flex_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence[Tensor]) -> BlockLists:
-    """World size 1, a BlockMask that arrives at run time: its block table (``block_table_kinds``, reduced where its
-    index lists live, once per mask object for every site), the layout of that table cached, and this call's bit
-    tiles evaluated from the mask_mod over the call's buffers on their device (``mod_bits``). The BlockMask's int32
-    lists and per-token buffers never reach the host; a mask with the blocks of one seen before builds nothing."""
+    """World size 1, a BlockMask that arrives at run time: its block table (``call_block_kinds``), the layout of that
+    table cached, and this call's bit tiles evaluated from the mask_mod over the call's buffers on their device
+    (``mod_bits``). The BlockMask's int32 lists and per-token buffers never reach the host; a mask with the blocks
+    of one seen before builds nothing."""
     info = state.spec.flex
-    (kvn, kvi, *full), buffers = flex_tables(info, tensors)
+    (_, kvi, *_), buffers = flex_tables(info, tensors)
     B, H = q_shape[0], q_shape[1]
-    nq, nk = -(-info.q_len // info.q_block), -(-info.kv_len // info.kv_block)
-    kinds = state.memo.get(kvi, ("kinds", nq, nk), lambda: block_table_kinds(kvn, kvi, *(full or (None, None)), nq,
-                                                                              nk).cpu())
     mask_mod = flex_mask_mod(info, buffers)
     dep_b, dep_h = getattr(mask_mod, MASK_DEPENDS, (True, True))
-    bm = B if dep_b or kinds.shape[0] > 1 else 1
-    hm = H if dep_h or kinds.shape[1] > 1 else 1
-    kinds = kinds.expand(bm, hm, nq, nk).clone()
-    if info.kv_len % info.kv_block:  # a FULL tail block would be read past the keys: its bits bound it
-        tail = kinds[..., nk - 1]
-        tail[tail == FULL] = PARTIAL
-    key = content_digest([kinds], ("flex", tuple(q_shape), tuple(kv_shape), str(device), info.q_block,
-                                   info.kv_block))
+    table = call_block_kinds(state, tensors)
+    bm = B if dep_b or table.shape[0] > 1 else 1
+    hm = H if dep_h or table.shape[1] > 1 else 1
+
+    def layout_key() -> tuple[Tensor, str]:  # (once per table object and shape: the sites of a step share it)
+        kinds = table.expand(bm, hm, *table.shape[2:]).clone()
+        if info.kv_len % info.kv_block:  # a FULL tail block would be read past the keys: its bits bound it
+            tail = kinds[..., -1]
+            tail[tail == FULL] = PARTIAL
+        return kinds, content_digest([kinds], ("flex", tuple(q_shape), tuple(kv_shape), str(device), info.q_block,
+                                               info.kv_block))
+
+    kinds, key = state.memo.get(table, ("flex layout", tuple(q_shape), tuple(kv_shape), str(device), bm, hm),
+                                layout_key)
     layout = state.plans.lookup(key)
     if layout is None:
         t0 = time.perf_counter()

@@ -44,12 +44,11 @@ def print_plan_result(console, res, mesh, *, backward: bool = True, title: str |
     info["levels"] = [{**lv, "level": lv["name"], "fallback": lv["note"] if not lv["used"] else None}
                       for lv in info["levels"]]
     info["schedule"] = {**info["schedule"], "level": "schedule"}
-    info["notes"] = list(res.notes) + [f"plan structure: {plan.meta.get('structure')}",
-                                       f"plan hash: {plan.content_hash()[:16]}"]
+    notes = list(res.notes) + [f"plan structure: {plan.meta.get('structure')}",
+                               f"plan hash: {plan.content_hash()[:16]}"]
     if res.compute_bound_ms:
         t = ours.total_ms() if backward else ours.fwd_ms
-        info["notes"].append(bound_note(t, res.compute_bound_ms))
-    notes = info.pop("notes")
+        notes.append(bound_note(t, res.compute_bound_ms))
     console.print(solver_panel(info))
     for n in notes:
         print_line(console, f"• {n}")

@@ -165,8 +165,6 @@ def fmt_num(x: Any, spec: str) -> str:
     return "—" if x is None else format(float(x), spec)
 
 
-
-
 def compare_words(ours: float, other: float, *, tie: float = 0.005) -> str:
     """How ``ours`` (a time) compares with ``other``, in words whose sense follows the sign: "1.13x faster than",
     "1.37x slower than", or "as fast as" within ``tie`` (relative). Every comparison line of the reports and the

@@ -56,13 +56,13 @@ import torch
 from torch import Tensor
 
 from ultraattn.cache import LRU
-from ultraattn.kernels.block_lists import dense_block_kinds
-from ultraattn.masks.convert import block_table_kinds, pattern_from_kinds
+from ultraattn.masks.convert import pattern_from_kinds
 from ultraattn.passes.explicit.program import ExplicitProgram
 from ultraattn.passes.records import PlanEvent
 from ultraattn.passes.site import (
     MAX_PENDING,
     SiteState,
+    call_block_kinds,
     check_same_inputs,
     dense_mask_mod,
     flex_mask_mod,
@@ -214,7 +214,7 @@ class DynamicProgram(ExplicitProgram):
         # one identity (``site_identity``: the layers of a model), never between sites that compute differently.
         # planned from the mask's block table: its elements (and a BlockMask's int32 lists and per-token buffers)
         # never reach the host; the run serves every mask with these blocks (``MaskRun.bound_to``)
-        kinds = self._kinds(mask_tensors)
+        kinds = call_block_kinds(state, mask_tensors)
         digest = state.memo.get(kinds, "bytes", lambda: content_digest([kinds]))
         key = content_digest([], (digest, spec.identity, self.chunk, self.num_chunks, self.owner, self.rank,
                                   str(self.device), self.mesh))
@@ -239,24 +239,6 @@ class DynamicProgram(ExplicitProgram):
         self.last = run
         return self.keep(run)
 
-    def _kinds(self, mask_tensors: list[Tensor]) -> Tensor:
-        """The call's mask as its block table (int8 EMPTY / PARTIAL / FULL, on the host): a boolean mask's from the
-        graph's ``ultraattn::mask_block_kinds`` node (computed once per mask and step for every site that reads it)
-        or reduced here on its device; a BlockMask's from its index lists, on their device. Once per mask object
-        (``TensorMemo``: the layers of a step share it)."""
-        spec, memo = self.state.spec, self.state.memo
-        if spec.mask == "bool_mask":
-            if len(mask_tensors) > 1:
-                return mask_tensors[1]
-            mask, block = mask_tensors[0], spec.options.block_size
-            return memo.get(mask, ("kinds", block), lambda: dense_block_kinds(mask, block, block).cpu())
-        info = spec.flex
-        tables, _ = flex_tables(info, mask_tensors)
-        nq, nk = -(-info.q_len // info.q_block), -(-info.kv_len // info.kv_block)
-        kvn, kvi, *full = tables
-        return memo.get(kvi, ("kinds", nq, nk), lambda: block_table_kinds(kvn, kvi, *(full or (None, None)), nq,
-                                                                           nk).cpu())
-
     def keep(self, run: MaskRun) -> int:
         pid = self.state.next_id()
         self.live_runs.put(pid, run)
@@ -277,7 +259,6 @@ class DynamicProgram(ExplicitProgram):
         qb, kb = (spec.flex.q_block, spec.flex.kv_block) if spec.mask == "block_mask" else \
             (spec.options.block_size,) * 2
         pattern = pattern_from_kinds(kinds, q_len=S, kv_len=spec.kv_shape[2], q_block=qb, kv_block=kb)
-        mask_mod = None
         if self.chunk % pattern.q_block or self.chunk % pattern.kv_block:
             raise RuntimeError(f"ultraattn site {spec.name}: chunks of {self.chunk} tokens are not whole mask blocks "
                                f"({pattern.q_block} x {pattern.kv_block})")
@@ -292,7 +273,7 @@ class DynamicProgram(ExplicitProgram):
         geo = TileGeometry(seq_len=S, chunk=self.chunk, q_block=pattern.q_block, kv_block=pattern.kv_block, batch=B,
                            num_heads=H, num_kv_heads=spec.kv_shape[1], head_groups=1, head_dim=D,
                            kind_gQK=[group_kind_grid(pattern, range(H), padded // pattern.q_block,
-                                                     padded // pattern.kv_block)], mask_mod=mask_mod, pattern=pattern,
+                                                     padded // pattern.kv_block)], mask_mod=None, pattern=pattern,
                            score_mod=spec.score)
         pos = torch.arange(self.chunk)
         index = torch.cat([c * self.chunk + pos for c in plan.layout.local_chunks(self.rank)])
