@@ -6,8 +6,9 @@ Configurations (UltraAttn, SC'25): S = 512K, 32 heads, head dim 128, bf16;
 CP 8x1 and 8x8 for strided, global+local, full, causal (forward + backward);
 CP 8x1 and 8x8 for star and streaming (forward); and the scale check CP 32x8 at S = 2M.
 Each row has the modeled time over the compute bound (``planner.api.compute_bound_ms``); at 8x8 its target
-is 1.10. ``--cp 8x8`` runs only those. ``executed_*``: every plan replayed again as the executor runs it, level by
-level (``evaluate(executed=True)``), after planning; the planner itself plans for the plain replay.
+is 1.10. ``--cp 8x8`` runs only those. ``executed_*``: every plan replayed again as the executor runs it, each rank's
+program in the plan's run order (``evaluate(executed=True)``), after planning; the planner itself plans for the
+plain replay.
 Mask parameters are the CLI defaults, which reproduce the paper's block tables.
 
 Writes ``plan_paper_configs.json`` (every figure, plus each target's verdict) and
@@ -84,8 +85,8 @@ def run_one(c: dict) -> dict:
                                      if ring.max_rank_inter_node_bytes else None),
         "compute_bound_ms": res.compute_bound_ms, "vs_compute_bound": t(ours) / res.compute_bound_ms,
     }
-    # every plan replayed again as the executor runs it (level by level: schedule.ExecutedOrder), after planning; not
-    # on the 32x8 scale check, where a ring's 256 levels make that replay take minutes
+    # every plan replayed again as the executor runs it (each rank's program in the plan's run order:
+    # program.executed_graph), after planning; not on the 32x8 scale check (256 ranks' programs)
     if mesh.world <= 64:
         executed = {n: t(evaluate(e.plan, pattern, backward=c["backward"], executed=True))
                     for n, e in res.evaluations.items()}
@@ -140,7 +141,7 @@ def plot(rows: list[dict], path: str) -> bool:
            label="modeled time / compute bound")
     ex = [(i + w / 2, r["executed_vs_compute_bound"]) for i, r in zip(x, rows) if "executed_vs_compute_bound" in r]
     a3.scatter([p for p, _ in ex], [v for _, v in ex], color="black", marker="_", s=300, zorder=3,
-               label="as the executor runs it (level by level)")
+               label="as the executor runs it")
     a3.axhline(1.10, color="tab:purple", lw=0.8, ls="--")
     a3.set_ylim(1.0, max(1.3, max([r["vs_compute_bound"] for r in rows] + [v for _, v in ex]) * 1.02))
     a3.set_ylabel("modeled time / compute bound")

@@ -20,7 +20,7 @@ Per configuration:
   cost-weighted blocks (what the planner balances, PARTIAL blocks at 1.1) and in exact pairs (counted token by token
   from the document lengths); its busiest rank's bytes (max over ranks of bytes in or out), beside the balanced
   dispatch's; the kernel batch the planner chose;
-* as the executor runs it (``evaluate(executed=True)``: level by level), every mask: the fast plan's replayed time,
+* as the executor runs it (``evaluate(executed=True)``: each rank's program), every mask: the fast plan's replayed time,
   its ratio to the plain replay, its ratio to the best baseline's executed replay (the baselines run by the same
   executor), and (on the ILP masks) its ratio to the ILP plan's executed replay; the planners choose by the plain
   replay;

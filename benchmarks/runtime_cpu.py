@@ -12,9 +12,9 @@ For each mask, side by side in ONE run (same processes, same inputs, same thread
   end-to-end time here, not a kernel comparison.
 
 Every runtime method's row also has ``predicted_seconds``: the calibrated model's replay of its plan
-(``planner.api.evaluate``: forward + backward makespans), and ``executed_predicted_seconds``: the same replay as the
-executor runs the plan, level by level (``evaluate(executed=True)``). The summary gives each prediction's error and,
-per mask, the rank correlation between predicted and measured times over the methods.
+(``planner.api.evaluate``: forward + backward makespans), and ``executed_predicted_seconds``: the same replay as
+the executor runs the plan, each rank's program (``evaluate(executed=True)``). The summary gives each prediction's
+error and, per mask, the rank correlation between predicted and measured times over the methods.
 
 Then the CP overhead: ultraattn with one rank (no process group) against plain single-process
 attention on the same mask (SDPA with the dense boolean mask, the best plain CPU path for an
@@ -120,7 +120,7 @@ def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
                     row["structure"] = plan.tile_plan.meta.get("structure", method)
                     ev = evaluate(plan.tile_plan, plan.pattern, cost=cost)
                     row["predicted_seconds"] = ev.total_ms() / 1e3
-                    # the same plan replayed as the executor runs it: level by level (schedule.ExecutedOrder)
+                    # the same plan replayed as the executor runs it: each rank's program (program.executed_graph)
                     row["executed_predicted_seconds"] = evaluate(plan.tile_plan, plan.pattern, cost=cost,
                                                                  executed=True).total_ms() / 1e3
                     # the node doing nothing but this plan's kernels, all ranks busy all the time: no plan on this

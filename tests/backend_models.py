@@ -9,6 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from ultraattn.planner.program import Launch, Post
+
 
 class Block(nn.Module):
     """Pre-norm attention + MLP block; ``attn`` picks how attention is called."""
@@ -286,8 +288,8 @@ def explicit_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
         prog = e.executor.program
         ap = e.runner
         res["sites"][st.spec.name] = {
-            "rows": len(prog.rows),
-            "levels": {ph: len(prog.inputs[ph]) + len(prog.partials[ph]) + 1 for ph in ("fwd", "bwd")},
+            "rows": sum(len(s.rows) for s in prog.steps["fwd"] if isinstance(s, Launch)),
+            "stages": {ph: sum(isinstance(s, Post) for s in prog.steps[ph]) for ph in ("fwd", "bwd")},
             "moved": {ph: e.executor.log[ph].totals().get(ph, {"sent": 0, "recv": 0}) for ph in ("fwd", "bwd")},
             "planned": {ph: ap.predicted_bytes(ph) for ph in ("fwd", "bwd")},
         }

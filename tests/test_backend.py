@@ -475,8 +475,8 @@ def test_explicit_graphs_show_every_stage_forward_and_backward(world, shard, tmp
             assert comm_chain_breaks(code) == [], (r, comm_chain_breaks(code))
         sites = got["sites"]
         assert sorted(sites) == ["sdpa#0", "sdpa#1"]
-        assert _count(fwd, "cp_start") == _count(fwd, "cp_wait") == sum(s["levels"]["fwd"] for s in sites.values())
-        assert _count(bwd, "cp_start") == _count(bwd, "cp_wait") == sum(s["levels"]["bwd"] for s in sites.values())
+        assert _count(fwd, "cp_start") == _count(fwd, "cp_wait") == sum(s["stages"]["fwd"] for s in sites.values())
+        assert _count(bwd, "cp_start") == _count(bwd, "cp_wait") == sum(s["stages"]["bwd"] for s in sites.values())
         computes = sum(s["rows"] for s in sites.values()) > 0  # a rank may own only padding at this size
         assert (_count(fwd, "cp_tile_fwd") > 0) == (_count(bwd, "cp_tile_bwd") > 0) == computes, r
         gathers = (0, 0) if shard else (4, 6)  # out, lse / dq, dk, dv per site

@@ -66,9 +66,9 @@ def _check_run(res: list[dict], specs: list[dict], *, graphs: int = 1, local: bo
         assert got["frames"][0][0] == graphs, got["frames"]
         kinds = [g["kind"] for g in got["aot"]]
         assert kinds.count("forward") == kinds.count("backward") == graphs, kinds
-        # every site runs its fixed plan: its own chunks' rows over its own keys (while the K/V messages fly) and over
-        # the received keys, then the plan's (empty) final stage; in the backward every row over all keys, the dK/dV
-        # partials home, and the final stage again
+        # every site runs its fixed plan in its run order: its own chunks' rows over its own keys (while the K/V
+        # messages fly), then over the received keys; in the backward its rows over the received keys first (their
+        # dK/dV partials go home while the rows over its own keys run): one stage per site and phase
         for g in got["aot"]:
             code = g["code"]
             assert "site_attention" not in code, g["kind"]
@@ -78,10 +78,10 @@ def _check_run(res: list[dict], specs: list[dict], *, graphs: int = 1, local: bo
             fwd = n if g["kind"] == "forward" else (calls - 1) * n
             bwd = 0 if g["kind"] == "forward" else n
             assert _count(code, "cp_dyn_plan") == fwd
-            assert _count(code, "cp_start") == _count(code, "cp_wait") == 2 * (fwd + bwd)
-            # one tile node per step of the schedule (own keys, received keys; the backward's over all keys), each
-            # over every row of the rank's own chunks
-            assert _count(code, "cp_tiles_fwd") == 2 * fwd and _count(code, "cp_tiles_bwd") == bwd
+            assert _count(code, "cp_start") == _count(code, "cp_wait") == fwd + bwd
+            # one tile node per launch of the schedule (own keys, received keys; in the backward the other way round),
+            # each over every row of the rank's own chunks
+            assert _count(code, "cp_tiles_fwd") == 2 * fwd and _count(code, "cp_tiles_bwd") == 2 * bwd
             assert _count(code, "cp_tile_fwd") == _count(code, "cp_tile_bwd") == 0
             gathers = 2 * fwd + 3 * bwd
             assert _count(code, "cp_gather") == (0 if local else gathers)
@@ -119,9 +119,8 @@ def test_document_masks_over_five_batches_compile_once(world, shard, tmp_path):
     text = out.stdout
     for kind in ("forward", "backward"):
         assert text.count(f"{kind} graph for Inductor: ") == 1, text
-    # two sites, each: the K/V stage and the plan's (empty) final stage; a tile node over its own keys and one over
-    # the received keys
-    assert "forward graph for Inductor: 4 communication stages, 4 tile nodes" in text, text
+    # two sites, each: the K/V stage; a tile node over its own keys and one over the received keys
+    assert "forward graph for Inductor: 2 communication stages, 4 tile nodes" in text, text
     assert "cp_start" in text and "cp_wait" in text and "fwd bytes / stage" in text
     assert "post the K/V chunks each rank needs" in text and "partials for this rank's chunks, summed" in text
     if shard:  # the graph's layout: head-tail stripes, not the first mask's plan

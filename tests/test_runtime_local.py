@@ -62,29 +62,53 @@ def _shape():
     return AttnShape(seq_len=256, num_heads=4, head_dim=16, dtype="fp32")
 
 
-def test_program_levels_follow_the_ring():
+def _units_needed(plan, step, phase):
+    """The (tensor, chunk, group) units a program step needs from elsewhere: a launch its rows' and columns' inputs,
+    a post its sends' payloads."""
+    from ultraattn.planner.program import PARTIAL_OF, Launch
+
+    if isinstance(step, Launch):
+        rows = ("q",) if phase == "fwd" else ("qdo", "do")
+        return ({(tn, i, g) for g, i, _ in step.rows for tn in rows}
+                | {("kv", j, g) for g, _, js in step.rows for j in js})
+    return {(PARTIAL_OF.get(t.tensor, t.tensor), t.chunk, t.head_group) for _, t in step.sends}
+
+
+def test_ring_program_relays_on_arrival_and_waits_only_for_what_it_needs():
+    """A ring's K/V unit leaves a relay as soon as it lands there, and every wait is for a message the next step
+    needs (no level-wide waits): the executor's program (``planner.program.rank_program``)."""
+    from ultraattn.planner.program import PARTIAL_OF, Post, Wait
+
     pat = pattern_from_mask_mod(generate_sliding_window(256, causal=False), 256, block_size=32)
     plan = baseline_plan("ring", pat, _shape(), Mesh(nodes=1, devices=4))
-    prog = build_program(plan, 1)
-    # K/V of chunk 0 travel 0 -> 1 -> 2 -> 3: three hops, at levels 0, 1, 2
-    levels = {(t.src, t.dst): n for n, lv in enumerate(prog.inputs["fwd"]) for _, t in lv if t.chunk == 0}
-    assert levels == {(0, 1): 0, (1, 2): 1, (2, 3): 2}
-    # dK/dV of chunk 0 return along the chain and end at the owner: one level per hop
-    dkv = {(t.src, t.dst): n for n, lv in enumerate(prog.partials["bwd"]) for _, t in lv if t.chunk == 0}
-    assert dkv == {(1, 2): 0, (2, 3): 1, (3, 0): 2}
+    for r in range(4):
+        for phase in ("fwd", "bwd"):
+            steps = build_program(plan, r).steps[phase]
+            posts = {n: s for n, s in enumerate(steps) if isinstance(s, Post)}
+            for n, s in enumerate(steps):
+                if not isinstance(s, Wait):
+                    continue
+                nxt = next((x for x in steps[n + 1:] if not isinstance(x, Wait)), None)
+                got = {(PARTIAL_OF.get(t.tensor, t.tensor), t.chunk, t.head_group) for _, t in posts[s.post].recvs}
+                if nxt is not None and posts[s.post].recvs:
+                    assert got & _units_needed(plan, nxt, phase), (r, phase, n, steps)
+    # rank 1 relays chunk 0's K/V (0 -> 1 -> 2) right after it lands: the wait, then the post that sends it on
+    steps = build_program(plan, 1).steps["fwd"]
+    wait_at = next(n for n, s in enumerate(steps) if isinstance(s, Wait)
+                   and any(t.chunk == 0 and t.tensor == "kv" for _, t in steps[s.post].recvs))
+    send_at = next(n for n, s in enumerate(steps) if isinstance(s, Post)
+                   and any(t.chunk == 0 and t.tensor == "kv" for _, t in s.sends))
+    assert send_at == wait_at + 1
 
 
 @pytest.mark.parametrize("method", ["ultraattn", "ring", "usp"])
-def test_executed_replay_launches_what_the_executor_runs(method):
-    """``schedule.executed_order``, the simulator's model of the executor, against the executor's own program and
-    ready rule (``build_program``, ``_split_ready``), walked without data: per rank and level the same fused row
-    launches, and the same message levels. Its replay keeps the executor's waits: a launch of call c starts after
-    every receive of its rank below level c, a relay after its rank's receives and launches below its level, a
-    partial after every launch of its rank."""
+def test_executed_replay_runs_each_ranks_program(method):
+    """``evaluate(executed=True)`` replays the executor's own programs: launches in program order, each after every
+    wait before it; a send after the launches and waits before it in its rank's program; a partial after its row's
+    launches; and the programs post every message of the plan exactly once, on both ends."""
     from ultraattn.planner.api import evaluate, plan
-    from ultraattn.planner.schedule import INPUT_TENSORS, executed_order
+    from ultraattn.planner.program import Launch, Post, Wait, rank_program
     from ultraattn.planner.tiling import PlannerOptions
-    from ultraattn.runtime.executor import _split_ready
 
     s = 512
     pat = pattern_from_mask_mod(generate_sliding_window(160, causal=True), s, block_size=32)
@@ -95,43 +119,65 @@ def test_executed_replay_launches_what_the_executor_runs(method):
                                                              time_budget=3.0, schedule_ilp=False)).plan
     else:
         tp = baseline_plan(method, pat, shape, mesh)
-    order = executed_order(tp, "fwd")
-    msgs = tp.transfers_for("fwd")
-    index = {id(t): n for n, t in enumerate(msgs)}
-    want = sorted((k.rank, c, k.head_group, k.cells) for k, c in zip(order.kernels, order.call))
-    got = []
-    for r in range(tp.world):
-        prog = build_program(tp, r)
-        for lv, level in enumerate(prog.inputs["fwd"]):
-            assert all(order.level[index[id(t)]] == lv for _, t in level)
-        rows = {(c, g): True for c in tp.local_chunks(r) for g in range(tp.num_head_groups)}
-        cols = dict(rows)
-        todo = list(prog.rows)
-        for call in range(len(prog.inputs["fwd"]) + 1):
-            ready, todo = _split_ready(todo, rows, cols)
-            got += [(r, call, g, tuple((i, j) for j in js)) for (g, i), js in ready.items()]
-            for _, t in prog.inputs["fwd"][call] if call < len(prog.inputs["fwd"]) else ():
-                if t.dst == r:
-                    (rows if t.tensor == "q" else cols)[(t.chunk, t.head_group)] = True
-        assert not todo
-    assert sorted(got) == want
-    sched = evaluate(tp, pat, backward=False, executed=True).fwd
-    sched.check()
-    tasks = sched.graph.tasks
-    first = len(order.kernels)
-    recv_end: dict = {}
-    for n, t in enumerate(msgs):
-        if t.tensor in INPUT_TENSORS["fwd"]:
-            lv = order.level[n]
-            recv_end[(t.dst, lv)] = max(recv_end.get((t.dst, lv), 0.0), sched.end[first + n])
-    for k, (kern, c) in enumerate(zip(order.kernels, order.call)):
-        assert sched.start[k] >= max((recv_end.get((kern.rank, lv), 0.0) for lv in range(c)), default=0.0) - 1e-12
-    launch_end = {r: max(sched.end[k] for k, kern in enumerate(order.kernels) if kern.rank == r)
-                  for r in {kern.rank for kern in order.kernels}}
-    for n, t in enumerate(msgs):
-        if t.tensor == "o":
-            assert sched.start[first + n] >= launch_end[t.src] - 1e-12
-        assert tasks[first + n].kind == t.tensor
+    for phase in ("fwd", "bwd"):
+        ev = evaluate(tp, pat, backward=True, executed=True)
+        sched = ev.fwd if phase == "fwd" else ev.bwd
+        sched.check()
+        first = sched.graph.kernels
+        msg_task = {idx: first + n for n, idx in enumerate(i for i, t in enumerate(tp.transfers) if t.phase == phase)}
+        sent, got = [], []
+        for r in range(tp.world):
+            done = 0.0          # when the rank's host is past its last launch and waits
+            last_launch = -1.0
+            posted = {}
+            for n, step in enumerate(rank_program(tp, r, phase, tp.order.get(phase) or
+                                                  _plain_order(tp, pat, phase))):
+                if isinstance(step, Post):
+                    posted[n] = step.recvs
+                    for idx, _t in step.sends:
+                        assert sched.start[msg_task[idx]] >= done - 1e-12
+                    sent += [idx for idx, _ in step.sends]
+                    got += [idx for idx, _ in step.recvs]
+                elif isinstance(step, Wait):
+                    done = max([done] + [sched.end[msg_task[idx]] for idx, _ in posted[step.post]])
+                else:
+                    assert isinstance(step, Launch)
+                    for k in step.kernels:
+                        assert sched.start[k] >= max(done, last_launch) - 1e-12
+                        last_launch = sched.start[k]
+                        done = sched.end[k]
+        assert sorted(sent) == sorted(got) == sorted(msg_task)
+        for n, t in enumerate(tp.transfers_for(phase)):
+            if t.tensor in ("o", "dq"):
+                row_launches = [k for k, kern in enumerate(tp.kernels)
+                                if kern.rank == t.src and any(c[0] == t.chunk for c in kern.cells)]
+                assert all(sched.start[first + n] >= sched.end[k] - 1e-12 for k in row_launches)
+
+
+def _plain_order(tp, pat, phase):
+    from ultraattn.planner.api import evaluate
+    from ultraattn.planner.program import run_order
+
+    ev = evaluate(tp, pat, backward=True)
+    return run_order(ev.fwd if phase == "fwd" else ev.bwd)
+
+
+def test_program_rejects_an_order_that_sends_a_partial_before_its_launches():
+    """A run order that does not fit its plan (a partial's key before its row's launch) fails when the program is
+    built, naming the transfer, instead of sending an unfinished partial."""
+    import dataclasses
+
+    from ultraattn.planner.plan import RunOrder
+    from ultraattn.planner.program import unit_order
+
+    pat = pattern_from_mask_mod(generate_sliding_window(256, causal=False), 256, block_size=32)
+    plan = baseline_plan("usp", pat, _shape(), Mesh(nodes=1, devices=2))
+    good = unit_order(plan, "fwd")
+    msgs = plan.transfers_for("fwd")
+    n = next(n for n, t in enumerate(msgs) if t.tensor in ("o", "out"))
+    bad = RunOrder(kernels=tuple(k + 100.0 for k in good.kernels), transfers=good.transfers)
+    with pytest.raises(PlanExecutionError, match=f"leaves rank {msgs[n].src} before its launches there"):
+        build_program(dataclasses.replace(plan, order={"fwd": bad}), msgs[n].src)
 
 
 def test_program_rejects_a_plan_that_sends_data_its_source_lacks():

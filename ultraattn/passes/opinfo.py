@@ -30,7 +30,7 @@ class OpInfo:
 
 _COMM_TOKEN = OpInfo(comm=True, token=True)
 _AFTER = OpInfo(comm=True, after=True)
-_WAIT = OpInfo(comm=True, wait=True)
+_WAIT = OpInfo(comm=True, token=True, wait=True)
 
 OPS: dict[str, OpInfo] = {
     # a site as one op (passes/ops/site.py) and the sequence ops (passes/ops/seq.py)

@@ -28,6 +28,7 @@ from .fast import FastPlanner
 from .ilp import SolveInfo, have_pulp, require_pulp
 from .launches import timed_kernels
 from .plan import AttnShape, Mesh, TilePlan, TokenSharding, padded_chunk
+from .program import executed_graph, run_order, with_order
 from .schedule import Schedule, Workload, build_graph, simulate, workload
 from .schedule_ilp import refine_schedule
 from .tiling import PlannerOptions, TilingResult, tile
@@ -91,13 +92,23 @@ def rank_bytes(plan: TilePlan, phases=("fwd", "bwd")) -> dict[int, dict[str, int
 
 def evaluate(plan: TilePlan, pattern: BlockPattern, *, cost: CostModel = DEFAULT_COST, backward: bool = True,
              fwd_priority=None, executed: bool = False) -> Evaluation:
-    """The plan replayed by the simulator (``schedule``); ``executed``: as the executor runs it
-    (``schedule.ExecutedOrder``: level by level), not launch by launch."""
+    """The plan replayed by the simulator (``schedule``); ``executed``: as the executor runs it, each rank's program
+    (``program.executed_graph``) in the plan's run order, or in the order of this replay where the plan has none
+    (the order ``plan_attention`` gives it)."""
     work = workload(pattern, plan.shape, num_chunks=plan.num_chunks, head_groups=plan.num_head_groups,
                     chunk=plan.chunk_size)
-    g_f = build_graph(plan, work, cost, "fwd", executed=executed)
-    fwd = simulate(g_f, fwd_priority)
-    bwd = simulate(build_graph(plan, work, cost, "bwd", executed=executed)) if backward else None
+
+    def replay(phase: str, priority=None) -> Schedule:
+        graph = build_graph(plan, work, cost, phase)
+        sched = simulate(graph, priority)
+        if not executed:
+            return sched
+        order = plan.order.get(phase) or run_order(sched)
+        return simulate(executed_graph(plan, graph, order))
+
+    fwd = replay("fwd", fwd_priority)
+    g_f = fwd.graph
+    bwd = replay("bwd") if backward else None
     phases = ("fwd", "bwd") if backward else ("fwd",)
     rb = rank_bytes(plan, phases)
     comp = defaultdict(float)  # modeled kernel seconds
@@ -336,7 +347,8 @@ def plan(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cost: CostModel
         "schedule": sched_info.to_dict(),
         "symmetry_cache_hits": tiling.cache_hits,
     }
-    return PlanResult(plan=chosen.plan, evaluations=evals, not_applicable=na, solver=solver,
+    phases = {"fwd": chosen.fwd, **({"bwd": chosen.bwd} if chosen.bwd is not None else {})}
+    return PlanResult(plan=with_order(chosen.plan, phases), evaluations=evals, not_applicable=na, solver=solver,
                       seconds=planning_seconds, pattern=pattern, notes=notes, compute_bound_ms=bound)
 
 

@@ -94,6 +94,7 @@ from .price import (
     price,
     route,
 )
+from .program import ordered
 from .robust import DEFAULT_BAND, Band, band_prices, regrets
 from .schedule import build_graph, simulate, workload
 
@@ -299,6 +300,7 @@ class FastPlanner:
                        candidate=best.name, regrets={n: round(r, 4) for n, r in reg.items()},
                        regret=round(reg.get(best.name, 1.0), 4),
                        band=None if self.band is None else {"rate": self.band.rate, "latency": self.band.latency})
+        tp = ordered(tp, cells, self.cost, backward=self.backward)   # the run order every rank follows
         tp.meta["planning_ms"] = (time.perf_counter() - t0) * 1e3
         return tp
 

@@ -171,6 +171,18 @@ class Kernel:
     """Order hint: kernels of lower stage need fewer remote inputs."""
 
 
+@dataclass(frozen=True, slots=True)
+class RunOrder:
+    """The order every rank runs one phase of a plan in (``planner.program``): a key per kernel and per message, the
+    time the planner's replay starts the kernel and has the message's payload ready. Every rank sorts by the same
+    keys, so all post in one global order."""
+
+    kernels: tuple[float, ...]
+    """Per ``TilePlan.kernels`` entry."""
+    transfers: tuple[float, ...]
+    """Per ``TilePlan.transfers_for(phase)`` entry."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TokenSharding:
     """Which rank holds which token chunks: the part of a plan the rest of a sharded model shares.
@@ -259,6 +271,9 @@ class TilePlan:
     transfers: tuple[Transfer, ...]
     meta: dict = field(default_factory=dict)
     """Free-form planner facts (solver status, ...); not part of the content hash."""
+    order: dict[str, RunOrder] = field(default_factory=dict)
+    """The run order of each phase (``planner.program.with_order``: from the planner's replay); a phase without one
+    runs in ``planner.program.unit_order``. Dropped when it does not fit the kernels and transfers."""
 
     def __post_init__(self) -> None:
         p, w = self.num_chunks, self.mesh.world
@@ -277,6 +292,11 @@ class TilePlan:
             raise ValueError(
                 f"assign_GPP must have shape {(self.num_head_groups, p, p)}, got {tuple(self.assign_GPP.shape)}"
             )
+        if any(len(o.kernels) != len(self.kernels) or len(o.transfers) != sum(t.phase == ph for t in self.transfers)
+               for ph, o in self.order.items()):
+            # a plan made from an ordered one with other kernels or transfers (``dataclasses.replace``): its order
+            # no longer fits, so it runs in ``program.unit_order`` until it is ordered again (``program.ordered``)
+            object.__setattr__(self, "order", {})
 
     @property
     def world(self) -> int:
@@ -313,6 +333,8 @@ class TilePlan:
             h.update(repr((k.rank, k.head_group, k.stage, k.cells)).encode())
         for t in self.transfers:
             h.update(repr((t.tensor, t.chunk, t.head_group, t.src, t.dst, t.nbytes, t.phase)).encode())
+        for ph in sorted(self.order):
+            h.update(repr((ph, self.order[ph].kernels, self.order[ph].transfers)).encode())
         return h.hexdigest()
 
     def __repr__(self) -> str:

@@ -38,13 +38,8 @@ from .plan import (
     PARTIAL_TENSORS,
     ROW_TENSORS,
     AttnShape,
-    Kernel,
     TilePlan,
-    Transfer,
-    input_levels,
-    kernel_rows,
     padded_chunk,
-    partial_levels,
 )
 
 if TYPE_CHECKING:
@@ -162,6 +157,9 @@ class Graph:
     succ: list[list[int]] = field(default_factory=list)
     shared: SharedCompute | None = None
     """Ranks that share compute hardware (CPU ranks on fewer cores), or None: every rank has its own device."""
+    kernels: int = 0
+    """The first ``kernels`` tasks are the plan's kernels, the next ``messages`` its messages (``build_graph``)."""
+    messages: int = 0
 
     def __post_init__(self) -> None:
         self.succ = [[] for _ in self.tasks]
@@ -221,15 +219,18 @@ def _link(plan: TilePlan, a: int, b: int) -> str:
     return "intra" if plan.mesh.same_node(a, b) else "inter"
 
 
-def build_graph(plan: TilePlan, work: Workload, cost: CostModel, phase: str, *, executed: bool = False) -> Graph:
-    """Kernel graph of one phase of a plan (module docstring); ``executed``: as the executor runs it
-    (``executed_order``)."""
+def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, phase: str) -> Graph:
+    """Kernel graph of one phase of a plan (module docstring): the plan's kernels first (in plan order), then one task
+    per message of ``plan.transfers_for(phase)``, then the merges. Without ``work`` and ``cost``, unit durations (a
+    kernel: its cells; a message: 1; a merge: 1/2), for an order without a cost model (``program.unit_order``)."""
     tasks: list[Task] = []
     kern_by_row: dict[tuple[int, int, int], list[int]] = defaultdict(list)  # (rank, g, row) -> task ids
     kern_by_col: dict[tuple[int, int, int], list[int]] = defaultdict(list)
-    order = executed_order(plan, phase) if executed else None
-    kernels = order.kernels if order else plan.kernels
-    durations = work.kernels_seconds([(k.head_group, k.cells) for k in kernels], cost, phase).tolist()
+    kernels = plan.kernels
+    if work is None:
+        durations = [float(len(k.cells)) for k in kernels]
+    else:
+        durations = work.kernels_seconds([(k.head_group, k.cells) for k in kernels], cost, phase).tolist()
     for k, dur in zip(kernels, durations):
         t = Task(id=len(tasks), kind="attn", rank=k.rank, streams=((k.rank, "compute"),), duration=dur,
                  label=f"attn r{k.rank} g{k.head_group} s{k.stage} n{len(k.cells)}")
@@ -248,7 +249,7 @@ def build_graph(plan: TilePlan, work: Workload, cost: CostModel, phase: str, *, 
         link = _link(plan, m.src, m.dst)
         t = Task(id=len(tasks), kind=m.tensor, rank=m.src, dst=m.dst, nbytes=m.nbytes,
                  streams=((m.src, f"send_{link}"), (m.dst, f"recv_{link}")),
-                 duration=cost.message_seconds(m.nbytes, inter_node=link == "inter"),
+                 duration=1.0 if cost is None else cost.message_seconds(m.nbytes, inter_node=link == "inter"),
                  label=f"{m.tensor} c{m.chunk} g{m.head_group} {m.src}->{m.dst}")
         tasks.append(t)
         msg_ids.append(t.id)
@@ -285,8 +286,6 @@ def build_graph(plan: TilePlan, work: Workload, cost: CostModel, phase: str, *, 
                 a = arrive.get((tensor, c, k.head_group, k.rank))
                 if a is not None:
                     deps.append(a)
-    if order:
-        order.add_deps(tasks, msgs, first_message=len(kernels))
     # merges at the final holder of each partial unit; a relay that forwards the unit
     # accumulates on the way (its add is folded into the message, as in ring attention)
     forwards = {(PARTIAL_OF_FINAL.get(m.tensor, m.tensor), m.chunk, m.head_group, m.src)
@@ -296,103 +295,16 @@ def build_graph(plan: TilePlan, work: Workload, cost: CostModel, phase: str, *, 
             continue
         nbytes = sum(tasks[i].nbytes for i in ids)
         t = Task(id=len(tasks), kind="merge", rank=dst, streams=((dst, "compute"),),
-                 duration=cost.merge_seconds(2 * nbytes, lse=tensor == "o"),
+                 duration=0.5 if cost is None else cost.merge_seconds(2 * nbytes, lse=tensor == "o"),
                  label=f"merge {tensor} c{chunk} g{g} @{dst}")
         t.deps.extend(ids)
         t.deps.extend(contributors(tensor, chunk, g, dst))
         tasks.append(t)
     shared = None
-    if cost.alone_speedup > 1 and plan.mesh.devices > 1:
+    if cost is not None and cost.alone_speedup > 1 and plan.mesh.devices > 1:
         shared = SharedCompute(node_of=tuple(plan.mesh.node_of(r) for r in range(plan.world)),
                                ranks=plan.mesh.devices, speedup=cost.alone_speedup)
-    return Graph(tasks=tasks, phase=phase, shared=shared)
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutedOrder:
-    """How the executor runs one phase of a plan (``runtime/executor.py``), for ``build_graph(executed=True)``.
-
-    The executor walks the phase's input messages level by level (``plan.input_levels``): it posts level L's sends
-    and receives, runs every launch whose inputs are all here, fused per row (call L), then waits for all of level
-    L's receives. So a launch of call c waits for every receive of its rank at levels below c, not only its own;
-    a relay's send at level L waits for its rank's receives below L and for the launches of calls below L (they
-    were enqueued first, and the relay's message is packed after them); partial results leave after every launch
-    and input of their rank, reduction level after reduction level (``plan.partial_levels``), finals after those.
-    The simulator's plain replay instead starts each launch when its own inputs are there and forwards a relayed
-    unit when it arrives."""
-
-    kernels: tuple[Kernel, ...]
-    """The launches the executor makes: per rank, head group, row and call, the row's cells of the plan's kernels
-    whose inputs are there at that call."""
-    call: tuple[int, ...]
-    """Each launch's call."""
-    level: dict[int, int]
-    """Input messages (index in ``transfers_for(phase)``) -> level."""
-    partial_level: dict[int, int]
-    """Partial messages -> reduction level."""
-
-    def add_deps(self, tasks: list[Task], msgs: list[Transfer], *, first_message: int) -> None:
-        """Add the executor's waits (class docstring) to the tasks of ``build_graph``: launches first, then one task
-        per message of ``msgs`` from ``first_message`` on."""
-        recvs: dict[tuple[int, int], list[int]] = defaultdict(list)   # (rank, level) -> input message tasks
-        partial_recvs: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for n, m in enumerate(msgs):
-            if n in self.level:
-                recvs[(m.dst, self.level[n])].append(first_message + n)
-            elif n in self.partial_level:
-                partial_recvs[(m.dst, self.partial_level[n])].append(first_message + n)
-        launches: dict[tuple[int, int], list[int]] = defaultdict(list)  # (rank, call) -> launch tasks
-        for k, (kern, c) in enumerate(zip(self.kernels, self.call)):
-            launches[(kern.rank, c)].append(k)
-
-        def below(table: dict, rank: int, top: int) -> list[int]:
-            return [t for lv in range(top) for t in table.get((rank, lv), ())]
-
-        levels = 1 + max(self.level.values(), default=-1)
-        calls = 1 + max(self.call, default=-1)
-        reductions = 1 + max(self.partial_level.values(), default=-1)
-        for k, (kern, c) in enumerate(zip(self.kernels, self.call)):
-            tasks[k].deps.extend(below(recvs, kern.rank, c))
-        for n, m in enumerate(msgs):
-            t = tasks[first_message + n]
-            if n in self.level:
-                lv = self.level[n]
-                t.deps.extend(below(recvs, m.src, lv) + below(launches, m.src, lv))
-            else:   # a partial after the lower reduction levels, a final after all of them
-                top = self.partial_level.get(n, reductions)
-                t.deps.extend(below(recvs, m.src, levels) + below(launches, m.src, calls)
-                              + below(partial_recvs, m.src, top))
-        for t in tasks:
-            t.deps = sorted(set(t.deps))
-
-
-def executed_order(plan: TilePlan, phase: str) -> ExecutedOrder:
-    """The executor's launches and message levels of ``plan``'s ``phase`` (``ExecutedOrder``). A unit a message
-    leaves from without the phase delivering it there is held from the start (its owner's, or kept from the
-    forward)."""
-    msgs = plan.transfers_for(phase)
-    inputs = [(n, m) for n, m in enumerate(msgs) if m.tensor in INPUT_TENSORS[phase]]
-    delivered = {(m.tensor, m.chunk, m.head_group, m.dst) for _, m in inputs}
-    have = {(m.tensor, m.chunk, m.head_group, m.src) for _, m in inputs} - delivered
-    have |= {(tn, c, g, plan.owner[c]) for tn in INPUT_TENSORS[phase] for c in range(plan.num_chunks)
-             for g in range(plan.num_head_groups)}
-    level, stuck = input_levels(inputs, have)
-    if stuck:
-        raise ValueError(f"ultraattn: {len(stuck)} {phase} input messages leave a rank that never holds their unit")
-    partial_level = partial_levels([(n, m) for n, m in enumerate(msgs) if m.tensor in PARTIAL_TENSORS])
-    came: dict[tuple[bool, int, int, int], int] = {}   # (row tensor?, chunk, group, rank) -> level it arrived at
-    for n, m in inputs:
-        key = (m.tensor in ROW_TENSORS, m.chunk, m.head_group, m.dst)
-        came[key] = min(came.get(key, 1 << 30), level[n])
-    cells: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)   # (rank, call, group, row) -> columns
-    for r, g, i, js in kernel_rows(plan.kernels):   # a kernel row runs once all its inputs are there
-        got = [came.get((True, i, g, r), -1)] + [came.get((False, j, g, r), -1) for j in js]
-        cells[(r, 1 + max(got), g, i)].extend(js)
-    keys = sorted(cells)
-    kernels = tuple(Kernel(rank=r, head_group=g, cells=tuple((i, j) for j in sorted(cells[(r, c, g, i)])), stage=c)
-                    for r, c, g, i in keys)
-    return ExecutedOrder(kernels=kernels, call=tuple(c for _, c, _, _ in keys), level=level,
-                         partial_level=partial_level)
+    return Graph(tasks=tasks, phase=phase, shared=shared, kernels=len(kernels), messages=len(msgs))
 
 
 def bottom_levels(graph: Graph) -> list[float]:

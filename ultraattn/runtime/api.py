@@ -39,6 +39,7 @@ from ..planner.cost import DEFAULT_COST, CostModel
 from ..planner.fast import FastPlanner, planner_key
 from ..planner.plan import AttnShape, Mesh, TilePlan, TokenSharding
 from ..planner.profile import CostProfile, cost_model_of
+from ..planner.program import ordered
 from ..planner.robust import DEFAULT_BAND, Band
 from ..planner.tiling import PlannerOptions
 from .comm import GroupRef, resolve_group, store_exchange
@@ -377,7 +378,7 @@ def _plan_ilp(mask, *, which: str, shape: AttnShape, pmesh: Mesh, ranks, comm_gr
                                      baselines=BASELINES, layout=layout)
                 tile_plan = result.plan
             else:
-                tile_plan = baseline_plan(method, pattern, shape, pmesh)
+                tile_plan = ordered(baseline_plan(method, pattern, shape, pmesh), pattern, cost)
                 if layout is not None and tile_plan.layout != layout:
                     raise ValueError(f"method={method!r} holds tokens as {tile_plan.layout.to_string()}, not in the "
                                      f"given layout {layout.to_string()}; use method='ultraattn' (it plans in any "

@@ -1,22 +1,14 @@
 """Execute a ``TilePlan`` on one rank: forward, backward, and the autograd function.
 
-Static part (``RankProgram``, built once per plan and rank): the plan's transfers that
-touch this rank, sorted into LEVELS so that a message is posted only when its payload
-exists and every wait depends on messages already posted everywhere:
+Static part (``RankProgram``, built once per plan and rank): what the rank keeps from the forward for the backward,
+and each phase's steps (``planner.program.rank_program``): posts, waits and launches in the plan's run order, the
+order the planner replayed. A launch runs once its own inputs are here, a relay leaves when its unit lands, a
+partial when its rank's launches of that row (or column) are done; every rank posts in one global order, so the
+exchange cannot deadlock (``planner/program.py``).
 
-* input messages (q, kv, qdo, do): level 0 leaves the owner (or a rank that kept the unit
-  from the forward); a relay forwards at level L+1 what it received at level L;
-* partial messages (o, dq, dkv): a rank forwards its partial one level after the last
-  partial it receives for the same unit (the reduction tree of plan.py);
-* final messages (out, dq_out, dkv_out, Ulysses-style plans): after every reduction.
-
-Every rank walks the levels in the same order, posting all sends and receives of a level
-before waiting on that level's receives, so the exchange cannot deadlock; tiles whose
-inputs are present run between the posts and the waits (local work overlaps the first
-messages; with gloo and NCCL the transfers progress in the background).
-
-Dynamic part: ``forward`` / ``backward`` move real data, count the bytes of every message
-(``CommLog``) and check each against the planner's prediction.
+Dynamic part: ``forward`` / ``backward`` walk the steps and move real data through the IO (``EagerIO`` here; the
+graph-building IO of ``ultraattn.passes.explicit``), count the bytes of every message (``CommLog``) and check each
+against the planner's prediction.
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ from torch import Tensor
 
 from ..kernels.reference import softmax_delta
 from ..planner.plan import TilePlan, Transfer, input_levels, kernel_rows, partial_levels
+from ..planner.program import Launch, Post, ProgramError, Step, Wait, kept_from_forward, order_of, rank_program
 from .comm import CommLog, pack, spec_bytes, unpack
 from .tiles import TileGeometry, merge_partial, row_backward, row_forward
 from .transport import Recv, Send, Transport
@@ -46,17 +39,14 @@ class PlanExecutionError(ValueError):
         super().__init__(f"ultraattn: {msg}")
 
 
-Step = tuple[int, Transfer]  # (index in plan.transfers: the message tag, transfer)
+Message = tuple[int, Transfer]  # (index in plan.transfers: the message tag, transfer)
 
 
 @dataclass(slots=True)
 class RankProgram:
     rank: int
-    inputs: dict[str, list[list[Step]]]
-    partials: dict[str, list[list[Step]]]
-    finals: dict[str, list[Step]]
-    rows: list[tuple[int, int, list[int]]]
-    """(head group, q chunk, kv chunks) launched by this rank, in plan kernel order."""
+    steps: dict[str, list[Step]]
+    """Per phase, the rank's steps (``planner.program.rank_program``)."""
     finisher: dict[tuple[str, int, int], int]
     """(partial tensor, chunk, group) -> the rank where its reduction ends."""
     keep_q: set[tuple[int, int]] = field(default_factory=set)
@@ -64,33 +54,23 @@ class RankProgram:
     keep_kv: set[tuple[int, int]] = field(default_factory=set)
 
 
-def _levels_inputs(steps: list[Step], have: set[tuple[str, int, int, int]]) -> list[list[Step]]:
-    """Level each input message: the level at which its source holds the unit (``plan.input_levels``)."""
-    level, stuck = input_levels(steps, have)
+def _check_inputs(steps: list[Message], have: set[tuple[str, int, int, int]]) -> None:
+    """Every input message leaves a rank that holds its unit by then (``plan.input_levels``)."""
+    _level, stuck = input_levels(steps, have)
     if stuck:
         idx, t = stuck[0]
         raise PlanExecutionError(
             f"transfer #{idx} ({t.phase} {t.tensor} chunk {t.chunk} group {t.head_group}) leaves rank {t.src}, "
             f"which never holds that unit"
         )
-    return _bucket(steps, level)
 
 
-def _levels_partials(steps: list[Step]) -> list[list[Step]]:
-    """A partial leaves a rank one level after the last partial it receives for the same unit
-    (``plan.partial_levels``)."""
+def _check_partials(steps: list[Message]) -> None:
+    """The partial messages form reduction trees, not a cycle (``plan.partial_levels``)."""
     try:
-        return _bucket(steps, partial_levels(steps))
+        partial_levels(steps)
     except ValueError as exc:
         raise PlanExecutionError(str(exc).removeprefix("ultraattn: ")) from exc
-
-
-def _bucket(steps: list[Step], level: dict[int, int]) -> list[list[Step]]:
-    n = 1 + max(level.values(), default=-1)
-    out: list[list[Step]] = [[] for _ in range(n)]
-    for idx, t in steps:
-        out[level[idx]].append((idx, t))
-    return out
 
 
 def _finishers(plan: TilePlan, by: dict) -> dict[tuple[str, int, int], int]:
@@ -141,29 +121,15 @@ def build_program(plan: TilePlan, rank: int) -> RankProgram:
 
     # forward inputs
     have_f = {(tn, c, g, owner[c]) for tn in ("q", "kv") for (c, g) in owned_units}
-    inputs = {"fwd": _levels_inputs(by[("fwd", "q")] + by[("fwd", "kv")], have_f)}
+    _check_inputs(by[("fwd", "q")] + by[("fwd", "kv")], have_f)
     # backward inputs: owners hold everything; other ranks keep what the forward brought them and the
     # backward does not bring again (Ulysses keeps q, k, v and the LSE at the computing rank)
     have_b = {(tn, c, g, owner[c]) for tn in ("qdo", "do", "kv") for (c, g) in owned_units}
-    keep = {r: (set(), set(), set()) for r in range(plan.world)}
-    for r in range(plan.world):
-        got_q, got_kv = recv_of("fwd", "q", r), recv_of("fwd", "kv", r)
-        need_rows = {u for u, rs in computes_row.items() if r in rs} | sends_of("bwd", "do", r)
-        need_cols = {u for u, rs in computes_col.items() if r in rs} | sends_of("bwd", "kv", r)
-        bwd_rows = recv_of("bwd", "qdo", r)
-        for u in need_rows:
-            if owner[u[0]] == r or u in bwd_rows:
-                continue
-            if u not in got_q:
-                continue  # reported below if the plan really lacks it
-            keep[r][0].add(u)
-            keep[r][1].add(u)
-        for u in need_cols - recv_of("bwd", "kv", r):
-            if owner[u[0]] != r and u in got_kv:
-                keep[r][2].add(u)
-                have_b.add(("kv", u[0], u[1], r))
-    inputs["bwd"] = _levels_inputs(by[("bwd", "qdo")] + by[("bwd", "do")] + by[("bwd", "kv")], have_b)
-    kq, kl, kkv = keep[rank]
+    kq, kkv = kept_from_forward(plan)[rank]
+    kl = set(kq)
+    for r, (_rows, cols) in enumerate(kept_from_forward(plan)):
+        have_b |= {("kv", c, g, r) for c, g in cols}
+    _check_inputs(by[("bwd", "qdo")] + by[("bwd", "do")] + by[("bwd", "kv")], have_b)
     for (c, g) in kl:
         if finisher[("o", c, g)] != rank:
             raise PlanExecutionError(
@@ -175,10 +141,13 @@ def build_program(plan: TilePlan, rank: int) -> RankProgram:
         u = (i, g)
         if not (owner[i] == rank or u in recv_of("bwd", "qdo", rank) or (u in kq and u in recv_of("bwd", "do", rank))):
             raise PlanExecutionError(f"rank {rank} computes row {i} (group {g}) in the backward without its dO")
-    partials = {ph: _levels_partials([s for tn in PARTIAL_TENSORS[ph] for s in by[(ph, tn)]]) for ph in ("fwd", "bwd")}
-    finals = {ph: [s for tn in FINAL_TENSORS[ph] for s in by[(ph, tn)]] for ph in ("fwd", "bwd")}
-    return RankProgram(rank=rank, inputs=inputs, partials=partials, finals=finals, rows=rows_of_rank,
-                       finisher=finisher, keep_q=kq, keep_lse=kl, keep_kv=kkv)
+    for ph in ("fwd", "bwd"):
+        _check_partials([s for tn in PARTIAL_TENSORS[ph] for s in by[(ph, tn)]])
+    try:
+        steps = {ph: rank_program(plan, rank, ph, order_of(plan, ph)) for ph in ("fwd", "bwd")}
+    except ProgramError as exc:
+        raise PlanExecutionError(str(exc).removeprefix("ultraattn: ")) from exc
+    return RankProgram(rank=rank, steps=steps, finisher=finisher, keep_q=kq, keep_lse=kl, keep_kv=kkv)
 
 
 # ----------------------------------------------------------------------------- message layouts
@@ -339,13 +308,11 @@ class Executor:
         return torch.cat([torch.cat([units[(c, g)] for g in range(g_count)], dim=1) for c in self.local_chunks],
                          dim=2)
 
-    def _recvs(self, level: list[Step]) -> list[Step]:
-        return [(idx, t) for idx, t in level if t.dst == self.rank]
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, score: list[Tensor] = ()):
         """This rank's (out, lse, saved for the backward). ``score``: the score_mod's buffers (``geo.score_mod``)."""
-        geo, prog, r, io = self.geo, self.program, self.rank, self.io
+        geo, prog, io = self.geo, self.program, self.io
         hq, hk, g_count = geo.hq, geo.hk, geo.head_groups
         io.begin("fwd")
         rows: dict[tuple[int, int], Tensor] = {}
@@ -355,43 +322,39 @@ class Executor:
                 rows[(c, g)] = self._row_slice(q, c, g, hq)
                 cols[(c, g)] = (self._row_slice(k, c, g, hk), self._row_slice(v, c, g, hk))
         acc: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
-        todo = list(prog.rows)
+        finals: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        keep_lse = {}
 
-        def run_ready() -> None:
-            nonlocal todo
-            ready, todo = _split_ready(todo, rows, cols)
-            items = [(g, i, js, rows[(i, g)], [cols[(j, g)] for j in js]) for (g, i), js in ready.items()]
+        def payload(t: Transfer) -> list[Tensor]:
+            u = (t.chunk, t.head_group)
+            if t.tensor == "q":
+                return [rows[u]]
+            if t.tensor == "kv":
+                return list(cols[u])
+            o, lse = self._acc_or_empty(acc, u, "o", q.device)
+            if t.tensor == "o":
+                acc.pop(u, None)
+                return [o, lse]
+            keep_lse[u] = lse
+            return [o.to(self.dtype), lse]
+
+        def arrive(t: Transfer, pieces: list[Tensor]) -> None:
+            u = (t.chunk, t.head_group)
+            if t.tensor == "q":
+                rows[u] = pieces[0]
+            elif t.tensor == "kv":
+                cols[u] = (pieces[0], pieces[1])
+            elif t.tensor == "o":
+                acc[u] = merge_partial(acc.get(u), (pieces[0], pieces[1]))
+            else:
+                finals[u] = (pieces[0].float(), pieces[1])
+
+        def launch(step: Launch) -> None:
+            items = [(g, i, list(js), rows[(i, g)], [cols[(j, g)] for j in js]) for g, i, js in step.rows]
             for (g, i, *_), part in zip(items, io.tiles_fwd(items, scale, score), strict=True):
                 acc[(i, g)] = merge_partial(acc.get((i, g)), part)
 
-        for level in prog.inputs["fwd"]:
-            sends = [(idx, t, [rows[(t.chunk, t.head_group)]] if t.tensor == "q"
-                      else list(cols[(t.chunk, t.head_group)])) for idx, t in level if t.src == r]
-            handle = io.start("fwd", sends, self._recvs(level), q.device)
-            run_ready()
-            for t, pieces in io.wait(handle):
-                u = (t.chunk, t.head_group)
-                if t.tensor == "q":
-                    rows[u] = pieces[0]
-                else:
-                    cols[u] = (pieces[0], pieces[1])
-        run_ready()
-        if todo:
-            g, i, js = todo[0]
-            raise PlanExecutionError(f"rank {r}: row {i} (group {g}) never received its inputs")
-        self._reduce("fwd", prog.partials["fwd"], acc, q.device, kind="o")
-        finals: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
-        keep_lse = {}
-        sends = []
-        for idx, t in prog.finals["fwd"]:
-            if t.src == r:
-                u = (t.chunk, t.head_group)
-                o, lse = self._acc_or_empty(acc, u, "o", q.device)
-                sends.append((idx, t, [o.to(self.dtype), lse]))
-                keep_lse[u] = lse
-        handle = io.start("fwd", sends, self._recvs(prog.finals["fwd"]), q.device)
-        for t, (o, lse) in io.wait(handle):
-            finals[(t.chunk, t.head_group)] = (o.float(), lse)
+        self._walk("fwd", payload, arrive, launch, q.device)
         io.finish("fwd")
         # assemble this rank's rows
         units = {}
@@ -420,35 +383,26 @@ class Executor:
         z = torch.zeros(geo.batch, geo.hk, geo.chunk, geo.head_dim, device=device)
         return (z, z.clone())
 
-    def _reduce(self, phase: str, levels: list[list[Step]], acc: dict, device, kind: str | None = None,
-                accs: dict | None = None) -> None:
-        """Partial reduction by levels: send own + received partials, merge (o) or add (dq, dkv) arrivals."""
-        r, io = self.rank, self.io
-        for level in levels:
-            sends = []
-            for idx, t in level:
-                if t.src == r:
-                    tk = kind or t.tensor
-                    store = acc if accs is None else accs[tk]
-                    u = (t.chunk, t.head_group)
-                    pieces = self._acc_or_empty(store, u, tk, device)
-                    store.pop(u, None)
-                    sends.append((idx, t, list(pieces)))
-            handle = io.start(phase, sends, self._recvs(level), device)
-            for t, pieces in io.wait(handle):
-                tk = kind or t.tensor
-                store = acc if accs is None else accs[tk]
-                u = (t.chunk, t.head_group)
-                if tk == "o":
-                    store[u] = merge_partial(store.get(u), (pieces[0], pieces[1]))
-                else:
-                    _add_into(store, u, pieces)
+    def _walk(self, phase: str, payload, arrive, launch, device) -> None:
+        """Run the phase's steps: post each send's ``payload(t)``, hand each receive to ``arrive(t, pieces)``, run
+        each ``Launch`` with ``launch``."""
+        io = self.io
+        handles = {}
+        for n, step in enumerate(self.program.steps[phase]):
+            if isinstance(step, Post):
+                sends = [(idx, t, payload(t)) for idx, t in step.sends]
+                handles[n] = io.start(phase, sends, list(step.recvs), device)
+            elif isinstance(step, Wait):
+                for t, pieces in io.wait(handles.pop(step.post)):
+                    arrive(t, pieces)
+            else:
+                launch(step)
 
     # -- backward --------------------------------------------------------------------------
     def backward(self, q, k, v, out, lse, saved, dout, dlse, scale: float, score: list[Tensor] = ()):
         """This rank's (dq, dk, dv, the score_mod buffers' gradients summed over every rank: one per
         ``ScoreMod.wanted``)."""
-        geo, prog, r, io = self.geo, self.program, self.rank, self.io
+        geo, io = self.geo, self.io
         hq, hk, g_count = geo.hq, geo.hk, geo.head_groups
         io.begin("bwd")
         delta_all = softmax_delta(out, dout, dlse)
@@ -461,12 +415,40 @@ class Executor:
                 cols[(c, g)] = (self._row_slice(k, c, g, hk), self._row_slice(v, c, g, hk))
         cols.update(saved["kv"])
         accs: dict[str, dict] = {"dq": {}, "dkv": {}, "score": {}}
-        todo = list(prog.rows)
+        finals: dict[tuple[str, int, int], tuple] = {}
 
-        def run_ready() -> None:
-            nonlocal todo
-            ready, todo = _split_ready(todo, rows, cols)
-            items = [(g, i, js, *rows[(i, g)], [cols[(j, g)] for j in js]) for (g, i), js in ready.items()]
+        def payload(t: Transfer) -> list[Tensor]:
+            u = (t.chunk, t.head_group)
+            if t.tensor == "kv":
+                return list(cols[u])
+            if t.tensor == "qdo":
+                return [x.contiguous() for x in rows[u]]
+            if t.tensor == "do":   # dO + delta (the computing rank kept q and the LSE)
+                return [rows[u][1], rows[u][3]]
+            kind = "dq" if t.tensor in ("dq", "dq_out") else "dkv"
+            pieces = self._acc_or_empty(accs[kind], u, kind, q.device)
+            if t.tensor == kind:
+                accs[kind].pop(u, None)
+                return list(pieces)
+            return [p.to(self.dtype) for p in pieces]
+
+        def arrive(t: Transfer, pieces: list[Tensor]) -> None:
+            u = (t.chunk, t.head_group)
+            if t.tensor == "kv":
+                cols[u] = (pieces[0], pieces[1])
+            elif t.tensor == "qdo":
+                rows[u] = tuple(pieces)
+            elif t.tensor == "do":
+                if u in saved["q"]:
+                    rows[u] = (saved["q"][u], pieces[0], saved["lse"][u], pieces[1])
+                # else: dO of a row this rank computes nothing for (e.g. an all-padding chunk) -- moved, unused
+            elif t.tensor in ("dq", "dkv"):
+                _add_into(accs[t.tensor], u, pieces)
+            else:
+                finals[(t.tensor, t.chunk, t.head_group)] = tuple(pieces)
+
+        def launch(step: Launch) -> None:
+            items = [(g, i, list(js), *rows[(i, g)], [cols[(j, g)] for j in js]) for g, i, js in step.rows]
             dqs, dkvs, dscore = io.tiles_bwd(items, scale, score)
             for (g, i, *_), dq in zip(items, dqs, strict=True):
                 _add_into(accs["dq"], (i, g), (dq,))
@@ -475,44 +457,7 @@ class Executor:
             if dscore:
                 _add_into(accs["score"], 0, dscore)
 
-        for level in prog.inputs["bwd"]:
-            sends = []
-            for idx, t in level:
-                if t.src != r:
-                    continue
-                u = (t.chunk, t.head_group)
-                if t.tensor == "kv":
-                    sends.append((idx, t, list(cols[u])))
-                elif t.tensor == "qdo":
-                    sends.append((idx, t, [x.contiguous() for x in rows[u]]))
-                else:  # do: dO + delta (the computing rank kept q and the LSE)
-                    sends.append((idx, t, [rows[u][1], rows[u][3]]))
-            handle = io.start("bwd", sends, self._recvs(level), q.device)
-            run_ready()
-            for t, pieces in io.wait(handle):
-                u = (t.chunk, t.head_group)
-                if t.tensor == "kv":
-                    cols[u] = (pieces[0], pieces[1])
-                elif t.tensor == "qdo":
-                    rows[u] = tuple(pieces)
-                elif u in saved["q"]:
-                    rows[u] = (saved["q"][u], pieces[0], saved["lse"][u], pieces[1])
-                # else: dO of a row this rank computes nothing for (e.g. an all-padding chunk) -- moved, unused
-        run_ready()
-        if todo:
-            g, i, js = todo[0]
-            raise PlanExecutionError(f"rank {r}: backward row {i} (group {g}) never received its inputs")
-        self._reduce("bwd", prog.partials["bwd"], {}, q.device, accs=accs)
-        finals: dict[tuple[str, int, int], tuple] = {}
-        sends = []
-        for idx, t in prog.finals["bwd"]:
-            if t.src == r:
-                kind = "dq" if t.tensor == "dq_out" else "dkv"
-                pieces = self._acc_or_empty(accs[kind], (t.chunk, t.head_group), kind, q.device)
-                sends.append((idx, t, [p.to(self.dtype) for p in pieces]))
-        handle = io.start("bwd", sends, self._recvs(prog.finals["bwd"]), q.device)
-        for t, pieces in io.wait(handle):
-            finals[(t.tensor, t.chunk, t.head_group)] = tuple(pieces)
+        self._walk("bwd", payload, arrive, launch, q.device)
         io.finish("bwd")
         dq_u, dk_u, dv_u = {}, {}, {}
         for c in self.local_chunks:
@@ -526,19 +471,6 @@ class Executor:
         dscore = accs["score"].get(0) or tuple(torch.zeros(score[n].shape, device=q.device) for n in wanted)
         dscore = io.all_reduce(list(dscore)) if dscore else []   # every rank, tiles or not: a collective
         return self._assemble(dq_u), self._assemble(dk_u), self._assemble(dv_u), dscore
-
-
-def _split_ready(todo: list, rows: dict, cols: dict) -> tuple[dict, list]:
-    """Launches whose inputs are present, fused per (group, row) into one call over all their columns
-    (one softmax instead of a merge per launch: the CPU path is bound by per-call overhead), and the rest."""
-    ready: dict[tuple[int, int], list[int]] = {}
-    rest = []
-    for g, i, js in todo:
-        if (i, g) in rows and all((j, g) in cols for j in js):
-            ready.setdefault((g, i), []).extend(js)
-        else:
-            rest.append((g, i, js))
-    return {k: sorted(v) for k, v in ready.items()}, rest
 
 
 class _DistAttention(torch.autograd.Function):

@@ -192,12 +192,14 @@ class TracedIO(TileSets):
                 if id(p) not in once:
                     once[id(p)] = p.contiguous()
         flat = [once[id(p)] for _tag, _t, pieces in sends for p in pieces]
-        return sid, ops.cp_start(self.token, flat, prog.key, sid, *self.data)
+        h = ops.cp_start(self.token, flat, prog.key, sid, *self.data)
+        self.token = h   # the next communicating op comes after this post
+        return sid, h
 
     def wait(self, handle):
         sid, h = handle
         prog = self.prog
-        outs = ops.cp_wait(h, prog.key, sid, *self.data)
+        outs = ops.cp_wait(self.token, h, prog.key, sid, *self.data)
         self.token, it = outs[0], iter(outs[1:])
         ex = prog.executor
         return [(t, [next(it) for _ in unit_layout(t.tensor, ex.geo, ex.dtype)]) for _tag, t in prog.stages[sid].recvs]

@@ -65,13 +65,14 @@ def _(token, pieces, site, stage, plan=None):
 
 
 @custom_op("ultraattn::cp_wait", mutates_args=())
-def cp_wait(handle: Tensor, site: str, stage: int, plan: Tensor | None = None) -> list[Tensor]:
-    """Wait for a stage's receives: [token, the received tensors in order]."""
+def cp_wait(token: Tensor, handle: Tensor, site: str, stage: int, plan: Tensor | None = None) -> list[Tensor]:
+    """Wait for a stage's receives: [token, the received tensors in order]. ``token``: the program's chain (a stage
+    may be waited for after later stages were posted)."""
     return [new_token()] + _program(site).wait(int(handle), stage, plan)
 
 
 @cp_wait.register_fake
-def _(handle, site, stage, plan=None):
+def _(token, handle, site, stage, plan=None):
     prog = _program(site)
     return [_fake_token()] + [torch.empty(shape, dtype=dt, device=prog.device) for shape, dt in prog.received(stage)]
 
