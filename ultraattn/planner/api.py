@@ -28,7 +28,7 @@ from .fast import FastPlanner
 from .ilp import SolveInfo, have_pulp, require_pulp
 from .launches import timed_kernels
 from .plan import AttnShape, Mesh, TilePlan, TokenSharding, padded_chunk
-from .program import executed_graph, run_order, with_order
+from .program import executed_graph, order_priority, run_order, with_order
 from .schedule import Schedule, Workload, build_graph, simulate, workload
 from .schedule_ilp import refine_schedule
 from .tiling import PlannerOptions, TilingResult, tile
@@ -104,7 +104,7 @@ def evaluate(plan: TilePlan, pattern: BlockPattern, *, cost: CostModel = DEFAULT
         if not executed:
             return sched
         order = plan.order.get(phase) or run_order(sched)
-        return simulate(executed_graph(plan, graph, order))
+        return simulate(executed_graph(plan, graph, order), order_priority(graph, order))
 
     fwd = replay("fwd", fwd_priority)
     g_f = fwd.graph

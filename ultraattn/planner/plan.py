@@ -181,6 +181,9 @@ class RunOrder:
     """Per ``TilePlan.kernels`` entry."""
     transfers: tuple[float, ...]
     """Per ``TilePlan.transfers_for(phase)`` entry."""
+    leaves: tuple[float, ...] = ()
+    """Per ``TilePlan.transfers_for(phase)`` entry, when its link starts carrying it in the replay (the order a link
+    serves the messages posted to it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -334,7 +337,8 @@ class TilePlan:
         for t in self.transfers:
             h.update(repr((t.tensor, t.chunk, t.head_group, t.src, t.dst, t.nbytes, t.phase)).encode())
         for ph in sorted(self.order):
-            h.update(repr((ph, self.order[ph].kernels, self.order[ph].transfers)).encode())
+            o = self.order[ph]
+            h.update(repr((ph, o.kernels, o.transfers, o.leaves)).encode())
         return h.hexdigest()
 
     def __repr__(self) -> str:

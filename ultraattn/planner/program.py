@@ -78,8 +78,10 @@ def run_order(sched: Schedule) -> RunOrder:
     """The run order of a replay (``build_graph`` + ``simulate``): each kernel's start, each message's ready time."""
     g = sched.graph
     tasks = g.tasks
-    ready = [max((sched.end[d] for d in tasks[i].deps), default=0.0) for i in range(g.kernels, g.kernels + g.messages)]
-    return RunOrder(kernels=tuple(sched.start[:g.kernels]), transfers=tuple(ready))
+    msgs = range(g.kernels, g.kernels + g.messages)
+    ready = [max((sched.end[d] for d in tasks[i].deps), default=0.0) for i in msgs]
+    return RunOrder(kernels=tuple(sched.start[:g.kernels]), transfers=tuple(ready),
+                    leaves=tuple(sched.start[i] for i in msgs))
 
 
 def unit_order(plan: TilePlan, phase: str) -> RunOrder:
@@ -157,14 +159,16 @@ def rank_program(plan: TilePlan, rank: int, phase: str, order: RunOrder | None =
     """The steps of ``rank`` in ``phase`` (module docstring), in ``order`` (default: ``order_of``)."""
     order = order or order_of(plan, phase)
     msgs = [(idx, t) for idx, t in enumerate(plan.transfers) if t.phase == phase]
-    items = []   # (key, 0 message / 1 kernel, index)
+    leaves = order.leaves or order.transfers
+    items = []   # (key, 0 message / 1 kernel, index); messages of one key in the order they leave
     for n, (_idx, t) in enumerate(msgs):
         if rank in (t.src, t.dst):
-            items.append((order.transfers[n], 0, n))
+            items.append((order.transfers[n], 0, leaves[n], n))
     for k, kern in enumerate(plan.kernels):
         if kern.rank == rank:
-            items.append((order.kernels[k], 1, k))
+            items.append((order.kernels[k], 1, 0.0, k))
     items.sort()
+    items = [(key, kind, n) for key, kind, _leave, n in items]
     pos = {(kind, n): p for p, (_key, kind, n) in enumerate(items)}
     inputs = INPUT_TENSORS[phase]
     row_input = {"fwd": ("q",), "bwd": ("qdo", "do")}[phase]
@@ -289,10 +293,23 @@ def rank_program(plan: TilePlan, rank: int, phase: str, order: RunOrder | None =
     return steps
 
 
+def order_priority(graph: Graph, order: RunOrder) -> list[float]:
+    """The simulator's priorities for ``executed_graph``: the run order's keys (a kernel's start, a message's start
+    on its link, a merge after its partials' starts), so that each stream serves its tasks in the replay's order."""
+    k, m = graph.kernels, graph.messages
+    pri = [0.0] * len(graph.tasks)
+    pri[:k] = order.kernels
+    leaves = order.leaves or order.transfers
+    pri[k:k + m] = leaves
+    for t in graph.tasks[k + m:]:
+        pri[t.id] = max((leaves[d - k] for d in t.deps if k <= d < k + m), default=0.0)
+    return pri
+
+
 def executed_graph(plan: TilePlan, graph: Graph, order: RunOrder) -> Graph:
     """``graph`` (``build_graph`` of ``plan``'s phase) with each rank's program (``rank_program``) added: a send
-    waits for the launches and waits before it in its rank's program, a launch for those before it; merges run
-    after the rank's last step (module docstring)."""
+    waits for the launches and waits before it in its rank's program, a launch for those before it; a merge
+    runs when its last partial is taken (module docstring)."""
     tasks = [dataclasses.replace(t, deps=list(t.deps)) for t in graph.tasks]
     first_msg = graph.kernels
     msg_task = {}
@@ -301,24 +318,33 @@ def executed_graph(plan: TilePlan, graph: Graph, order: RunOrder) -> Graph:
         if t.phase == graph.phase:
             msg_task[idx] = first_msg + n
             n += 1
-    last_of: dict[int, list[int]] = {}
+    merge_of = {(t.rank, *t.unit): t.id for t in tasks if t.kind == "merge"}
     for r in range(plan.world):
         barrier: list[int] = []    # tasks the rank's host has waited for since its last launch
-        posted: dict[int, list[int]] = {}
-        for i, s in enumerate(rank_program(plan, r, graph.phase, order)):
+        posted: dict[int, list[Message]] = {}
+        steps = rank_program(plan, r, graph.phase, order)
+        last_wait = {}   # merge task -> the wait that takes its last partial here
+        for i, s in enumerate(steps):
+            if isinstance(s, Wait):
+                for _idx, t in steps[s.post].recvs:
+                    m = merge_of.get((r, PARTIAL_OF.get(t.tensor, t.tensor), t.chunk, t.head_group))
+                    if m is not None:
+                        last_wait[m] = i
+        for i, s in enumerate(steps):
             if isinstance(s, Post):
                 for idx, _t in s.sends:
                     tasks[msg_task[idx]].deps.extend(barrier)
-                posted[i] = [msg_task[idx] for idx, _t in s.recvs]
+                posted[i] = list(s.recvs)
             elif isinstance(s, Wait):
-                barrier.extend(posted[s.post])
+                barrier.extend(msg_task[idx] for idx, _t in posted[s.post])
+                merges = sorted(m for m, at in last_wait.items() if at == i)
+                for m in merges:   # partials are merged as they are taken, by the host, in program order
+                    tasks[m].deps = list(barrier)
+                barrier.extend(merges)
             else:
                 for k in s.kernels:
                     tasks[k].deps.extend(barrier)
                     barrier = [k]
-        last_of[r] = barrier
     for t in tasks:
-        if t.kind == "merge":
-            t.deps.extend(last_of.get(t.rank, ()))
         t.deps = sorted(set(t.deps) - {t.id})
     return Graph(tasks=tasks, phase=graph.phase, shared=graph.shared, kernels=graph.kernels, messages=graph.messages)

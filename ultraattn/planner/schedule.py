@@ -130,6 +130,8 @@ class Task:
     dst: int = -1
     nbytes: int = 0
     label: str = ""
+    unit: tuple = ()
+    """A merge's (partial tensor, chunk, head group)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +298,7 @@ def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, p
         nbytes = sum(tasks[i].nbytes for i in ids)
         t = Task(id=len(tasks), kind="merge", rank=dst, streams=((dst, "compute"),),
                  duration=0.5 if cost is None else cost.merge_seconds(2 * nbytes, lse=tensor == "o"),
-                 label=f"merge {tensor} c{chunk} g{g} @{dst}")
+                 label=f"merge {tensor} c{chunk} g{g} @{dst}", unit=(tensor, chunk, g))
         t.deps.extend(ids)
         t.deps.extend(contributors(tensor, chunk, g, dst))
         tasks.append(t)
