@@ -82,6 +82,7 @@ from .build import kernel_groups
 from .cost import DEFAULT_COST, CostModel
 from .plan import AttnShape, Mesh, TilePlan, TokenSharding, padded_chunk
 from .price import (
+    PHASES,
     Draft,
     Grid,
     Kernels,
@@ -94,9 +95,9 @@ from .price import (
     price,
     route,
 )
-from .program import ordered
+from .program import with_order
 from .robust import DEFAULT_BAND, Band, band_prices, regrets
-from .schedule import build_graph, simulate, workload
+from .schedule import Schedule, build_graph, simulate, workload
 
 #: chunks per rank tried for our own structure (the ILP planner starts at 2 and refines to 8)
 CHUNKS_PER_RANK = (1, 2, 4, 8)
@@ -261,13 +262,21 @@ class FastPlanner:
         least = min(reg.values(), default=1.0)
         robust = [c for c in finalists if reg.get(c.name, 1.0) <= least + REGRET_TIE]   # cheapest first
         best, tp, replayed = robust[0], None, {}
+        # id(plan) -> (plan, its replay): the chosen plan's replay gives its run order (the plan is held, so its id
+        # is not reused)
+        schedules: dict[int, tuple[TilePlan, dict[str, Schedule]]] = {}
+
+        def replay(p: TilePlan) -> float:
+            schedules[id(p)] = (p, replay_phases(p, cells, self.cost, backward=self.backward))
+            return sum(s.makespan for s in schedules[id(p)][1].values())
+
         # [Note] near-ties: the price is a lower bound of the replay, closer for some structures than for others;
         # the cheapest two of the most robust, when within NEAR_TIE and small (a task count, not a time limit:
         # still deterministic), are replayed to decide
         close = [c for c in robust if c.seconds <= best.seconds * (1 + NEAR_TIE)][:2]
         if len(close) > 1 and sum(_tasks(c.get()) for c in close) <= REPLAY_TASKS:
             plans = {c.name: self.build(c) for c in close}
-            replayed = {n: evaluate_plan(p, cells, self.cost, backward=self.backward) for n, p in plans.items()}
+            replayed = {n: replay(p) for n, p in plans.items()}
             best = min(close, key=lambda c: (replayed[c.name], c.name))
             tp = plans[best.name]
         if tp is None:
@@ -288,19 +297,27 @@ class FastPlanner:
                 tries = [cheapest(tries)]
             if best.unbatched is not None:   # batched before the choice: its own launches are one more try
                 tries = [(1, *best.unbatched)] + [t for t in tries if t[0] != d.meta["kernel_batch"]]
-            fastest = replayed.get(best.name) or evaluate_plan(tp, cells, self.cost, backward=self.backward)
+            fastest = replayed.get(best.name) or replay(tp)
             for batch, kern, sec in tries:
                 batched = self.build(best, kernels=kern, kernel_batch=batch, estimate_ms=sec * 1e3)
                 if batch == 1:
                     del batched.meta["kernel_batch"]
-                t = evaluate_plan(batched, cells, self.cost, backward=self.backward)
+                t = replay(batched)
                 if t < fastest:
                     tp, fastest = batched, t
         tp.meta.update(candidates=summary, replayed={n: round(v * 1e3, 6) for n, v in replayed.items()},
                        candidate=best.name, regrets={n: round(r, 4) for n, r in reg.items()},
                        regret=round(reg.get(best.name, 1.0), 4),
                        band=None if self.band is None else {"rate": self.band.rate, "latency": self.band.latency})
-        tp = ordered(tp, cells, self.cost, backward=self.backward)   # the run order every rank follows
+        # the run order every rank follows: the chosen plan's replay (made above on most small plans; else now, from
+        # the kernels' seconds the price has, without the mask's workload: ~35 ms a phase at 64 ranks)
+        if id(tp) in schedules:
+            tp = with_order(tp, schedules[id(tp)][1])
+        else:
+            d = best.get()
+            tp = with_order(tp, {PHASES[ph]: simulate(build_graph(tp, None, self.cost, PHASES[ph],
+                                                                  kernel_seconds=d.kernels.seconds[ph]))
+                                 for ph in d.kernels.seconds})
         tp.meta["planning_ms"] = (time.perf_counter() - t0) * 1e3
         return tp
 
@@ -505,12 +522,17 @@ def _tasks(d: Draft) -> int:
     return int(d.messages.tensor.size + d.kernels.rank_K.size * len(d.kernels.seconds))
 
 
-def evaluate_plan(plan: TilePlan, cells: BlockCells, cost: CostModel, *, backward: bool) -> float:
-    """The simulator's fwd (+ bwd) makespan of ``plan`` (``planner.api.evaluate``'s replay, without its reports)."""
+def replay_phases(plan: TilePlan, cells: BlockCells, cost: CostModel, *, backward: bool) -> dict[str, Schedule]:
+    """The simulator's replay of each phase of ``plan`` (``planner.api.evaluate``'s, without its reports)."""
     work = workload(cells, plan.shape, num_chunks=plan.num_chunks, head_groups=plan.num_head_groups,
                     chunk=plan.chunk_size)
     phases = ("fwd", "bwd") if backward else ("fwd",)
-    return sum(simulate(build_graph(plan, work, cost, ph)).makespan for ph in phases)
+    return {ph: simulate(build_graph(plan, work, cost, ph)) for ph in phases}
+
+
+def evaluate_plan(plan: TilePlan, cells: BlockCells, cost: CostModel, *, backward: bool) -> float:
+    """The simulator's fwd (+ bwd) makespan of ``plan`` (``replay_phases``)."""
+    return sum(s.makespan for s in replay_phases(plan, cells, cost, backward=backward).values())
 
 
 def planner_key(shape: AttnShape, mesh: Mesh, cost: CostModel, layout: TokenSharding | None, balance_tol: float,

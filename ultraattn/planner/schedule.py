@@ -221,15 +221,20 @@ def _link(plan: TilePlan, a: int, b: int) -> str:
     return "intra" if plan.mesh.same_node(a, b) else "inter"
 
 
-def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, phase: str) -> Graph:
+def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, phase: str, *,
+                kernel_seconds=None) -> Graph:
     """Kernel graph of one phase of a plan (module docstring): the plan's kernels first (in plan order), then one task
-    per message of ``plan.transfers_for(phase)``, then the merges. Without ``work`` and ``cost``, unit durations (a
-    kernel: its cells; a message: 1; a merge: 1/2), for an order without a cost model (``program.unit_order``)."""
+    per message of ``plan.transfers_for(phase)``, then the merges. ``kernel_seconds``: each kernel's duration, where
+    the caller has them (the fast planner's arrays), instead of ``work``'s. Without ``work`` and ``cost``, unit
+    durations (a kernel: its cells; a message: 1; a merge: 1/2), for an order without a cost model
+    (``program.unit_order``)."""
     tasks: list[Task] = []
     kern_by_row: dict[tuple[int, int, int], list[int]] = defaultdict(list)  # (rank, g, row) -> task ids
     kern_by_col: dict[tuple[int, int, int], list[int]] = defaultdict(list)
     kernels = plan.kernels
-    if work is None:
+    if kernel_seconds is not None:
+        durations = [float(x) for x in kernel_seconds]
+    elif work is None:
         durations = [float(len(k.cells)) for k in kernels]
     else:
         durations = work.kernels_seconds([(k.head_group, k.cells) for k in kernels], cost, phase).tolist()
