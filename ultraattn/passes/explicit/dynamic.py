@@ -13,7 +13,7 @@ the plan id it returns::
     q_l = index_select(pad(q), 2, cp_dyn_index(plan, site))      # dispatch: the mask's owners (global view)
     h = cp_start(token, [this rank's K, V], site, 0, plan)       # per peer, only the fine chunks it needs
     o, lse = cp_tiles_fwd([q_l], [own K], [own V], site, t, plan)   # own keys, while messages fly
-    token, *kv_in = cp_wait(h, site, 0, plan)                    # each peer's K/V; zeros where nothing came
+    token, *kv_in = cp_wait(h, h, site, 0, plan)                 # each peer's K/V; zeros where nothing came
     o', lse' = cp_tiles_fwd([q_l], kv_in..., site, t', plan)     # received keys (empty fine cells skipped)
     ... one LSE merge, cp_gather(..., plan) ...
 

@@ -8,9 +8,9 @@ Rewrites (forward and backward graphs alike)::
 into this rank's program, traced from the executor's schedule (``explicit/program.py``)::
 
     q_l = cat(q[:, :, c0], q[:, :, c3])                            # dispatch (no index constants)
-    h0 = cp_start(token, [q_l chunk for rank 1], key, 0)           # stage 0: post sends and receives
-    o0, l0 = cp_tile_fwd(q_l, [k_l], [v_l], key, 0)                # tiles whose inputs are here
-    token, k1, v1 = cp_wait(h0, key, 0)                            # stage 0 received
+    h0 = cp_start(token, [q_l chunk for rank 1], key, 0)           # post 0: sends and receives (run order)
+    o0, l0 = cp_tile_fwd(q_l, [k_l], [v_l], key, 0)                # launches whose turn came first
+    token, k1, v1 = cp_wait(h0, h0, key, 0)                        # post 0 received (token: the last post)
     ...                                                            # LSE merges as aten nodes
     out = cp_gather(token, out_l, key)                             # the global view (not when sharded)
 
