@@ -65,19 +65,21 @@ def _shape():
 def _units_needed(plan, step, phase):
     """The (tensor, chunk, group) units a program step needs from elsewhere: a launch its rows' and columns' inputs,
     a post its sends' payloads."""
-    from ultraattn.planner.program import PARTIAL_OF, Launch
+    from ultraattn.planner.program import Launch
+    from ultraattn.planner.schedule import PARTIAL_OF_FINAL
 
     if isinstance(step, Launch):
         rows = ("q",) if phase == "fwd" else ("qdo", "do")
         return ({(tn, i, g) for g, i, _ in step.rows for tn in rows}
                 | {("kv", j, g) for g, _, js in step.rows for j in js})
-    return {(PARTIAL_OF.get(t.tensor, t.tensor), t.chunk, t.head_group) for _, t in step.sends}
+    return {(PARTIAL_OF_FINAL.get(t.tensor, t.tensor), t.chunk, t.head_group) for _, t in step.sends}
 
 
 def test_ring_program_relays_on_arrival_and_waits_only_for_what_it_needs():
     """A ring's K/V unit leaves a relay as soon as it lands there, and every wait is for a message the next step
     needs (no level-wide waits): the executor's program (``planner.program.rank_program``)."""
-    from ultraattn.planner.program import PARTIAL_OF, Post, Wait
+    from ultraattn.planner.program import Post, Wait
+    from ultraattn.planner.schedule import PARTIAL_OF_FINAL
 
     pat = pattern_from_mask_mod(generate_sliding_window(256, causal=False), 256, block_size=32)
     plan = baseline_plan("ring", pat, _shape(), Mesh(nodes=1, devices=4))
@@ -89,7 +91,8 @@ def test_ring_program_relays_on_arrival_and_waits_only_for_what_it_needs():
                 if not isinstance(s, Wait):
                     continue
                 nxt = next((x for x in steps[n + 1:] if not isinstance(x, Wait)), None)
-                got = {(PARTIAL_OF.get(t.tensor, t.tensor), t.chunk, t.head_group) for _, t in posts[s.post].recvs}
+                got = {(PARTIAL_OF_FINAL.get(t.tensor, t.tensor), t.chunk, t.head_group)
+                       for _, t in posts[s.post].recvs}
                 if nxt is not None and posts[s.post].recvs:
                     assert got & _units_needed(plan, nxt, phase), (r, phase, n, steps)
     # rank 1 relays chunk 0's K/V (0 -> 1 -> 2) right after it lands: the wait, then the post that sends it on

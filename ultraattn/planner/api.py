@@ -100,10 +100,12 @@ def evaluate(plan: TilePlan, pattern: BlockPattern, *, cost: CostModel = DEFAULT
 
     def replay(phase: str, priority=None) -> Schedule:
         graph = build_graph(plan, work, cost, phase)
-        sched = simulate(graph, priority)
-        if not executed:
-            return sched
-        order = plan.order.get(phase) or run_order(sched)
+        order = plan.order.get(phase) if executed else None
+        if order is None:   # (the plain replay: the result, or where the plan has no order, the order)
+            sched = simulate(graph, priority)
+            if not executed:
+                return sched
+            order = run_order(sched)
         return simulate(executed_graph(plan, graph, order), order_priority(graph, order))
 
     fwd = replay("fwd", fwd_priority)

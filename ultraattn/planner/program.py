@@ -30,17 +30,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .plan import COL_TENSORS, RunOrder, TilePlan, Transfer
-from .schedule import Graph, Schedule, build_graph, simulate, workload
+from .schedule import INPUT_TENSORS, PARTIAL_OF_FINAL, Graph, Schedule, build_graph, simulate, workload
 
 if TYPE_CHECKING:
     from ..masks.cells import BlockCells
     from ..masks.pattern import BlockPattern
     from .cost import CostModel
 
-INPUT_TENSORS = {"fwd": ("q", "kv"), "bwd": ("qdo", "do", "kv")}
-FINAL_TENSORS = {"fwd": ("out",), "bwd": ("dq_out", "dkv_out")}
-#: the partial a final message completes
-PARTIAL_OF = {"o": "o", "dq": "dq", "dkv": "dkv", "out": "o", "dq_out": "dq", "dkv_out": "dkv"}
 
 Message = tuple[int, Transfer]
 """(index in ``plan.transfers``: the message's tag, transfer)."""
@@ -123,25 +119,23 @@ def kept_from_forward(plan: TilePlan) -> list[tuple[set[tuple[int, int]], set[tu
     """Per rank, the (chunk, group) rows and columns it keeps from the forward for the backward: what the forward
     brought it that its backward needs (to compute, or to send on) and the backward does not bring again (Ulysses
     keeps q, k, v and the LSE at the computing rank). A kept row is its q and LSE; a kept column its K and V."""
-    by: dict[tuple[str, str], list[Transfer]] = defaultdict(list)
+    sent: dict[tuple[str, str, int], set] = defaultdict(set)   # (phase, tensor, src) -> units
+    got: dict[tuple[str, str, int], set] = defaultdict(set)    # (phase, tensor, dst) -> units
     for t in plan.transfers:
-        by[(t.phase, t.tensor)].append(t)
+        sent[(t.phase, t.tensor, t.src)].add(_unit(t))
+        got[(t.phase, t.tensor, t.dst)].add(_unit(t))
     computes_row: dict[int, set] = defaultdict(set)
     computes_col: dict[int, set] = defaultdict(set)
     for k in plan.kernels:
         for i, j in k.cells:
             computes_row[k.rank].add((i, k.head_group))
             computes_col[k.rank].add((j, k.head_group))
-
-    def of(phase: str, tensor: str, r: int, end: str) -> set[tuple[int, int]]:
-        return {_unit(t) for t in by[(phase, tensor)] if getattr(t, end) == r}
-
     out = []
     for r in range(plan.world):
-        rows = (computes_row[r] | of("bwd", "do", r, "src")) - of("bwd", "qdo", r, "dst")
-        cols = (computes_col[r] | of("bwd", "kv", r, "src")) - of("bwd", "kv", r, "dst")
-        out.append(({u for u in rows if plan.owner[u[0]] != r and u in of("fwd", "q", r, "dst")},
-                    {u for u in cols if plan.owner[u[0]] != r and u in of("fwd", "kv", r, "dst")}))
+        rows = (computes_row[r] | sent[("bwd", "do", r)]) - got[("bwd", "qdo", r)]
+        cols = (computes_col[r] | sent[("bwd", "kv", r)]) - got[("bwd", "kv", r)]
+        out.append(({u for u in rows if plan.owner[u[0]] != r and u in got[("fwd", "q", r)]},
+                    {u for u in cols if plan.owner[u[0]] != r and u in got[("fwd", "kv", r)]}))
     return out
 
 
@@ -176,7 +170,7 @@ def rank_program(plan: TilePlan, rank: int, phase: str, order: RunOrder | None =
     recv_of: dict[tuple[str, int, int], list[int]] = defaultdict(list)   # (tensor, chunk, g) -> received messages
     for n, (_idx, t) in enumerate(msgs):
         if t.dst == rank:
-            recv_of[(PARTIAL_OF.get(t.tensor, t.tensor), t.chunk, t.head_group)].append(n)
+            recv_of[(PARTIAL_OF_FINAL.get(t.tensor, t.tensor), t.chunk, t.head_group)].append(n)
     needs: dict[int, list[int]] = {}   # position -> received messages it needs
     for p, (_key, kind, n) in enumerate(items):
         if kind == 1:
@@ -188,7 +182,7 @@ def rank_program(plan: TilePlan, rank: int, phase: str, order: RunOrder | None =
             t = msgs[n][1]
             if t.src != rank:
                 continue
-            want = [(PARTIAL_OF.get(t.tensor, t.tensor), t.chunk, t.head_group)]
+            want = [(PARTIAL_OF_FINAL.get(t.tensor, t.tensor), t.chunk, t.head_group)]
         needs[p] = [m for w in want for m in recv_of.get(w, ()) if pos[(0, m)] < p]
     first_need = {}
     for p in sorted(needs):
@@ -327,7 +321,7 @@ def executed_graph(plan: TilePlan, graph: Graph, order: RunOrder) -> Graph:
         for i, s in enumerate(steps):
             if isinstance(s, Wait):
                 for _idx, t in steps[s.post].recvs:
-                    m = merge_of.get((r, PARTIAL_OF.get(t.tensor, t.tensor), t.chunk, t.head_group))
+                    m = merge_of.get((r, PARTIAL_OF_FINAL.get(t.tensor, t.tensor), t.chunk, t.head_group))
                     if m is not None:
                         last_wait[m] = i
         for i, s in enumerate(steps):

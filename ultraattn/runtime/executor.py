@@ -91,33 +91,20 @@ def build_program(plan: TilePlan, rank: int) -> RankProgram:
     """The static per-rank program (module docstring); raises ``PlanExecutionError`` on an inconsistent plan."""
     owner = plan.owner
     g_count = plan.num_head_groups
-    steps = list(enumerate(plan.transfers))
     by = defaultdict(list)
-    for idx, t in steps:
+    for idx, t in enumerate(plan.transfers):
         by[(t.phase, t.tensor)].append((idx, t))
     known = {tn for ph in ("fwd", "bwd") for group in (INPUT_TENSORS, PARTIAL_TENSORS, FINAL_TENSORS)
              for tn in group[ph]}
     for ph, tn in by:
         if tn not in known:
             raise PlanExecutionError(f"unknown transfer tensor {tn!r} in phase {ph}")
-    # cells computed per rank
-    computes_row: dict[tuple[int, int], set[int]] = defaultdict(set)   # (c, g) -> ranks
-    computes_col: dict[tuple[int, int], set[int]] = defaultdict(set)
-    rows_of_rank: list[tuple[int, int, list[int]]] = []
-    for r, g, i, js in kernel_rows(plan.kernels):
-        computes_row[(i, g)].add(r)
-        for j in js:
-            computes_col[(j, g)].add(r)
-        if r == rank:
-            rows_of_rank.append((g, i, js))
+    rows_of_rank = [(g, i) for r, g, i, _js in kernel_rows(plan.kernels) if r == rank]
     finisher = _finishers(plan, by)
     owned_units = {(c, g) for c in range(plan.num_chunks) for g in range(g_count)}
 
     def recv_of(phase: str, tensor: str, r: int) -> set[tuple[int, int]]:
         return {(t.chunk, t.head_group) for _, t in by[(phase, tensor)] if t.dst == r}
-
-    def sends_of(phase: str, tensor: str, r: int) -> set[tuple[int, int]]:
-        return {(t.chunk, t.head_group) for _, t in by[(phase, tensor)] if t.src == r}
 
     # forward inputs
     have_f = {(tn, c, g, owner[c]) for tn in ("q", "kv") for (c, g) in owned_units}
@@ -125,9 +112,10 @@ def build_program(plan: TilePlan, rank: int) -> RankProgram:
     # backward inputs: owners hold everything; other ranks keep what the forward brought them and the
     # backward does not bring again (Ulysses keeps q, k, v and the LSE at the computing rank)
     have_b = {(tn, c, g, owner[c]) for tn in ("qdo", "do", "kv") for (c, g) in owned_units}
-    kq, kkv = kept_from_forward(plan)[rank]
+    kept = kept_from_forward(plan)
+    kq, kkv = kept[rank]
     kl = set(kq)
-    for r, (_rows, cols) in enumerate(kept_from_forward(plan)):
+    for r, (_rows, cols) in enumerate(kept):
         have_b |= {("kv", c, g, r) for c, g in cols}
     _check_inputs(by[("bwd", "qdo")] + by[("bwd", "do")] + by[("bwd", "kv")], have_b)
     for (c, g) in kl:
@@ -137,7 +125,7 @@ def build_program(plan: TilePlan, rank: int) -> RankProgram:
                 f"forward, so it lacks the global LSE"
             )
     # every bwd row a rank computes must have (q, do, lse, delta) from somewhere
-    for (g, i, _js) in rows_of_rank:
+    for (g, i) in rows_of_rank:
         u = (i, g)
         if not (owner[i] == rank or u in recv_of("bwd", "qdo", rank) or (u in kq and u in recv_of("bwd", "do", rank))):
             raise PlanExecutionError(f"rank {rank} computes row {i} (group {g}) in the backward without its dO")
