@@ -43,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpucheck import PARTS, WAVES, WEIGHTS  # noqa: E402
 from gpucheck.common import write  # noqa: E402
 
+CLIENT_ROWS = "ULTRAATTN_GPUCHECK_CLIENT_ROWS"
+"""How ``--client-rows`` reaches the clients part's process."""
 GRACE = 30.0
 """Seconds a part may run past its deadline (to write its last row) before it is stopped (at most half its time)."""
 INJECT = "ULTRAATTN_GPUCHECK_FAIL"
@@ -131,15 +133,17 @@ def _finish(name: str, proc: subprocess.Popen, out: Path, limit: float, started:
     return rec
 
 
-def run_all(out: Path, dry_run: bool, budget: float, parts: tuple[str, ...]) -> list[dict]:
+def run_all(out: Path, dry_run: bool, budget: float, parts: tuple[str, ...],
+            weights: dict[str, float] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
+    weights = {**WEIGHTS, **(weights or {})}
     t_end = time.monotonic() + budget
     waves = [tuple(p for p in w if p in parts) for w in WAVES]
     waves = [w for w in waves if w]
     records = []
     for i, wave in enumerate(waves):
         left = t_end - time.monotonic()
-        share = max(WEIGHTS[p] for p in wave) / sum(max(WEIGHTS[p] for p in w) for w in waves[i:])
+        share = max(weights[p] for p in wave) / sum(max(weights[p] for p in w) for w in waves[i:])
         seconds = max(min(30.0, budget), left * share)
         started = time.monotonic()
         print(f"== {', '.join(wave)}: {seconds:.0f} s", flush=True)
@@ -188,6 +192,12 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole run, shared out among the parts (default 450 on a GPU, 540 dry)")
+    p.add_argument("--share", action="append", default=[], metavar="PART=W",
+                   help="a part's weight in the budget's split instead of its default (repeatable); defaults: "
+                        + ", ".join(f"{k}={v:g}" for k, v in WEIGHTS.items()))
+    p.add_argument("--client-rows", default=None, metavar="ROWS",
+                   help="the clients part's rows, comma-separated: speed rows sdpa, flex, sdpa+pos and exact (its "
+                        "three small exact rows); default all")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seconds", type=float, default=60.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -209,13 +219,30 @@ def main(argv=None) -> int:
     budget = args.budget or (540.0 if args.dry_run else 450.0)
     if budget <= 0:
         p.error(f"--budget must be positive seconds, got {budget:g}")
+    weights = {}
+    for item in args.share:
+        name, _, w = item.partition("=")
+        try:
+            weights[name] = float(w)
+        except ValueError:
+            weights[name] = -1.0
+        if name not in PARTS or not weights[name] > 0:
+            p.error(f"--share {item!r}: give PART=W with PART one of {', '.join(PARTS)} and W a positive number")
+    if args.client_rows is not None:
+        from gpucheck.clients import ROW_NAMES
+
+        rows = [r.strip() for r in args.client_rows.split(",") if r.strip()]
+        bad = [r for r in rows if r not in ROW_NAMES]
+        if bad or not rows:
+            p.error(f"--client-rows {args.client_rows!r}: unknown {bad or 'empty'}; choose from {', '.join(ROW_NAMES)}")
+        os.environ[CLIENT_ROWS] = ",".join(rows)
     if not args.dry_run:
         import torch
 
         if not torch.cuda.is_available():
             p.error("no CUDA device here: run with --dry-run for the CPU rehearsal (no GPU figures)")
     t0 = time.monotonic()
-    records = run_all(args.out, args.dry_run, budget, parts)
+    records = run_all(args.out, args.dry_run, budget, parts, weights)
     return 0 if summarize(args.out, records, args.dry_run, budget, time.monotonic() - t0) else 1
 
 

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-PARTS = ("clients", "kernels_correct", "two_ranks", "backend_e2e", "kernels_speed", "calibration", "tiles")
+PARTS = ("clients", "kernels_correct", "two_ranks", "backend_e2e", "kernels_speed", "calibration", "tiles",
+         "flex_tiles")
 
 
 def _run(out: Path, *args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -96,6 +97,17 @@ def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
     assert "fwd_ms" in tiles["rows"][-1] and "bwd_ms" in tiles["rows"][-1]   # the autotuned row: both phases
     assert set(tiles["best"]) == {"dkv", "dq", "fwd"} and any(not r["in_space"] for r in tiles["rows"])
     assert all(b["vs_autotuned"] > 0 and b["vs_first"] > 0 for b in tiles["best"].values())
+    # 7: tiles on flex's kernels: split into KV tiles, merged and differentiated with the merged output and LSE,
+    # exact by the 2x rule; every mask timed, the flex tile's output equal to flex's
+    ft = _load(tmp_path, "flex_tiles")
+    assert [r["case"].split(" S=")[0] for r in ft["exact"]] == ["flex causal", "flex document",
+                                                              "flex sliding_window"]
+    assert all(r["problems"] == [] for r in ft["exact"]), ft["exact"]
+    assert [r["mask"] for r in ft["rows"]] == ["causal", "document", "sliding_window", "strided", "global_local"]
+    for row in ft["rows"]:
+        assert row["max_abs_diff_vs_flex"]["flex_tile"] < 1e-4, row
+        tile = row["methods"]["flex_tile"]
+        assert tile["fwd_tflops"] > 0 and tile["bwd_tflops"] > 0 and tile["fwd_vs_flex"] > 0
 
 
 def test_a_failing_part_or_one_past_its_deadline_stops_nothing_else(tmp_path):
@@ -112,6 +124,10 @@ def test_a_failing_part_or_one_past_its_deadline_stops_nothing_else(tmp_path):
     # bad arguments name the fix
     r = _run(tmp_path, "--parts", "kernels,calibration")
     assert r.returncode == 2 and "unknown ['kernels']" in r.stderr and "kernels_correct" in r.stderr
+    r = _run(tmp_path, "--share", "clients=-1")
+    assert r.returncode == 2 and "--share 'clients=-1'" in r.stderr and "PART=W" in r.stderr
+    r = _run(tmp_path, "--client-rows", "sdpa,pos")
+    assert r.returncode == 2 and "unknown ['pos']" in r.stderr and "sdpa+pos" in r.stderr
     r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "--dry-run" in r.stderr  # no GPU here

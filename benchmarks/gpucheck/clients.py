@@ -203,6 +203,18 @@ def speed(ctx: Ctx, impl: str, cfg: dict, compiler: str, positions: bool) -> dic
 SPEED_ROWS = (("sdpa", False), ("flex_attention", False), ("sdpa", True))
 """(attn_implementation, position_ids passed), in the order they run."""
 EXACT_ROWS = (("sdpa", False), ("sdpa", True), ("flex_attention", True))
+ROW_NAMES = ("sdpa", "flex", "sdpa+pos", "exact")
+"""What ``gpu_check.py --client-rows`` names: the three speed rows, and the exact rows together."""
+
+
+def _row_name(impl: str, positions: bool) -> str:
+    return ("flex" if impl == "flex_attention" else impl) + ("+pos" if positions else "")
+
+
+def chosen_rows() -> set[str]:
+    """The rows ``--client-rows`` asked for (all when it was not given)."""
+    asked = os.environ.get("ULTRAATTN_GPUCHECK_CLIENT_ROWS")
+    return set(asked.split(",")) if asked else set(ROW_NAMES)
 
 
 def _keep(ctx: Ctx, res: dict) -> None:
@@ -222,7 +234,11 @@ def run(ctx: Ctx) -> None:
     ctx.save(transformers=transformers.__version__, exact=[], speed=[])
     # (the dry run times one row, the run-time mask on the tiles: its ways are processes of their own, each a minute
     # of imports and interpreted kernels on two cores)
+    chosen = chosen_rows()
+    ctx.save(rows_asked=sorted(chosen))
     for impl, positions in ctx.pick(SPEED_ROWS, SPEED_ROWS[2:]):   # speed first: what the issue measures
+        if _row_name(impl, positions) not in chosen:
+            continue
         if ctx.time_left() < 60:
             ctx.note(f"speed {impl} position_ids={positions}: no time left")
             continue
@@ -234,7 +250,7 @@ def run(ctx: Ctx) -> None:
         _keep(ctx, res)
         if "loss_vs_plain" in res and res["loss_vs_plain"] > 0.05 * abs(res["loss"]["plain"]):
             ctx.fail(f"speed {impl}: loss {res['loss']['ultraattn']} vs plain compile's {res['loss']['plain']}")
-    for impl, positions in EXACT_ROWS:
+    for impl, positions in EXACT_ROWS if "exact" in chosen else ():
         if ctx.time_left() < 20:
             ctx.note(f"exact {impl} position_ids={positions}: no time left")
             continue
