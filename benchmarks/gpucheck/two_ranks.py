@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import threading
 import time
 
@@ -113,7 +114,11 @@ def run(ctx: Ctx) -> None:
     cuda = ctx.device.type == "cuda"
     ctx.save(config=cfg, compiler=compiler,
              how="2 spawned processes, gloo on 127.0.0.1, both on " + ("cuda:0" if cuda else "the CPU"))
-    env = None if cuda else {"ULTRAATTN_TRANSPORT": "staged"}  # a GPU machine picks it by itself (recorded)
+    env = {} if cuda else {"ULTRAATTN_TRANSPORT": "staged"}  # a GPU machine picks it by itself (recorded)
+    # an exactness part, timed by nobody: each kernel key compiles its space's first tile config instead of
+    # autotuning over five or six (session 3's causal first step took 98 s, most of the part's time)
+    env["ULTRAATTN_TUNE"] = os.environ.get("ULTRAATTN_TUNE", "first")
+    ctx.save(tune=env["ULTRAATTN_TUNE"])
     # the single-process references compile while the ranks do (session 3's H200 run spent its 219 s on the ranks'
     # first steps and then these, one after the other)
     refs: dict = {}
