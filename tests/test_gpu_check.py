@@ -101,13 +101,14 @@ def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
     # exact by the 2x rule; every mask timed, the flex tile's output equal to flex's
     ft = _load(tmp_path, "flex_tiles")
     assert [r["case"].split(" S=")[0] for r in ft["exact"]] == ["flex causal", "flex document",
-                                                              "flex sliding_window"]
+                                                              "flex bits document"]
     assert all(r["problems"] == [] for r in ft["exact"]), ft["exact"]
     assert [r["mask"] for r in ft["rows"]] == ["causal", "document", "sliding_window", "strided", "global_local"]
     for row in ft["rows"]:
-        assert row["max_abs_diff_vs_flex"]["flex_tile"] < 1e-4, row
-        tile = row["methods"]["flex_tile"]
-        assert tile["fwd_tflops"] > 0 and tile["bwd_tflops"] > 0 and tile["fwd_vs_flex"] > 0
+        for method in ("flex_tile", "flex_tile_bits"):
+            assert row["max_abs_diff_vs_flex"][method] < 1e-4, row
+            tile = row["methods"][method]
+            assert tile["fwd_tflops"] > 0 and tile["bwd_tflops"] > 0 and tile["fwd_vs_flex"] > 0
 
 
 def test_a_failing_part_or_one_past_its_deadline_stops_nothing_else(tmp_path):

@@ -24,6 +24,7 @@ by measurement (``benchmarks/gpucheck/flex_tiles.py``), not here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
@@ -46,14 +47,28 @@ def _tile_table(lists: BlockLists) -> Tensor:
     return table.reshape(-1)
 
 
-def block_mask_of(lists: BlockLists) -> BlockMask:
-    """FlexAttention's ``BlockMask`` for ``lists``: the same blocks, PARTIAL cells masked by our bit tiles."""
+def block_mask_of(lists: BlockLists, mask_mod: Callable | None = None) -> BlockMask:
+    """FlexAttention's ``BlockMask`` for ``lists``: the same blocks; PARTIAL cells masked by ``mask_mod`` (in the
+    tile's own coordinates) where the caller has one, else by our bit tiles."""
+    b_n, h_n, qb, kb = lists.batch, lists.num_heads, lists.q_block, lists.kv_block
+    pat = lists.pattern_of.long()
+
+    def per_bh(t: Tensor) -> Tensor:
+        return t[pat].reshape(b_n, h_n, *t.shape[1:]).contiguous()
+
+    return BlockMask.from_kv_blocks(per_bh(lists.part_cnt), per_bh(lists.part_idx), per_bh(lists.full_cnt),
+                                    per_bh(lists.full_idx), BLOCK_SIZE=(qb, kb),
+                                    mask_mod=mask_mod if mask_mod is not None else bits_mask_mod(lists),
+                                    seq_lengths=(lists.q_len, lists.kv_len))
+
+
+def bits_mask_mod(lists: BlockLists) -> Callable:
+    """A mask_mod that reads ``lists``' bit tiles (int32 arithmetic throughout: the kernel gathers per element)."""
     b_n, h_n, qb, kb = lists.batch, lists.num_heads, lists.q_block, lists.kv_block
     _, nq, nk = lists.kind.shape
-    pat = lists.pattern_of.long()
+    pattern = lists.pattern_of.to(torch.int32).reshape(b_n, h_n)
     table, bits = _tile_table(lists), lists.bits.reshape(-1)
     words = lists.bits.shape[2]
-    pattern = pat.reshape(b_n, h_n)
 
     def bit_mask(b, h, q_idx, kv_idx):
         cell = (pattern[b, h] * nq + q_idx // qb) * nk + kv_idx // kb
@@ -62,12 +77,7 @@ def block_mask_of(lists: BlockLists) -> BlockMask:
         word = bits[(tile.clamp(min=0) * qb + q_idx % qb) * words + col // 32]
         return (tile == -1) | ((tile >= 0) & (((word >> (col % 32)) & 1) > 0))
 
-    def per_bh(t: Tensor) -> Tensor:
-        return t[pat].reshape(b_n, h_n, *t.shape[1:]).contiguous()
-
-    return BlockMask.from_kv_blocks(per_bh(lists.part_cnt), per_bh(lists.part_idx), per_bh(lists.full_cnt),
-                                    per_bh(lists.full_idx), BLOCK_SIZE=(qb, kb), mask_mod=bit_mask,
-                                    seq_lengths=(lists.q_len, lists.kv_len))
+    return bit_mask
 
 
 @lru_cache(maxsize=1)
@@ -79,10 +89,12 @@ def _flex(q: Tensor) -> object:
     return _compiled_flex() if q.is_cuda else flex_attention
 
 
-def flex_forward(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, scale: float) -> tuple[Tensor, Tensor]:
-    """(out, lse): the tile on FlexAttention (compiled on CUDA), lse in natural log, fp32."""
+def flex_forward(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, scale: float,
+                 kernel_options: dict | None = None) -> tuple[Tensor, Tensor]:
+    """(out, lse): the tile on FlexAttention (compiled on CUDA), lse in natural log, fp32. ``kernel_options`` go to
+    FlexAttention as they are."""
     out, lse = _flex(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                        return_lse=True)
+                        return_lse=True, kernel_options=kernel_options)
     return out, lse.float()
 
 
@@ -93,14 +105,15 @@ def merge_weight(lse_tile: Tensor, lse: Tensor) -> Tensor:
 
 
 def flex_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, mask: BlockMask,
-                  scale: float, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  scale: float, dlse: Tensor | None = None, kernel_options: dict | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv): the tile's share under the merged softmax (``out``, ``lse`` are the row's merged ones).
 
     On CPU, where FlexAttention has no backward, the same identity runs on its reference backward."""
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     with torch.enable_grad():
         if q.is_cuda:
-            o_t, l_t = flex_forward(qg, kg, vg, mask, scale)
+            o_t, l_t = flex_forward(qg, kg, vg, mask, scale, kernel_options)
         else:
             o_t, l_t = _reference_flex(qg, kg, vg, mask, scale)
         w = merge_weight(l_t.detach(), lse)
