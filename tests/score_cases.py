@@ -153,7 +153,7 @@ def worker(rank: int, world: int, cases: list[tuple], options: dict) -> list[dic
 
     import ultraattn
     import ultraattn.passes
-    from ultraattn.runtime import tiles
+    from ultraattn.runtime import tile_kernels as tiles
 
     results = []
     for case, mask, S, *how in cases:

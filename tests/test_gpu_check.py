@@ -60,8 +60,9 @@ def test_the_dry_run_passes_every_part_and_writes_every_file(tmp_path):
     assert kc["score_mod"]["ok"] and kc["score_mod"]["generated"] and not kc["score_mod"]["problems"]
     # 2: two ranks over the host-staged transport, every rank exact, tiles in the graphs
     tr = _load(tmp_path, "two_ranks")
-    assert len(tr["rows"]) == 6 and all(row["ok"] and row["transport"] == "StagedTransport" for row in tr["rows"])
-    assert {row["kind"] for row in tr["rows"]} == {"causal", "document", "softcap"}
+    assert len(tr["rows"]) == 8 and all(row["ok"] and row["transport"] == "StagedTransport" for row in tr["rows"])
+    assert {row["kind"] for row in tr["rows"]} == {"causal", "document", "softcap", "document_flex"}
+    assert all((row["flex_rows"] > 0) == (row["kind"] == "document_flex") for row in tr["rows"])
     assert all(row["plain_error"] is None and row["problems_vs_eager"] == [] for row in tr["rows"])
     # 3: world 1, both attention kinds exact at the first and last step; the kernel ops ran
     e2e = _load(tmp_path, "backend_e2e")

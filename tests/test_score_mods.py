@@ -14,7 +14,8 @@ from score_cases import CASES, ScoreModel, alive_worker, inputs, reference, work
 
 from ultraattn.kernels import config
 from ultraattn.masks.pattern import FULL
-from ultraattn.runtime.tiles import ScoreMod, TileGeometry, _kernels_on, row_backward, row_forward
+from ultraattn.runtime.tile_kernels import _kernels_on
+from ultraattn.runtime.tiles import ScoreMod, TileGeometry, row_backward, row_forward
 from ultraattn.testing import check_2x, dense_attention, run_ranks
 
 FAST = {"ilp_time_limit": 1.0, "time_budget": 2.0, "timeout": 300.0}

@@ -195,7 +195,7 @@ def test_ultraattn_reset_clears_every_place_process_state_lives():
     bm = create_block_mask(lambda b, h, i, j: i >= j, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
     plan = ultraattn.plan_attention(bm, seqlen=64, num_heads=2, head_dim=16, dtype=torch.float32)
     assert plan.planner == "fast"
-    from ultraattn.runtime import tiles
+    from ultraattn.runtime import tile_kernels as tiles
 
     tiles._SCORE_KERNELS["a score_mod's code"] = object()  # (generating one needs Triton's interpreter: a stand-in)
     table = side_table()

@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 import ultraattn.kernels as K
 from ultraattn.kernels import flex_tile as FT
+from ultraattn.kernels.reference import softmax_delta
 from ultraattn.testing import check_2x, dense_attention
 
 from .common import Ctx, error_text, sync
@@ -89,10 +90,11 @@ def exact_flex(ctx: Ctx, name: str, S: int, dims: dict, bits: bool) -> dict:
     parts = [first] + [FT.flex_forward(q, k[:, :, off:off + n], v[:, :, off:off + n], bm, scale, opts)
                        for (off, n), bm in zip(tiles[1:], lists[1:])]
     out, lse = _merge(parts)
+    delta = softmax_delta(out, go, gl)
     dq, dk, dv = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(k, dtype=torch.float32), \
         torch.zeros_like(v, dtype=torch.float32)
     for (off, n), bm in zip(tiles, lists):
-        a, b, c = FT.flex_backward(q, k[:, :, off:off + n], v[:, :, off:off + n], out, lse, go, bm, scale, dlse=gl,
+        a, b, c = FT.flex_backward(q, k[:, :, off:off + n], v[:, :, off:off + n], lse, delta, go, bm, scale,
                                    kernel_options=opts)
         dq += a.float()
         dk[:, :, off:off + n] += b.float()
@@ -204,8 +206,9 @@ def timed_row(ctx: Ctx, name: str, S: int, dims: dict, reps: int) -> dict:
         if ref is not None:
             row["max_abs_diff_vs_flex"][method] = float((out.float() - ref).abs().max())
         record(method, "fwd", lambda mask=mask, opts=opts: FT.flex_forward(q, k, v, mask, scale, opts))
-        record(method, "bwd", lambda mask=mask, out=out, lse=lse, opts=opts: FT.flex_backward(
-            q, k, v, out, lse, go, mask, scale, kernel_options=opts))
+        delta = softmax_delta(out, go)
+        record(method, "bwd", lambda mask=mask, lse=lse, delta=delta, opts=opts: FT.flex_backward(
+            q, k, v, lse, delta, go, mask, scale, kernel_options=opts))
         row["methods"][method]["kernel_options"] = opts
     if name == "causal" and dname == "cuda":
         o2, l2 = FT.flash_forward(q, k, v, scale, True)

@@ -143,7 +143,8 @@ def score_case(ctx: Ctx) -> dict:
     kernels: 3 tanh((s + table[h, q - kv]) / 3), the table learned. out, lse, dq, dk, dv and the table's gradient
     by the 2x rule against the dense oracle with the same score_mod (autotuned, as a user's run is)."""
     from ultraattn.masks.pattern import EMPTY, FULL, PARTIAL
-    from ultraattn.runtime.tiles import ScoreMod, TileGeometry, row_backward, row_forward, score_kernels
+    from ultraattn.runtime.tile_kernels import score_kernels
+    from ultraattn.runtime.tiles import ScoreMod, TileGeometry, row_backward, row_forward
 
     os.environ["ULTRAATTN_TUNE"] = "full"
     S, block, H, Hk, D = ctx.pick(1000, 80), ctx.pick(128, 32), 4, 2, ctx.pick(128, 32)

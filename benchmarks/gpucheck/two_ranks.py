@@ -34,7 +34,8 @@ from .common import Ctx, error_text, grads_of, sync
 NAME = "two_ranks"
 TITLE = "two ranks, one GPU"
 CORRECTNESS = True
-KINDS = ("causal", "document", "softcap")
+KINDS = ("causal", "document", "softcap", "document_flex")
+"""``document_flex``: the document mask with every tile row on FlexAttention (``ULTRAATTN_TILE_KERNEL=flex``)."""
 SOFTCAP = 20.0
 
 
@@ -55,8 +56,23 @@ def worker(rank: int, world: int, cfg: dict, compiler: str, cuda: bool) -> dict:
     tokens, lengths = _data(cfg)
     tokens = tokens.to(device)
     out = {"transport": transport.__name__, "device": str(device)}
+    from ultraattn.kernels import flex_tile
+
+    flex_calls = [0]
+    flex_forward = flex_tile.flex_forward
+
+    def counted(*args, **kwargs):
+        flex_calls[0] += 1
+        return flex_forward(*args, **kwargs)
+
+    flex_tile.flex_forward = counted
     for kind in KINDS:
         ultraattn.reset()
+        if kind == "document_flex":
+            os.environ["ULTRAATTN_TILE_KERNEL"] = "flex"
+        else:
+            os.environ.pop("ULTRAATTN_TILE_KERNEL", None)
+        flex_calls[0] = 0
         torch.manual_seed(0)
         model = Llama(cfg["dim"], cfg["layers"], cfg["heads"], cfg["kv_heads"],
                       softcap=SOFTCAP if kind == "softcap" else None).to(device)
@@ -75,7 +91,8 @@ def worker(rank: int, world: int, cfg: dict, compiler: str, cuda: bool) -> dict:
                      "first_step_s": first,
                      "ops": {op: n for op in sorted(TILE_OPS | {"cp_start", "site_attention_local"})
                              if (n := sum(c.count(f"ultraattn.{op}.") for c in codes))},
-                     "sharded_ops": int(side_table().counters["sharded_ops"])}
+                     "sharded_ops": int(side_table().counters["sharded_ops"]), "flex_rows": flex_calls[0]}
+    os.environ.pop("ULTRAATTN_TILE_KERNEL", None)
     return out
 
 
@@ -87,6 +104,9 @@ def references(cfg: dict, device: torch.device, compiler: str) -> dict:
     tokens = tokens.to(device)
     refs = {}
     for kind in KINDS:
+        if kind == "document_flex":  # the same model and mask as "document": its references
+            refs[kind] = refs["document"]
+            continue
         torch.manual_seed(0)
         base = Llama(cfg["dim"], cfg["layers"], cfg["heads"], cfg["kv_heads"],
                      softcap=SOFTCAP if kind == "softcap" else None).to(device)
@@ -157,6 +177,9 @@ def run(ctx: Ctx) -> None:
                    "plain_error": plain.get("error"),
                    "loss": float(got["loss"]), "ref_loss": float(ref64["loss"]),
                    "first_step_s": got["first_step_s"], "ops": got["ops"], "sharded_ops": got["sharded_ops"]}
+            row["flex_rows"] = got["flex_rows"]
+            if (got["flex_rows"] > 0) != (kind == "document_flex"):
+                bad.append(f"{got['flex_rows']} tile rows ran on FlexAttention")
             tiles = sum(got["ops"].get(op, 0) for op in TILE_OPS)
             if not tiles:
                 bad.append(f"no tile ops in the compiled graphs: {got['ops']}")

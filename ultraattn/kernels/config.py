@@ -196,6 +196,16 @@ def kernel_mode() -> str:
     return mode
 
 
+def tile_kernel() -> str:
+    """``ULTRAATTN_TILE_KERNEL``: ``ours`` (default: the block-sparse kernels of this package) or ``flex`` (a tile row
+    with a mask_mod and no score_mod runs on FlexAttention, ``kernels/flex_tile.py``: on an H200 its forward at flex's
+    speed, its backward 1.00-1.28x ours, ``docs/gpu.md``; not yet run inside a compiled program on a GPU)."""
+    mode = os.environ.get("ULTRAATTN_TILE_KERNEL", "ours")
+    if mode not in ("ours", "flex"):
+        raise ValueError(f"ultraattn: ULTRAATTN_TILE_KERNEL={mode!r}: expected 'ours' or 'flex'; unset it for ours")
+    return mode
+
+
 def tune_mode() -> str:
     """``ULTRAATTN_TUNE``: ``full`` (default: autotune over each space) or ``first`` (each space's first entry,
     untimed: one compile per kernel and key, for checks that cover many keys, as ``benchmarks/gpu_check.py``'s

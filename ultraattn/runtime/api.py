@@ -47,7 +47,8 @@ from .costs import band_of, resolve_source
 from .executor import Executor
 from .online import ONLINE
 from .sequence import SequenceShards
-from .tiles import ScoreMod, TileGeometry, forget_score_kernels, group_kind_grid
+from .tile_kernels import forget_score_kernels
+from .tiles import ScoreMod, TileGeometry, group_kind_grid
 from .transport import transport_for
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}

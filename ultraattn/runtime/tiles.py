@@ -11,8 +11,9 @@ head group, as ONE softmax over the KV blocks the row's cells need:
   ``o`` already normalised by its own sum (merging is done with the LSE, runtime/merge).
 
 On CUDA (or with ``ULTRAATTN_KERNELS=triton`` under Triton's interpreter) a row runs the
-block-sparse Triton kernels instead (``kernel_layout``): the row's cells become a kernel
-layout in the row's own coordinates, with fp32 partial outputs and gradients.
+block-sparse Triton kernels instead (``tile_kernels.py``): the row's cells become a kernel
+layout in the row's own coordinates, with fp32 partial outputs and gradients; with
+``ULTRAATTN_TILE_KERNEL=flex`` a row with a mask_mod runs on FlexAttention (any device).
 
 GQA: Q heads are viewed as ``[B, Hk, r, L, D]`` against K/V ``[B, Hk, 1, L, D]``: K/V are
 never repeated.
@@ -42,6 +43,17 @@ from torch import Tensor
 from ..eager import eager_dispatch
 from ..masks.convert import eval_mask
 from ..masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
+from .tile_kernels import (
+    _kernels_on,
+    _score_args,
+    flex_row_backward,
+    flex_row_forward,
+    flex_tiles_on,
+    kernel_layout,
+    kernel_row_backward,
+    kernel_row_forward,
+    kv_block_ids,
+)
 
 #: bytes of cached element masks per plan before the cache stops growing
 MASK_CACHE_BYTES = 512 << 20
@@ -82,9 +94,8 @@ class ScoreMod:
     softmax, with the global indices (``_score_args``: the row's query offset, head offset, and each local KV
     block's first global key). That is what FlexAttention's Inductor template does, without Inductor: the tiles
     are custom ops that run eagerly, so the generated functions go to the kernels as compile-time arguments.
-    The other way, FlexAttention itself as the tile kernel with index offsets folded into a wrapped score_mod
-    and mask_mod, was not taken: every tile shape would be an Inductor compile inside a running op, and our
-    layouts (concatenated, non-contiguous KV chunks) would become BlockMasks per tile. A score_mod the
+    FlexAttention itself as the tile kernel (``ULTRAATTN_TILE_KERNEL=flex``, ``runtime/tile_kernels.py``) takes
+    the mask_mod shifted to the row but not yet a score_mod: rows with one stay on our kernels. A score_mod the
     generator does not translate (a gather of vectors, MLA's RoPE term) runs the plain-torch tile below, and
     ``score_kernels`` warns once. Nothing of this has been timed on a GPU; the kernels build for sm_90.
     """
@@ -278,144 +289,6 @@ class TileGeometry:
         return torch.where((qi < nqp)[:, None] & (ki < nkp)[None, :], at, torch.full_like(at, EMPTY))
 
 
-def _kernels_on(geo: TileGeometry, t: Tensor, score: list[Tensor]) -> bool:
-    """Whether ``t``'s tiles run on the Triton kernels: on CUDA (or the interpreter when asked for), and with a
-    score_mod only when it has a Triton translation (``score_kernels``)."""
-    from ..kernels.ops import uses_triton
-
-    if not uses_triton(t):
-        return False
-    return geo.score_mod is None or score_kernels(geo.score_mod, score) is not None
-
-
-_SCORE_KERNELS: dict = {}
-"""(ScoreMod, buffer shapes and dtypes) -> its generated Triton functions, or None where there are none."""
-
-
-def score_kernels(score_mod: ScoreMod, buffers: list[Tensor]):
-    """The score_mod's generated Triton functions (``kernels.score_codegen``) for these buffers, or None (with one
-    warning naming the reason) when it has no translation: its tiles then take the plain-torch path."""
-    key = (score_mod, tuple((tuple(t.shape), t.dtype) for t in buffers))
-    if key in _SCORE_KERNELS:
-        return _SCORE_KERNELS[key]
-    from ..kernels.score_codegen import Unsupported, generate
-
-    try:
-        with eager_dispatch():
-            got = generate(score_mod.fn, [t.detach() for t in buffers], score_mod.grads)
-    except Unsupported as e:
-        import warnings
-
-        warnings.warn(f"ultraattn: a score_mod has no Triton translation ({e}); its tiles run on the plain-torch "
-                      f"path, which is exact but slower on a GPU", stacklevel=2)
-        got = None
-    _SCORE_KERNELS[key] = got
-    return got
-
-
-def forget_score_kernels() -> None:
-    """Drop the generated score_mod functions (``ultraattn.reset``)."""
-    _SCORE_KERNELS.clear()
-
-
-def kv_block_ids(geo: TileGeometry, cols: list[int]) -> Tensor:
-    """Global KV block id of each block of the KV chunks ``cols`` concatenated (a row's keys, in column order)."""
-    nbk = geo.chunk // geo.kv_block
-    return torch.cat([j * nbk + torch.arange(nbk) for j in cols])
-
-
-def _score_args(geo: TileGeometry, g: int, i: int, cols: list[int], score: list[Tensor], device: torch.device):
-    """The kernels' ``ScoreArgs`` for row ``i`` (head group ``g``) against KV chunks ``cols``, or None without a
-    score_mod."""
-    if geo.score_mod is None:
-        return None
-    from ..kernels.ops import ScoreArgs
-
-    key = ("kv_pos", tuple(cols), str(device))
-    kv_pos = geo.mask_cache.get(key)
-    if kv_pos is None:
-        kv_pos = geo.mask_cache[key] = (kv_block_ids(geo, cols) * geo.kv_block).to(torch.int32).to(device)
-    kernels = score_kernels(geo.score_mod, score)
-    key = ("score constants", str(device))   # (moved to the device once, not at every launch)
-    hit = geo.mask_cache.get(key)
-    if hit is None or hit[0] is not kernels:
-        hit = geo.mask_cache[key] = (kernels, [c.to(device) for c in kernels.constants])
-    return ScoreArgs(kernels=kernels, buffers=list(score), constants=hit[1], kv_pos=kv_pos, q0=i * geo.chunk,
-                     h0=g * geo.hq, seq_len=geo.seq_len)
-
-
-def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: torch.device):
-    """The kernels' layout of row ``i`` (head group ``g``) against the concatenated KV chunks ``cols`` (cached).
-
-    Coordinates are the row's: queries ``0..chunk``, keys ``0..len(cols)*chunk`` in column order.
-    Cells touching the padded tail are PARTIAL so their bits exclude the padding.
-    """
-    key = ("kernel", g, i, tuple(cols), str(device))
-    hit = geo.mask_cache.get(key)
-    if hit is not None:
-        return hit
-    from ..kernels.block_lists import layout_from_pattern
-
-    c, bq, bk, s = geo.chunk, geo.q_block, geo.kv_block, geo.seq_len
-    nqb = c // bq
-    kv_ids = kv_block_ids(geo, cols)
-    per = geo.kinds_bh(g, i * nqb + torch.arange(nqb), kv_ids)  # per (batch, head): the layout is exact per head
-    kinds = (geo.kind_gQK[g][i * nqb:(i + 1) * nqb][:, kv_ids][None, None] if per is None else per).clone()
-    touch = ((i * nqb + torch.arange(nqb) + 1) * bq > s)[:, None] | ((kv_ids + 1) * bk > s)[None, :]
-    kinds[(kinds == FULL) & touch] = PARTIAL
-    kv_pos = (kv_ids[:, None] * bk + torch.arange(bk)).flatten()
-    mask_mod, h0 = geo.mask_mod, g * geo.hq
-
-    def row_mask(b, h, q_local, kv_local):
-        gq, gk = i * c + q_local, kv_pos[kv_local]
-        ok = (gq < s) & (gk < s)
-        if mask_mod is None:
-            return ok
-        return ok & eval_mask(mask_mod, b, h + h0, gq.clamp(max=s - 1), gk.clamp(max=s - 1))
-
-    pattern = BlockPattern(kind_BGQK=kinds.to(torch.int8), count_BGQK=torch.zeros(kinds.shape, dtype=torch.int64),
-                           q_len=c, kv_len=kv_ids.numel() * bk, q_block=bq, kv_block=bk, name="row",
-                           head_group_of=None if per is None else tuple(range(geo.hq)))
-    lay = layout_from_pattern(pattern, row_mask, batch=geo.batch, num_heads=geo.hq, device=device)
-    geo.mask_cache[key] = lay
-    return lay
-
-
-def _kv_cat(kvs: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    return (torch.cat([k for k, _ in kvs], dim=2).to(dtype), torch.cat([v for _, v in kvs], dim=2).to(dtype))
-
-
-def kernel_row_forward(geo: TileGeometry, lay: tuple[Tensor, ...], q: Tensor, kvs: list[tuple[Tensor, Tensor]],
-                       scale: float, score=None) -> tuple[Tensor, Tensor]:
-    """``row_forward`` on the block-sparse kernel op, given the row's ``kernel_layout`` tensors (fp32 out);
-    with a score_mod (``score``: the row's ``ScoreArgs``) on the plain kernel launch that takes one."""
-    k_cat, v_cat = _kv_cat(kvs, q.dtype)
-    if score is not None:
-        from ..kernels.ops import score_fwd
-
-        return score_fwd(q, k_cat, v_cat, lay, geo.q_block, geo.kv_block, scale, score)
-    return torch.ops.ultraattn.bsa_fwd(q, k_cat, v_cat, *lay, geo.q_block, geo.kv_block, scale, True)
-
-
-def kernel_row_backward(geo: TileGeometry, lay: tuple[Tensor, ...], q: Tensor, do: Tensor, lse: Tensor,
-                        delta: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float, score=None,
-                        ) -> tuple[Tensor, list[tuple[Tensor, Tensor]], list[Tensor]]:
-    """``row_backward`` on the block-sparse kernels: dq, per column (dK, dV), and the wanted score_mod buffers'
-    gradients, fp32."""
-    k_cat, v_cat = _kv_cat(kvs, q.dtype)
-    dbufs: list[Tensor] = []
-    if score is not None:
-        from ..kernels.ops import score_bwd
-
-        dq, dk_cat, dv_cat, dbufs = score_bwd(q, k_cat, v_cat, do, lse, delta, lay, geo.q_block, geo.kv_block,
-                                              scale, score, geo.score_mod.wanted)
-    else:
-        dq, dk_cat, dv_cat = torch.ops.ultraattn.bsa_bwd(q, k_cat, v_cat, do, lse, delta, None, *lay, geo.q_block,
-                                                         geo.kv_block, scale, True)
-    c = geo.chunk
-    return dq, [(dk_cat[:, :, n * c:(n + 1) * c], dv_cat[:, :, n * c:(n + 1) * c]) for n in range(len(kvs))], dbufs
-
-
 def _view5(x: Tensor, hk: int) -> Tensor:
     """[B, Hq, L, D] -> [B, Hk, r, L, D] (a view)."""
     b, hq, ln, d = x.shape
@@ -471,6 +344,8 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
         o fp32 [B, hq, C, D] (normalised) and lse fp32 [B, hq, C]; rows that attend nothing get
         o = 0 and lse = -inf.
     """
+    if flex_tiles_on(geo):
+        return flex_row_forward(geo, g, i, cols, q, kvs, scale)
     if _kernels_on(geo, q, list(score)):
         return kernel_row_forward(geo, kernel_layout(geo, g, i, cols, q.device).bwd_tensors(), q, kvs, scale,
                                   _score_args(geo, g, i, cols, list(score), q.device))
@@ -519,6 +394,8 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
     ``lse`` is the GLOBAL log-sum-exp of the row and ``delta = rowsum(dO * O) - dLSE`` (fp32 [B, hq, C]).
     """
     c, bq, bk, hk = geo.chunk, geo.q_block, geo.kv_block, geo.hk
+    if flex_tiles_on(geo):
+        return flex_row_backward(geo, g, i, cols, q, do, lse, delta, kvs, scale)
     if _kernels_on(geo, q, list(score)):
         lay = kernel_layout(geo, g, i, cols, q.device).bwd_tensors()
         return kernel_row_backward(geo, lay, q, do, lse, delta, kvs, scale,

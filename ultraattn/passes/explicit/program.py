@@ -22,7 +22,8 @@ from ultraattn.passes.ops.site import kernel_site_backward
 from ultraattn.passes.site import Runner, SiteState
 from ultraattn.runtime.executor import TileSets
 from ultraattn.runtime.executor import layout as unit_layout
-from ultraattn.runtime.tiles import kernel_row_backward, kernel_row_forward, row_backward, row_forward
+from ultraattn.runtime.tile_kernels import flex_tiles_on, kernel_row_backward, kernel_row_forward
+from ultraattn.runtime.tiles import row_backward, row_forward
 from ultraattn.runtime.tokens import gather_tokens
 
 ops = torch.ops.ultraattn
@@ -215,7 +216,7 @@ class TracedIO(TileSets):
         ``tiles_fwd``: their layouts change with the mask.)"""
         tid = len(self.prog.tiles)
         self.prog.tiles.append(TileRow(g, i, tuple(js), scale))
-        if self.prog.executor.geo.score_mod is not None:
+        if self.prog.executor.geo.score_mod is not None or flex_tiles_on(self.prog.executor.geo):
             return tid, False
         if q.device.type == "cuda":
             return tid, uses_triton(q)

@@ -20,7 +20,7 @@ from torch.library import custom_op
 
 from ultraattn.passes.site import check_same_inputs
 from ultraattn.passes.state import side_table
-from ultraattn.runtime.tiles import kernel_layout
+from ultraattn.runtime.tile_kernels import kernel_layout
 
 
 def _program(site: str):
@@ -110,7 +110,7 @@ def _tile_layout(site: str, tile: int):
 
 @custom_op("ultraattn::cp_tile_layout", mutates_args=())
 def cp_tile_layout(site: str, tile: int) -> list[Tensor]:
-    """The kernel layout of one tile row (``runtime.tiles.kernel_layout``, cached), copied like ``cp_layout``."""
+    """The kernel layout of one tile row (``runtime.tile_kernels.kernel_layout``, cached), copied like ``cp_layout``."""
     return [t.clone() for t in _tile_layout(site, tile).bwd_tensors()]
 
 
