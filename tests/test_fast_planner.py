@@ -503,7 +503,7 @@ def test_regret_over_the_cost_model_band():
     assert tp.meta["regrets"] == {} and tp.meta["band"] is None
     flat = fp.regrets(cells, Band(rate=1.0, latency=1.0))
     # (each candidate in its best-priced kernel batch, as ``regrets`` and ``plan`` price them)
-    drafts = {c.name: fp.batched_form(cells, c).get() for c in fp.candidates(cells) if c.eligible}
+    drafts = {c.name: fp.batched_candidate(cells, c).get() for c in fp.candidates(cells) if c.eligible}
     nominal = {n: price(d.kernels, d.messages, d.owner, d.assign_GPP.shape[0], fp.mesh, fp.cost)
                for n, d in drafts.items()}
     cheapest = min(nominal.values())

@@ -32,12 +32,20 @@ from torch._dynamo.backends.common import aot_autograd
 from ultraattn.passes.capture import Site, estimate_density, find_sites
 from ultraattn.passes.carrier import Carried, SeqShard
 from ultraattn.passes.explicit.dynamic import RUNTIME_MASK_STRIPES
-from ultraattn.passes.explicit.expand import expand_sites, explicit_reason, prepare, schedule_rows
+from ultraattn.passes.explicit.expand import expand_sites, form_of, prepare, schedule_rows
 from ultraattn.passes.explicit.order import order_comm
 from ultraattn.passes.fx_util import placeholders, refresh_fake_values, specialize_sizes, tensor_value, ultraattn_op
 from ultraattn.passes.kept import keep_flex_eager
 from ultraattn.passes.options import BackendOptions
-from ultraattn.passes.records import AotGraphRecord, FallbackWarning, GraphRecord, Observer, PlanEvent, ShardSummary
+from ultraattn.passes.records import (
+    AotGraphRecord,
+    FallbackWarning,
+    GraphRecord,
+    Observer,
+    PlanEvent,
+    ShardSummary,
+    SiteForm,
+)
 from ultraattn.passes.rewrite import rewrite_sites
 from ultraattn.passes.shard import Seq, analyse, inline_checkpoints, lower
 from ultraattn.passes.site import SiteState, seed_plan
@@ -103,6 +111,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
     index, before, sites, states = find_and_rewrite(gm, example_inputs, opts, table=table, observer=observer)
     say.index = index
     say(f"captured {len(sites)} attention sites, {len(states)} rewritten")
+    for st in states:  # what each rewritten site becomes: decided here, once, and kept in its state
+        form_of(st)
     kept = keep_as_written(sites, table, before)
     shard = None
     if opts.world_size > 1 and (states or carried) and opts.shard:
@@ -110,7 +120,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
         shard = shard_sequence(gm, states, opts, example_inputs, table, carried)
     taken = _taken(gm, carried, shard)
     example_inputs = _entry_values(gm, example_inputs, carried, taken)
-    reasons = {s.spec.name: explicit_reason(s) for s in states}
     forms = site_forms(sites, states, kept, opts.world_size)
     rec = GraphRecord(index=index, world_size=opts.world_size, code_before=before, code_after=gm.code,
                       sites=tuple(s.record(forms[s.name]) for s in sites),
@@ -119,7 +128,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
     table.bump("sites", len(sites))
     warn_fallbacks(rec)
     observer.graph_compiled(rec)
-    compiled = boundary(_compile(gm, example_inputs, rec, opts, table, observer, _devices(sites, states, reasons),
+    compiled = boundary(_compile(gm, example_inputs, rec, opts, table, observer, _devices(sites, states),
                                  say), carried, taken, shard)
     table.forget_with(compiled, rec.site_keys + tuple(kept.values()))
     say("ready" + ("" if opts.compiler == "eager" else "; its backward compiles when it first runs"))
@@ -167,14 +176,9 @@ def capture(gm: fx.GraphModule, example_inputs, world: int, world1: str = "auto"
 
 
 def site_forms(sites: list[Site], states: list[SiteState], kept, world: int) -> dict[str, str]:
-    """What each site of a graph runs as, in the words the report's "form" column shows (site name -> form):
-
-    - ``program``: this rank's tiles and messages, planned at compile time and expanded into the graphs
-      Inductor compiles;
-    - ``program, planned per mask``: the same, with a plan made for each mask as it arrives (a run-time mask);
-    - ``one op (<why>)``: the tiles run inside one opaque op (why it is not expanded);
-    - ``as written``: the model's own call (``replicated`` across ranks at world size > 1);
-    - ``as written (eager flex_attention on CPU)``: a kept flex site (``kept.py``).
+    """What each site of a graph runs as, in the words the report's "form" column shows (site name -> its
+    ``SiteForm``'s word): a rewritten site's form as ``form_decision`` decided it; ``as written`` for the model's own
+    call (``replicated`` across ranks at world size > 1), or a kept flex site on CPU (``kept.py``).
 
     Shared by ``compile_graph`` and ``ultraattn.explain``, so both say the same."""
     by_name = {st.spec.name: st for st in states}
@@ -182,13 +186,12 @@ def site_forms(sites: list[Site], states: list[SiteState], kept, world: int) -> 
     for s in sites:
         st = by_name.get(s.name)
         if s.name in kept:
-            forms[s.name] = "as written (eager flex_attention on CPU)"
+            forms[s.name] = SiteForm.KEPT_FLEX.word()
         elif st is None:
-            forms[s.name] = "as written" + (", replicated" if world > 1 and not s.reason.startswith("kept (") else "")
-        elif (why := explicit_reason(st)) is not None:
-            forms[s.name] = f"one op ({why})"
+            replicated = world > 1 and not s.reason.startswith("kept (")
+            forms[s.name] = SiteForm.AS_WRITTEN.word() + (", replicated" if replicated else "")
         else:
-            forms[s.name] = "program" if st.spec.static_mask else "program, planned per mask"
+            forms[s.name] = form_of(st).word(st.form_why)
     return forms
 
 
@@ -203,10 +206,11 @@ def _cpu(s: Site) -> bool:
     return q is not None and q.device.type == "cpu"
 
 
-def _devices(sites: list[Site], states: list[SiteState], reasons: dict) -> dict[str, torch.device]:
+def _devices(sites: list[Site], states: list[SiteState]) -> dict[str, torch.device]:
     """The device of each site that is expanded at compile time (by site key)."""
     q_of = {s.name: s.q for s in sites}
-    return {st.spec.key: tensor_value(q_of[st.spec.name]).device for st in states if reasons[st.spec.name] is None}
+    return {st.spec.key: tensor_value(q_of[st.spec.name]).device for st in states
+            if form_of(st) is not SiteForm.ONE_OP}
 
 
 # ----------------------------------------------------------------------------- analyse, plan, lower
@@ -287,7 +291,7 @@ def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendO
     spec = state.spec
     block = spec.flex.q_block if spec.flex is not None else opts.block_size
     world = opts.world_size
-    if not spec.static_mask and explicit_reason(state) is None:
+    if form_of(state) is SiteForm.PROGRAM_PER_MASK:
         # a new mask every batch, computed where its query rows live: no single mask's plan fits the next one;
         # fine head-tail stripes balance document masks within ~1.1 (passes/explicit/dynamic.py's [Note]): the
         # most stripes (up to RUNTIME_MASK_STRIPES) that pad the sequence no more than the fewest would

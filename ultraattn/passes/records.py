@@ -11,6 +11,7 @@ Nothing here imports torch: a record holds names, shapes as tuples, dtypes as st
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -22,6 +23,29 @@ REPORT_VERSION = 3
 
 def _tuple(x) -> tuple:
     return tuple(x) if x is not None else ()
+
+
+class SiteForm(enum.Enum):
+    """What an attention site runs as, decided once per site when the graph is rewritten
+    (``passes.explicit.form_decision`` for rewritten sites, ``passes.backend.site_forms`` for the others). The value
+    is the report's word."""
+
+    PROGRAM = "program"
+    """This rank's tiles and messages, planned at compile time and expanded into the graphs Inductor compiles."""
+    PROGRAM_PER_MASK = "program, planned per mask"
+    """The same, over a fixed skeleton, with a plan made for each mask as it arrives (a run-time mask)."""
+    KERNEL = "program (world size 1: the kernel op)"
+    """World size 1 with a mask known at compile time: nothing to split, the site is the block-sparse kernel op."""
+    ONE_OP = "one op"
+    """The tiles run inside one opaque op (the record says why it is not expanded)."""
+    AS_WRITTEN = "as written"
+    """The model's own call (replicated across ranks at world size > 1)."""
+    KEPT_FLEX = "as written (eager flex_attention on CPU)"
+    """A flex site on CPU that is not rewritten, made to run as the model wrote it (``passes/kept.py``)."""
+
+    def word(self, why: str = "") -> str:
+        """The report's form column: the value, and for ``ONE_OP`` why."""
+        return f"{self.value} ({why})" if self is SiteForm.ONE_OP and why else self.value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,8 +68,8 @@ class SiteRecord:
     why: str
     """Why the site was or was not rewritten."""
     form: str = ""
-    """What the site runs as: 'program', 'program, planned per mask', 'one op (<why>)', 'as written[, replicated]'
-    (``passes.backend.site_forms``)."""
+    """What the site runs as: a ``SiteForm``'s word ('program', 'program, planned per mask', 'one op (<why>)',
+    'as written[, replicated]', ...; ``passes.backend.site_forms``)."""
 
     def to_json(self) -> dict:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}

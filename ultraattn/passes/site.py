@@ -32,7 +32,7 @@ from ultraattn.kernels.block_lists import MASK_DEPENDS, dense_block_kinds, dense
 from ultraattn.masks.convert import block_table_kinds, pattern_from_mask_mod, to_block_pattern
 from ultraattn.masks.pattern import FULL, PARTIAL
 from ultraattn.passes.fx_util import module_digest
-from ultraattn.passes.records import NullObserver, Observer, PlanEvent, SiteStats
+from ultraattn.passes.records import NullObserver, Observer, PlanEvent, SiteForm, SiteStats
 from ultraattn.planner.api import PlanResult, choose_planner, method_summaries, plan
 from ultraattn.planner.plan import AttnShape, Mesh
 from ultraattn.runtime.api import AttentionPlan, plan_attention
@@ -128,6 +128,9 @@ class SiteState:
     """ticket -> forward state its backward needs (bounded: a forward whose backward never runs is dropped)."""
     program: object = None
     """The site's explicit per-rank program (``passes.explicit.program.ExplicitProgram``), when expanded."""
+    form: SiteForm | None = None
+    """What the site runs as (``passes.explicit.form_decision``, decided once when its graph is rewritten)."""
+    form_why: str = ""
     calls: int = 0
     memo: TensorMemo = field(default_factory=TensorMemo)
     """What was read off this step's mask tensors (digests, block tables), shared by the sites of the side table

@@ -138,9 +138,9 @@ class Candidate:
     same_as: tuple | None = None
     """What makes two of our candidates the same plan (grid, ownership, placement): a duplicate is not priced."""
     unbatched: tuple[Kernels, float] | None = None
-    """Its own launches and their price, where ``FastPlanner.batched_form`` regrouped its draft's."""
+    """Its own launches and their price, where ``FastPlanner.batched_candidate`` regrouped its draft's."""
     batch_tries: list[tuple[int, Kernels, float]] | None = None
-    """Its cells in each kernel batch above 1, priced (``price.batches``), where ``FastPlanner.batched_form`` tried
+    """Its cells in each kernel batch above 1, priced (``price.batches``), where ``FastPlanner.batched_candidate`` tried
     them, adopted or not: the kernel level replays them without grouping and pricing them again."""
     _draft: Draft | None = None
 
@@ -321,7 +321,7 @@ class FastPlanner:
         tp.meta["planning_ms"] = (time.perf_counter() - t0) * 1e3
         return tp
 
-    def batched_form(self, cells: BlockCells, c: Candidate) -> Candidate:
+    def batched_candidate(self, cells: BlockCells, c: Candidate) -> Candidate:
         """``c`` with its cells in the kernel batch that prices cheapest (``price.cheapest``), when that is cheaper
         than its own launches and the plan is small (``REPLAY_TASKS``); else ``c``."""
         d = c.get()
@@ -345,10 +345,11 @@ class FastPlanner:
     def regrets(self, cells: BlockCells | BlockPattern, band: Band = DEFAULT_BAND) -> dict[str, float]:
         """Every eligible candidate's worst-case regret over ``band`` (``planner.robust``) against the others, each
         priced in full (no pruning: for reports, not the planning budget) in its best-priced kernel batch
-        (``batched_form``, as ``plan`` prices its leading candidates). ``plan``'s choice is ``meta["candidate"]``."""
+        (``batched_candidate``, as ``plan`` prices its leading candidates). ``plan``'s choice is
+        ``meta["candidate"]``."""
         cells = self._check(cells)
         # (``candidates`` put every candidate it priced in its batched form already)
-        cands = [c if c.seconds is not None else self.batched_form(cells, c)
+        cands = [c if c.seconds is not None else self.batched_candidate(cells, c)
                  for c in self.candidates(cells) if c.eligible]
         return regrets(band_prices({c.name: c.get() for c in cands}, self.mesh, self.cost, band))
 
@@ -420,7 +421,7 @@ class FastPlanner:
             d = c.get()
             c.seconds = price(d.kernels, d.messages, d.owner, d.assign_GPP.shape[0], self.mesh, self.cost)
             if self._batchable(d):
-                c = batched[c.name] = self.batched_form(cells, c)
+                c = batched[c.name] = self.batched_candidate(cells, c)
             best = min(best, c.seconds)
         return [batched.get(c.name, c) for c in cands]
 

@@ -50,6 +50,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -57,8 +58,8 @@ from torch import Tensor
 
 from ultraattn.cache import LRU
 from ultraattn.masks.convert import pattern_from_kinds
-from ultraattn.passes.explicit.program import ExplicitProgram
-from ultraattn.passes.records import PlanEvent
+from ultraattn.passes.explicit.program import ExplicitProgram, TileRow, TileSet, TracedIO, stage_of
+from ultraattn.passes.records import PlanEvent, SiteForm
 from ultraattn.passes.site import (
     MAX_PENDING,
     SiteState,
@@ -143,11 +144,62 @@ def _message(t: Transfer) -> tuple[str, int, int, int]:
     return (t.tensor, t.chunk, t.src, t.dst)
 
 
+ops = torch.ops.ultraattn
+
+
+class DynamicTracedIO(TracedIO):
+    """The traced IO of a dynamic program: a step's ready tiles become ONE node (``cp_tiles_fwd`` / ``cp_tiles_bwd``):
+    the graph holds a node per step of the schedule, not per row (its rows cover every chunk, most of them empty
+    under any one mask)."""
+
+    def tiles_fwd(self, items, scale, score=()):
+        tid, ks, vs = self._tile_set(items, scale)
+        outs = ops.cp_tiles_fwd([q for _g, _i, _js, q, _kvs in items], ks, vs, list(score), self.prog.key, tid,
+                                *self.data)
+        return [(outs[2 * n], outs[2 * n + 1]) for n in range(len(items))]
+
+    def tiles_bwd(self, items, scale, score=()):
+        tid, ks, vs = self._tile_set(items, scale)
+        rows = [it[3:7] for it in items]
+        outs = ops.cp_tiles_bwd(*([r[n] for r in rows] for n in range(4)), ks, vs, list(score), self.prog.key, tid,
+                                *self.data)
+        n, m_cols = len(items), len(self.prog.tiles[tid].cols)
+        dkvs = {u: (outs[n + m], outs[n + m_cols + m]) for m, u in enumerate(self.prog.tiles[tid].cols)}
+        return outs[:n], dkvs, list(outs[n + 2 * m_cols:])
+
+    def _tile_set(self, items: list, scale: float) -> tuple[int, list[Tensor], list[Tensor]]:
+        """A tile set's id in the table, and the K and V of its columns (each once)."""
+        cols, ks, vs = {}, [], []
+        for g, _i, js, *_, kvs in items:
+            for j, (k, v) in zip(js, kvs, strict=True):
+                if (j, g) not in cols:
+                    cols[(j, g)] = len(ks)
+                    ks.append(k)
+                    vs.append(v)
+        tid = len(self.prog.tiles)
+        self.prog.tiles.append(TileSet(tuple(TileRow(g, i, tuple(js), scale) for g, i, js, *_ in items), tuple(cols)))
+        return tid, ks, vs
+
+
+_DYNAMIC_WORDS = {
+    "cp_dyn_plan": "plan this call's mask (run-time data: bytes per step in the planning table)",
+    "cp_dyn_index": "this rank's token positions under the plan",
+    ("cp_start", "fwd"): "stage: post the K/V chunks each rank needs (of {n} possible messages)",
+    ("cp_wait", "fwd"): "stage received: other ranks' K/V chunks (zeros for those the mask needs none of)",
+    ("cp_start", "bwd"): "stage: post the dK/dV partials of received chunks to their owners (of {n} possible)",
+    ("cp_wait", "bwd"): "stage received: partials for this rank's chunks, summed",
+    "cp_gather": "all-gather to the global view (the plan's owners)",
+    "cp_stash": "keep the plan and the received K/V for the backward",
+    "cp_unstash": "the forward's plan and received K/V",
+}
+
+
 @dataclass(eq=False)
 class DynamicProgram(ExplicitProgram):
     """A run-time-mask site's program: the fixed plan's executor, and one ``MaskRun`` per mask seen."""
 
-    dynamic = True
+    form: ClassVar[SiteForm] = SiteForm.PROGRAM_PER_MASK
+    counts_calls_on_post: ClassVar[bool] = False
 
     mesh: Mesh = None
     chunk: int = 0
@@ -400,6 +452,33 @@ class DynamicProgram(ExplicitProgram):
                     dvs[m][:, :, b * c:(b + 1) * c] += dv
             dqs.append(torch.cat(parts, dim=2))
         return dqs, dks, dvs, dscore
+
+
+    # ------------------------------------------------------------------ what the traced programs ask of the form
+    def traced_io(self) -> TracedIO:
+        return DynamicTracedIO(self)
+
+    def begin_forward(self, io: TracedIO, q: Tensor, k: Tensor, v: Tensor, mask: list[Tensor], local: bool) -> None:
+        """Plan the call's mask first (its plan id is every later op's ``plan`` argument)."""
+        io.token, io.plan = ops.cp_dyn_plan(io.token, mask, self.key)
+
+    def resume_backward(self, io: TracedIO, flat: list[Tensor]) -> list[Tensor]:
+        """The forward's plan id comes first in its stash."""
+        io.plan = flat[0]
+        return flat[1:]
+
+    def describe(self, n, op: str) -> tuple[str, int]:
+        """Which messages move (and their bytes) is the mask's, per step: the nodes say what they can move."""
+        if op in ("cp_start", "cp_wait"):
+            st = self.stages[stage_of(n)]
+            if not st.sends and not st.recvs:
+                return "(none)", 0
+            return _DYNAMIC_WORDS[(op, st.phase)].format(n=len(st.sends) + len(st.recvs)), 0
+        if op in ("cp_tiles_fwd", "cp_tiles_bwd"):
+            ts = self.tiles[stage_of(n)]
+            return (f"{len(ts.rows)} q chunks × {len(ts.cols)} kv chunks (virtual: the mask's owners say which, "
+                    f"its blocks which cells)"), 0
+        return _DYNAMIC_WORDS.get(op, ""), 0
 
 
 def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:

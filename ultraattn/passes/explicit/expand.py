@@ -18,9 +18,10 @@ A ``site_attention_local`` node (a sequence-sharded graph) expands the same way 
 dispatch and the gathers. At world size 1 the site becomes the ``bsa_fwd`` / ``bsa_bwd``
 kernel op itself.
 
-Only sites whose plan is known at compile time are expanded (``explicit_reason``): masks
-without run-time content (SDPA ``is_causal`` or no mask) and static shapes. Their plan is made
-by ``prepare`` in the backend call, before the compiler runs.
+What a site becomes is its ``SiteForm``, decided once by ``form_decision``: a program planned at compile time
+(``PROGRAM``: a mask without run-time content and static shapes; planned by ``prepare`` in the backend call,
+before the compiler runs), a program over a fixed skeleton planned per mask (``PROGRAM_PER_MASK``), the kernel
+op (``KERNEL``, world size 1), or one opaque op (``ONE_OP``, not expanded).
 """
 
 from __future__ import annotations
@@ -37,29 +38,43 @@ from ultraattn.passes.explicit.dynamic import dynamic_program
 from ultraattn.passes.explicit.program import (
     ExplicitProgram,
     backward_program,
+    describe_op,
     forward_program,
     kernel_backward_program,
     kernel_forward_program,
 )
 from ultraattn.passes.fx_util import splice, ultraattn_op
-from ultraattn.passes.opinfo import COMM_OPS, TILE_ROW_OPS
+from ultraattn.passes.opinfo import COMM_OPS
 from ultraattn.passes.ops.site import LOCAL_OPS, SITE_BWD_OPS, SITE_OPS
-from ultraattn.passes.records import ScheduleRow
+from ultraattn.passes.records import ScheduleRow, SiteForm
 from ultraattn.passes.site import SiteState, runner_for
 from ultraattn.passes.state import SideTable
 from ultraattn.runtime.api import AttentionPlan, check_consistent
 
 
-def explicit_reason(state: SiteState) -> str | None:
-    """Why a site keeps the opaque op (None: it can be expanded)."""
+def form_decision(state: SiteState) -> tuple[SiteForm, str]:
+    """What a rewritten site runs as, and why: the one place it is decided (``form_of`` records it in the site's
+    state, where the backend, the expansion and the report read it)."""
     spec = state.spec
     if not spec.options.explicit:
-        return "options['explicit'] is False"
+        return SiteForm.ONE_OP, "options['explicit'] is False"
     if not all(isinstance(d, int) for d in (*spec.q_shape, *spec.kv_shape)):
-        return "dynamic shapes"
-    if not spec.static_mask and spec.options.world_size == 1:
-        return "world size 1 with a run-time mask: the block-sparse kernel op runs with each mask's layout"
-    return None
+        return SiteForm.ONE_OP, "dynamic shapes"
+    if not spec.static_mask:
+        if spec.options.world_size == 1:
+            return SiteForm.ONE_OP, "world size 1 with a run-time mask: the block-sparse kernel op runs with each " \
+                                    "mask's layout"
+        return SiteForm.PROGRAM_PER_MASK, "the mask arrives at run time"
+    if spec.options.world_size == 1:
+        return SiteForm.KERNEL, "world size 1: nothing to split"
+    return SiteForm.PROGRAM, "the plan is known at compile time"
+
+
+def form_of(state: SiteState) -> SiteForm:
+    """The site's form (decided by ``form_decision`` on first asking, then kept in ``state.form``)."""
+    if state.form is None:
+        state.form, state.form_why = form_decision(state)
+    return state.form
 
 
 def prepare(state: SiteState, device: torch.device) -> None:
@@ -73,7 +88,7 @@ def prepare(state: SiteState, device: torch.device) -> None:
         return
     state.device = device
     spec = state.spec
-    if not spec.static_mask:  # the plan is run-time data: only the skeleton's geometry is fixed now
+    if form_of(state) is SiteForm.PROGRAM_PER_MASK:  # the plan is run-time data: only the skeleton's geometry now
         state.program = dynamic_program(state, device)
         return
     runner = runner_for(state, spec.q_shape, spec.kv_shape, spec.dtype, device, [])
@@ -104,7 +119,7 @@ def _program_of(state: SiteState, backward: bool, local: bool):
     if prog is None:
         what = "backward of site" if backward else "site"
         raise RuntimeError(f"ultraattn: {what} {state.spec.name} reached the compiler without its compile-time plan")
-    if state.spec.options.world_size == 1 and not prog.dynamic:
+    if form_of(state) is SiteForm.KERNEL:
         return kernel_backward_program(prog) if backward else kernel_forward_program(prog)
     return backward_program(prog, local) if backward else forward_program(prog, local)
 
@@ -116,7 +131,7 @@ def expand_sites(gm: fx.GraphModule, table: SideTable) -> list[str]:
         if node.op != "call_function" or node.target not in SITE_OPS + SITE_BWD_OPS:
             continue
         state = table.sites.get(next(a for a in node.args if isinstance(a, str)))
-        if state is None or explicit_reason(state) is not None:
+        if state is None or form_of(state) is SiteForm.ONE_OP:
             continue
         backward = node.target in SITE_BWD_OPS
         args = list(node.args[:8] if backward else node.args[:3])
@@ -135,51 +150,6 @@ def expand_sites(gm: fx.GraphModule, table: SideTable) -> list[str]:
     return done
 
 
-_DYNAMIC_WORDS = {
-    "cp_dyn_plan": "plan this call's mask (run-time data: bytes per step in the planning table)",
-    "cp_dyn_index": "this rank's token positions under the plan",
-    ("cp_start", "fwd"): "stage: post the K/V chunks each rank needs (of {n} possible messages)",
-    ("cp_wait", "fwd"): "stage received: other ranks' K/V chunks (zeros for those the mask needs none of)",
-    ("cp_start", "bwd"): "stage: post the dK/dV partials of received chunks to their owners (of {n} possible)",
-    ("cp_wait", "bwd"): "stage received: partials for this rank's chunks, summed",
-    "cp_gather": "all-gather to the global view (the plan's owners)",
-    "cp_stash": "keep the plan and the received K/V for the backward",
-    "cp_unstash": "the forward's plan and received K/V",
-}
-
-
-def _stage_of(n: fx.Node, op: str) -> int:
-    """The stage (or tile) index of a stage or tile node: the argument after its site key (``ops/program.py``'s
-    signatures)."""
-    site = next(a for a in n.args if isinstance(a, str))
-    return n.args[n.args.index(site) + 1]
-
-
-def _describe(n: fx.Node, op: str, prog: ExplicitProgram | None) -> tuple[str, int]:
-    """(what the node does, bytes it sends) for reports."""
-    if prog is not None and prog.dynamic:  # which messages move (and their bytes) is the mask's: per step
-        if op in ("cp_start", "cp_wait"):
-            st = prog.stages[_stage_of(n, op)]
-            if not st.sends and not st.recvs:
-                return "(none)", 0
-            return _DYNAMIC_WORDS[(op, st.phase)].format(n=len(st.sends) + len(st.recvs)), 0
-        if op in ("cp_tiles_fwd", "cp_tiles_bwd"):
-            ts = prog.tiles[_stage_of(n, op)]
-            return (f"{len(ts.rows)} q chunks × {len(ts.cols)} kv chunks (virtual: the mask's owners say which, "
-                    f"its blocks which cells)"), 0
-        return _DYNAMIC_WORDS.get(op, ""), 0
-    if prog is not None and op == "cp_start":
-        st = prog.stages[_stage_of(n, op)]
-        what = "; ".join([f"send {t.tensor} c{t.chunk}g{t.head_group}→r{t.dst}" for _, t, _ in st.sends] +
-                         [f"recv {t.tensor} c{t.chunk}g{t.head_group}←r{t.src}" for _, t in st.recvs]) or "(none)"
-        return what, sum(t.nbytes for _, t, _ in st.sends)
-    if prog is not None and op == "cp_wait":
-        return f"stage {_stage_of(n, op)}", 0
-    if prog is not None and op in TILE_ROW_OPS:
-        row = prog.tiles[_stage_of(n, op)]
-        return f"q chunk {row.q_chunk}, group {row.group} × kv chunks {list(row.kv_chunks)}", 0
-    return {"cp_gather": "all-gather to the global view", "bsa_fwd": "block-sparse kernel",
-            "bsa_bwd": "block-sparse kernel"}.get(op, f"{n.args[2]} sends delivered" if op == "cp_finish" else ""), 0
 
 
 def schedule_rows(gm: fx.GraphModule, table: SideTable) -> tuple[ScheduleRow, ...]:
@@ -191,7 +161,7 @@ def schedule_rows(gm: fx.GraphModule, table: SideTable) -> tuple[ScheduleRow, ..
             continue
         state = next((table.sites[a] for a in n.args if isinstance(a, str) and a in table.sites), None)
         prog = state.program if state is not None else None
-        what, nbytes = _describe(n, op, prog)
+        what, nbytes = prog.describe(n, op) if prog is not None else describe_op(n, op)
         rows.append(ScheduleRow(node=n.name, op=op, site=state.spec.name if state is not None else "",
                                 comm=op in COMM_OPS, what=what, bytes=nbytes))
     return tuple(rows)

@@ -18,7 +18,9 @@ import torch
 from torch import Tensor
 
 from ultraattn.kernels import config, uses_triton
+from ultraattn.passes.opinfo import TILE_ROW_OPS
 from ultraattn.passes.ops.site import kernel_site_backward
+from ultraattn.passes.records import SiteForm
 from ultraattn.passes.site import Runner, SiteState
 from ultraattn.runtime.executor import TileSets
 from ultraattn.runtime.executor import layout as unit_layout
@@ -68,9 +70,13 @@ class TileSet:
 class ExplicitProgram:
     """What the expanded nodes of one site look up at run time (``SiteState.program``)."""
 
-    dynamic: ClassVar[bool] = False
-    """A site whose mask arrives at run time has a ``DynamicProgram`` (``dynamic`` True): the same program over a
-    fixed plan, with the call's mask as data (the ``plan`` argument of its ops)."""
+    form: ClassVar[SiteForm] = SiteForm.PROGRAM
+    """The form this class serves (a site whose mask arrives at run time has a ``DynamicProgram``: the same program
+    over a fixed plan, with the call's mask as data, the ``plan`` argument of its ops). Shared code never asks it:
+    what differs is a method (``traced_io``, ``begin_forward``, ``resume_backward``, ``counts_calls_on_post``,
+    ``describe``)."""
+    counts_calls_on_post: ClassVar[bool] = True
+    """Whether posting the forward's first stage counts a call (a dynamic program counts calls when it plans)."""
 
     state: SiteState
     runner: Runner
@@ -111,7 +117,7 @@ class ExplicitProgram:
         io = self.executor.io
         if st.first:
             io.begin(st.phase)
-            if st.phase == "fwd" and not self.dynamic:  # (a dynamic program counts calls when it plans)
+            if st.phase == "fwd" and self.counts_calls_on_post:
                 self.state.calls += 1
         it = iter(pieces)
         sends, recvs = self.posts([(tag, t, [next(it) for _ in range(n)]) for tag, t, n in st.sends], list(st.recvs),
@@ -138,6 +144,36 @@ class ExplicitProgram:
     def stash(self, tensors: list[Tensor], plan: Tensor | None = None) -> int:
         return self.state.put_state(tensors)
 
+    # ------------------------------------------------------------------ what the traced programs ask of the form
+    def traced_io(self) -> TracedIO:
+        """The IO the program's trace runs with (a dynamic program's emits its tile sets)."""
+        return TracedIO(self)
+
+    def begin_forward(self, io: TracedIO, q: Tensor, k: Tensor, v: Tensor, mask: list[Tensor], local: bool) -> None:
+        """What the traced forward does first: with ``options['debug']``, check that every rank got the same
+        inputs (a dynamic program plans the call's mask there instead)."""
+        if self.state.spec.options.debug and not local:
+            io.token = ops.cp_check_inputs(io.token, [q, k, v], self.key)
+
+    def resume_backward(self, io: TracedIO, flat: list[Tensor]) -> list[Tensor]:
+        """The traced backward's start: the stash the forward kept (a dynamic program takes its plan id off first)."""
+        return flat
+
+    def describe(self, n, op: str) -> tuple[str, int]:
+        """(what an ultraattn node of this program's graphs does, bytes it sends), for reports."""
+        if op == "cp_start":
+            st = self.stages[stage_of(n)]
+            what = "; ".join([f"send {t.tensor} c{t.chunk}g{t.head_group}→r{t.dst}" for _, t, _ in st.sends] +
+                             [f"recv {t.tensor} c{t.chunk}g{t.head_group}←r{t.src}" for _, t in st.recvs]) or "(none)"
+            return what, sum(t.nbytes for _, t, _ in st.sends)
+        if op == "cp_wait":
+            return f"stage {stage_of(n)}", 0
+        if op in TILE_ROW_OPS:
+            row = self.tiles[stage_of(n)]
+            return f"q chunk {row.q_chunk}, group {row.group} × kv chunks {list(row.kv_chunks)}", 0
+        return describe_op(n, op)
+
+
     def unstash(self, ticket: int) -> list[Tensor]:
         return self.state.take_state(ticket)
 
@@ -157,6 +193,19 @@ class ExplicitProgram:
         row = self.tiles[tile]
         return row_backward(self.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, do, lse, delta, kvs,
                             row.scale, score)
+
+
+def stage_of(n) -> int:
+    """The stage (or tile) index of a stage or tile node: the argument after its site key (``ops/program.py``'s
+    signatures)."""
+    site = next(a for a in n.args if isinstance(a, str))
+    return n.args[n.args.index(site) + 1]
+
+
+def describe_op(n, op: str) -> tuple[str, int]:
+    """(what an ultraattn node does, bytes) for a node no program describes."""
+    return {"cp_gather": "all-gather to the global view", "bsa_fwd": "block-sparse kernel",
+            "bsa_bwd": "block-sparse kernel"}.get(op, f"{n.args[2]} sends delivered" if op == "cp_finish" else ""), 0
 
 
 # ----------------------------------------------------------------------------- the graph-building IO
@@ -244,40 +293,6 @@ class TracedIO(TileSets):
         self.token, *sums = ops.cp_all_reduce(self.token, tensors, self.prog.key)
         return sums
 
-    def _tile_set(self, items: list, scale: float) -> tuple[int, list[Tensor], list[Tensor]]:
-        """A tile set's id in the table, and the K and V of its columns (each once)."""
-        cols, ks, vs = {}, [], []
-        for g, _i, js, *_, kvs in items:
-            for j, (k, v) in zip(js, kvs, strict=True):
-                if (j, g) not in cols:
-                    cols[(j, g)] = len(ks)
-                    ks.append(k)
-                    vs.append(v)
-        tid = len(self.prog.tiles)
-        self.prog.tiles.append(TileSet(tuple(TileRow(g, i, tuple(js), scale) for g, i, js, *_ in items), tuple(cols)))
-        return tid, ks, vs
-
-    def tiles_fwd(self, items, scale, score=()):
-        """A dynamic program's ready tiles as ONE node (``cp_tiles_fwd``): the graph holds a node per step of the
-        schedule, not per row (its rows cover every chunk, most of them empty under any one mask)."""
-        if not self.prog.dynamic:
-            return super().tiles_fwd(items, scale, score)
-        tid, ks, vs = self._tile_set(items, scale)
-        outs = ops.cp_tiles_fwd([q for _g, _i, _js, q, _kvs in items], ks, vs, list(score), self.prog.key, tid,
-                                *self.data)
-        return [(outs[2 * n], outs[2 * n + 1]) for n in range(len(items))]
-
-    def tiles_bwd(self, items, scale, score=()):
-        if not self.prog.dynamic:
-            return super().tiles_bwd(items, scale, score)
-        tid, ks, vs = self._tile_set(items, scale)
-        rows = [it[3:7] for it in items]
-        outs = ops.cp_tiles_bwd(*([r[n] for r in rows] for n in range(4)), ks, vs, list(score), self.prog.key, tid,
-                                *self.data)
-        n, m_cols = len(items), len(self.prog.tiles[tid].cols)
-        dkvs = {u: (outs[n + m], outs[n + m_cols + m]) for m, u in enumerate(self.prog.tiles[tid].cols)}
-        return outs[:n], dkvs, list(outs[n + 2 * m_cols:])
-
     def gather(self, x: Tensor) -> Tensor:
         self.token, full = ops.cp_gather(self.token, x, self.prog.key, *self.data)
         return full
@@ -285,7 +300,7 @@ class TracedIO(TileSets):
 
 def _traced_executor(prog: ExplicitProgram):
     ex = copy.copy(prog.executor)
-    ex.io = TracedIO(prog)
+    ex.io = prog.traced_io()
     return ex
 
 
@@ -334,10 +349,7 @@ def forward_program(prog: ExplicitProgram, local: bool = False):
         mask, score = spec.split_inputs(list(inputs))
         ex = _traced_executor(prog)
         io = ex.io
-        if prog.dynamic:
-            io.token, io.plan = ops.cp_dyn_plan(io.token, list(mask), prog.key)
-        elif spec.options.debug and not local:
-            io.token = ops.cp_check_inputs(io.token, [q, k, v], prog.key)
+        prog.begin_forward(io, q, k, v, list(mask), local)
         shard = None if local else prog.dispatcher(io.plan)
         qkv = (q, k, v) if local else (shard(q), shard(k), shard(v))
         out_l, lse_l, saved = ex.forward(*qkv, spec.scale, score)
@@ -361,9 +373,7 @@ def backward_program(prog: ExplicitProgram, local: bool = False):
         spec = prog.state.spec
         ex = _traced_executor(prog)
         io = ex.io
-        flat = ops.cp_unstash(ticket, prog.key)
-        if prog.dynamic:  # the forward's plan id, first
-            io.plan, flat = flat[0], flat[1:]
+        flat = prog.resume_backward(io, ops.cp_unstash(ticket, prog.key))
         saved = _unflatten_saved(flat, prog.saved_layout)
         xs = (q, k, v, out, lse, dout.to(out.dtype), dlse.float())
         if not local:

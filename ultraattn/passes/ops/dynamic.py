@@ -20,12 +20,13 @@ from torch import Tensor
 from torch.library import custom_op
 
 from ultraattn.passes.ops.program import new_token
+from ultraattn.passes.records import SiteForm
 from ultraattn.passes.state import side_table
 
 
 def _program(site: str):
     program = side_table().site(site).program
-    if program is None or not program.dynamic:
+    if program is None or program.form is not SiteForm.PROGRAM_PER_MASK:
         raise RuntimeError(f"ultraattn: site {site!r} has no run-time program (it was not prepared at compile time)")
     return program
 
