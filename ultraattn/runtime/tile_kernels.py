@@ -10,8 +10,6 @@ the site's mask_mod shifted to the row.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
@@ -19,11 +17,12 @@ from ..eager import eager_dispatch
 from ..masks.convert import eval_mask
 from ..masks.pattern import FULL, PARTIAL, BlockPattern
 
-if TYPE_CHECKING:
-    from .tiles import ScoreMod, TileGeometry
+Geometry = object
+"""What ``geo`` is here: the plan's ``runtime.tiles.TileGeometry`` (not imported: ``tiles.py`` imports this module,
+and the import graph stays one-way)."""
 
 
-def _kernels_on(geo: TileGeometry, t: Tensor, score: list[Tensor]) -> bool:
+def _kernels_on(geo: Geometry, t: Tensor, score: list[Tensor]) -> bool:
     """Whether ``t``'s tiles run on the Triton kernels: on CUDA (or the interpreter when asked for), and with a
     score_mod only when it has a Triton translation (``score_kernels``)."""
     from ..kernels.ops import uses_triton
@@ -37,7 +36,7 @@ _SCORE_KERNELS: dict = {}
 """(ScoreMod, buffer shapes and dtypes) -> its generated Triton functions, or None where there are none."""
 
 
-def score_kernels(score_mod: ScoreMod, buffers: list[Tensor]):
+def score_kernels(score_mod, buffers: list[Tensor]):
     """The score_mod's generated Triton functions (``kernels.score_codegen``) for these buffers, or None (with one
     warning naming the reason) when it has no translation: its tiles then take the plain-torch path."""
     key = (score_mod, tuple((tuple(t.shape), t.dtype) for t in buffers))
@@ -63,13 +62,13 @@ def forget_score_kernels() -> None:
     _SCORE_KERNELS.clear()
 
 
-def kv_block_ids(geo: TileGeometry, cols: list[int]) -> Tensor:
+def kv_block_ids(geo: Geometry, cols: list[int]) -> Tensor:
     """Global KV block id of each block of the KV chunks ``cols`` concatenated (a row's keys, in column order)."""
     nbk = geo.chunk // geo.kv_block
     return torch.cat([j * nbk + torch.arange(nbk) for j in cols])
 
 
-def _score_args(geo: TileGeometry, g: int, i: int, cols: list[int], score: list[Tensor], device: torch.device):
+def _score_args(geo: Geometry, g: int, i: int, cols: list[int], score: list[Tensor], device: torch.device):
     """The kernels' ``ScoreArgs`` for row ``i`` (head group ``g``) against KV chunks ``cols``, or None without a
     score_mod."""
     if geo.score_mod is None:
@@ -89,7 +88,7 @@ def _score_args(geo: TileGeometry, g: int, i: int, cols: list[int], score: list[
                      h0=g * geo.hq, seq_len=geo.seq_len)
 
 
-def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: torch.device):
+def kernel_layout(geo: Geometry, g: int, i: int, cols: list[int], device: torch.device):
     """The kernels' layout of row ``i`` (head group ``g``) against the concatenated KV chunks ``cols`` (cached).
 
     Coordinates are the row's: queries ``0..chunk``, keys ``0..len(cols)*chunk`` in column order.
@@ -126,7 +125,7 @@ def kernel_layout(geo: TileGeometry, g: int, i: int, cols: list[int], device: to
     return lay
 
 
-def flex_tiles_on(geo: TileGeometry) -> bool:
+def flex_tiles_on(geo: Geometry) -> bool:
     """Whether rows run on FlexAttention (``kernels/flex_tile.py``): asked for (``ULTRAATTN_TILE_KERNEL=flex``), no
     score_mod (ours is generated into our kernels), and a mask_mod to hand it (a mask known by its bits alone would
     need our bit tiles read per element: 0.2-0.5x flex's speed on an H200)."""
@@ -135,7 +134,7 @@ def flex_tiles_on(geo: TileGeometry) -> bool:
     return tile_kernel() == "flex" and geo.score_mod is None and geo.mask_mod is not None
 
 
-def flex_row_mask(geo: TileGeometry, g: int, i: int, cols: list[int], device: torch.device):
+def flex_row_mask(geo: Geometry, g: int, i: int, cols: list[int], device: torch.device):
     """FlexAttention's BlockMask of row ``i`` (head group ``g``) against the KV chunks ``cols`` (cached): the lists of
     ``kernel_layout``, and the site's mask_mod in global coordinates. Offsets are tensors the mask_mod closes over,
     so every row of a site is one compiled flex kernel (Python ints would be guarded constants: one compile per
@@ -161,7 +160,7 @@ def flex_row_mask(geo: TileGeometry, g: int, i: int, cols: list[int], device: to
     return bm
 
 
-def flex_row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, kvs: list[tuple[Tensor, Tensor]],
+def flex_row_forward(geo: Geometry, g: int, i: int, cols: list[int], q: Tensor, kvs: list[tuple[Tensor, Tensor]],
                      scale: float) -> tuple[Tensor, Tensor]:
     """``row_forward`` on FlexAttention (fp32 out, as every row path returns)."""
     from ..kernels.flex_tile import flex_forward
@@ -172,7 +171,7 @@ def flex_row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tens
     return o.float(), lse
 
 
-def flex_row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, do: Tensor, lse: Tensor,
+def flex_row_backward(geo: Geometry, g: int, i: int, cols: list[int], q: Tensor, do: Tensor, lse: Tensor,
                       delta: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float,
                       ) -> tuple[Tensor, list[tuple[Tensor, Tensor]], list[Tensor]]:
     """``row_backward`` on FlexAttention: dq and per column (dK, dV), fp32."""
@@ -191,7 +190,7 @@ def _kv_cat(kvs: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tenso
     return (torch.cat([k for k, _ in kvs], dim=2).to(dtype), torch.cat([v for _, v in kvs], dim=2).to(dtype))
 
 
-def kernel_row_forward(geo: TileGeometry, lay: tuple[Tensor, ...], q: Tensor, kvs: list[tuple[Tensor, Tensor]],
+def kernel_row_forward(geo: Geometry, lay: tuple[Tensor, ...], q: Tensor, kvs: list[tuple[Tensor, Tensor]],
                        scale: float, score=None) -> tuple[Tensor, Tensor]:
     """``row_forward`` on the block-sparse kernel op, given the row's ``kernel_layout`` tensors (fp32 out);
     with a score_mod (``score``: the row's ``ScoreArgs``) on the plain kernel launch that takes one."""
@@ -203,7 +202,7 @@ def kernel_row_forward(geo: TileGeometry, lay: tuple[Tensor, ...], q: Tensor, kv
     return torch.ops.ultraattn.bsa_fwd(q, k_cat, v_cat, *lay, geo.q_block, geo.kv_block, scale, True)
 
 
-def kernel_row_backward(geo: TileGeometry, lay: tuple[Tensor, ...], q: Tensor, do: Tensor, lse: Tensor,
+def kernel_row_backward(geo: Geometry, lay: tuple[Tensor, ...], q: Tensor, do: Tensor, lse: Tensor,
                         delta: Tensor, kvs: list[tuple[Tensor, Tensor]], scale: float, score=None,
                         ) -> tuple[Tensor, list[tuple[Tensor, Tensor]], list[Tensor]]:
     """``row_backward`` on the block-sparse kernels: dq, per column (dK, dV), and the wanted score_mod buffers'
