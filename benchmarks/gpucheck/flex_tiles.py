@@ -18,6 +18,7 @@ exact under the merged softmax) or, for dense tiles, on flash (whose backward ta
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
@@ -29,6 +30,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 import ultraattn.kernels as K
 from ultraattn.kernels import flex_tile as FT
 from ultraattn.kernels.reference import softmax_delta
+from ultraattn.runtime.tiles import merge_partial
 from ultraattn.testing import check_2x, dense_attention
 
 from .common import Ctx, error_text, sync
@@ -68,8 +70,9 @@ def first_that_compiles(fn):
 
 
 def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
-    out = sum(FT.merge_weight(l_t, lse)[..., None] * o.float() for o, l_t in parts)
+    """The tiles' (out, lse) merged as the runtime merges a row's partials (``runtime.tiles.merge_partial``, fp32),
+    out back in the tiles' dtype."""
+    out, lse = functools.reduce(merge_partial, [(o.float(), l_t) for o, l_t in parts], None)
     return out.to(parts[0][0].dtype), lse
 
 
@@ -142,12 +145,6 @@ def exact_flash(ctx: Ctx, S: int, dims: dict) -> dict:
                                                                                        dims["dtype_name"])}
 
 
-def _time(fn, device: str, reps: int) -> tuple[float, float]:
-    ts = bench.timeit(fn, device, reps)
-    t = statistics.median(ts)
-    return t, (max(ts) - min(ts)) / t
-
-
 def timed_row(ctx: Ctx, name: str, S: int, dims: dict, reps: int) -> dict:
     torch._dynamo.reset()  # a row's compiles count afresh (kernels.py's rule)
     B, H, Hk, D = dims["batch"], dims["heads"], dims["kv_heads"], dims["head_dim"]
@@ -169,17 +166,17 @@ def timed_row(ctx: Ctx, name: str, S: int, dims: dict, reps: int) -> dict:
     flex = torch.compile(bench.flex_attention) if dname == "cuda" else bench.flex_attention
 
     def record(method: str, phase: str, fn) -> None:
+        """Time ``fn`` (``bwd_autograd``: a backward through ``fn(q, k, v)``'s autograd, kernels.py's way)."""
+        autograd = phase == "bwd_autograd"
+        phase = "bwd" if autograd else phase
         try:
-            if phase == "bwd_autograd":
-                ts = bench.bwd_time(fn, qg, kg, vg, dname, reps)
-                t, spread = statistics.median(ts), (max(ts) - min(ts)) / statistics.median(ts)
-                phase = "bwd"
-            else:
-                t, spread = _time(fn, dname, reps)
+            ts = bench.bwd_time(fn, qg, kg, vg, dname, reps) if autograd else bench.timeit(fn, dname, reps)
         except Exception as exc:  # noqa: BLE001 - a method that cannot run is its row's error
             row["methods"].setdefault(method, {})[f"{phase}_error"] = error_text(exc).splitlines()[0][:300]
             ctx.note(f"S={S} {name} {method} {phase}: {row['methods'][method][f'{phase}_error']}")
             return
+        t = statistics.median(ts)
+        spread = (max(ts) - min(ts)) / t
         f = flops * (2.5 if phase == "bwd" else 1.0)
         row["methods"].setdefault(method, {}).update(
             {f"{phase}_s": t, f"{phase}_tflops": f / t / 1e12, f"{phase}_spread": spread})

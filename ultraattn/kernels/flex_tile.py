@@ -210,7 +210,3 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, do
         shape = (k.shape[0], hk, h_n // hk, *k.shape[2:])
         dk, dv = dk.reshape(shape).sum(2), dv.reshape(shape).sum(2)
     return dq, dk, dv
-
-
-def default_scale(q: Tensor) -> float:
-    return 1.0 / math.sqrt(q.shape[-1])

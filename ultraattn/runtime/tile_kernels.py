@@ -68,6 +68,12 @@ def kv_block_ids(geo: Geometry, cols: list[int]) -> Tensor:
     return torch.cat([j * nbk + torch.arange(nbk) for j in cols])
 
 
+def kv_positions(geo: Geometry, cols: list[int]) -> Tensor:
+    """Global key position of each key of the KV chunks ``cols`` concatenated (int64, on the CPU)."""
+    bk = geo.kv_block
+    return (kv_block_ids(geo, cols)[:, None] * bk + torch.arange(bk)).flatten()
+
+
 def _score_args(geo: Geometry, g: int, i: int, cols: list[int], score: list[Tensor], device: torch.device):
     """The kernels' ``ScoreArgs`` for row ``i`` (head group ``g``) against KV chunks ``cols``, or None without a
     score_mod."""
@@ -107,7 +113,7 @@ def kernel_layout(geo: Geometry, g: int, i: int, cols: list[int], device: torch.
     kinds = (geo.kind_gQK[g][i * nqb:(i + 1) * nqb][:, kv_ids][None, None] if per is None else per).clone()
     touch = ((i * nqb + torch.arange(nqb) + 1) * bq > s)[:, None] | ((kv_ids + 1) * bk > s)[None, :]
     kinds[(kinds == FULL) & touch] = PARTIAL
-    kv_pos = (kv_ids[:, None] * bk + torch.arange(bk)).flatten()
+    kv_pos = kv_positions(geo, cols)
     mask_mod, h0 = geo.mask_mod, g * geo.hq
 
     def row_mask(b, h, q_local, kv_local):
@@ -146,8 +152,8 @@ def flex_row_mask(geo: Geometry, g: int, i: int, cols: list[int], device: torch.
     from ..kernels.flex_tile import block_mask_of
 
     lists = kernel_layout(geo, g, i, cols, device)
-    bk, s, mask_mod = geo.kv_block, geo.seq_len, geo.mask_mod
-    kv_pos = (kv_block_ids(geo, cols)[:, None] * bk + torch.arange(bk)).flatten().to(torch.int32).to(device)
+    s, mask_mod = geo.seq_len, geo.mask_mod
+    kv_pos = kv_positions(geo, cols).to(torch.int32).to(device)
     q0 = torch.tensor(i * geo.chunk, dtype=torch.int32, device=device)
     h0 = torch.tensor(g * geo.hq, dtype=torch.int32, device=device)
 
