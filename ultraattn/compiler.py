@@ -21,9 +21,10 @@ import torch.fx as fx
 from rich.console import Console
 
 from ultraattn.kernels.ops import forget_layouts
-from ultraattn.passes.backend import analyse_sharding, compile_graph, find_and_rewrite, keep_as_written, site_forms
+from ultraattn.passes.backend import analyse_sharding, compile_graph, find_and_rewrite, site_forms
 from ultraattn.passes.flex_shim import install_flex_cpu_shim
 from ultraattn.passes.fx_util import meta_value, placeholders
+from ultraattn.passes.kept import keep_flex_eager
 from ultraattn.passes.options import BackendOptions, parse_options
 from ultraattn.passes.records import (
     AotGraphRecord,
@@ -208,8 +209,8 @@ def _explain_graph(gm, example_inputs, *, opts, table, result: Explanation, cons
     ``seen``: plan key -> the first site planned with it (sites that would get the same plan are planned once)."""
     world = opts.world_size
     index, before, sites, states = find_and_rewrite(gm, example_inputs, opts, table=table, observer=NullObserver())
-    kept = keep_as_written(sites, table, before)
-    forms = site_forms(sites, states, kept, world)
+    keep_flex_eager(sites, table, before)
+    forms = site_forms(sites, world)
     rec = GraphRecord(index=index, world_size=world, sites=tuple(s.record(forms[s.name]) for s in sites),
                       site_keys=tuple(s.spec.key for s in states), code_before=before, code_after=gm.code)
     result.records.append(rec)

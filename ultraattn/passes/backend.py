@@ -32,7 +32,7 @@ from torch._dynamo.backends.common import aot_autograd
 from ultraattn.passes.capture import Site, estimate_density, find_sites
 from ultraattn.passes.carrier import Carried, SeqShard
 from ultraattn.passes.explicit.dynamic import RUNTIME_MASK_STRIPES
-from ultraattn.passes.explicit.expand import expand_sites, form_of, prepare, schedule_rows
+from ultraattn.passes.explicit.expand import expand_sites, prepare, schedule_rows
 from ultraattn.passes.explicit.order import order_comm
 from ultraattn.passes.fx_util import placeholders, refresh_fake_values, specialize_sizes, tensor_value, ultraattn_op
 from ultraattn.passes.kept import keep_flex_eager
@@ -111,16 +111,14 @@ def compile_graph(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *, t
     index, before, sites, states = find_and_rewrite(gm, example_inputs, opts, table=table, observer=observer)
     say.index = index
     say(f"captured {len(sites)} attention sites, {len(states)} rewritten")
-    for st in states:  # what each rewritten site becomes: decided here, once, and kept in its state
-        form_of(st)
-    kept = keep_as_written(sites, table, before)
+    kept = keep_flex_eager(sites, table, before)
     shard = None
     if opts.world_size > 1 and (states or carried) and opts.shard:
         say("sharding the sequence (the token layout: rank 0 plans it, every rank waits for it)")
         shard = shard_sequence(gm, states, opts, example_inputs, table, carried)
     taken = _taken(gm, carried, shard)
     example_inputs = _entry_values(gm, example_inputs, carried, taken)
-    forms = site_forms(sites, states, kept, opts.world_size)
+    forms = site_forms(sites, opts.world_size)
     rec = GraphRecord(index=index, world_size=opts.world_size, code_before=before, code_after=gm.code,
                       sites=tuple(s.record(forms[s.name]) for s in sites),
                       site_keys=tuple(s.spec.key for s in states), report_file=opts.report_file, shard=shard)
@@ -157,15 +155,15 @@ def find_and_rewrite(gm: fx.GraphModule, example_inputs, opts: BackendOptions, *
     code, capture its sites and rewrite the rewritable ones. Returns (graph index, code before, sites, states)."""
     index = table.next_graph_index()
     before = gm.code
-    sites = capture(gm, example_inputs, opts.world_size, opts.world1)
+    sites = capture(gm, example_inputs, opts.world_size)
     states = rewrite_sites(gm, sites, opts, graph_index=index, table=table, observer=observer)
     return index, before, sites, states
 
 
 # ----------------------------------------------------------------------------- capture
-def capture(gm: fx.GraphModule, example_inputs, world: int, world1: str = "auto") -> list[Site]:
+def capture(gm: fx.GraphModule, example_inputs, world: int) -> list[Site]:
     """The graph's attention sites, each with its mask density from the example inputs where they hold data."""
-    sites = find_sites(gm, world, world1)
+    sites = find_sites(gm, world)
     values = dict(zip(placeholders(gm), example_inputs))
     for s in sites:
         try:
@@ -175,42 +173,26 @@ def capture(gm: fx.GraphModule, example_inputs, world: int, world1: str = "auto"
     return sites
 
 
-def site_forms(sites: list[Site], states: list[SiteState], kept, world: int) -> dict[str, str]:
+def site_forms(sites: list[Site], world: int) -> dict[str, str]:
     """What each site of a graph runs as, in the words the report's "form" column shows (site name -> its
-    ``SiteForm``'s word): a rewritten site's form as ``form_decision`` decided it; ``as written`` for the model's own
-    call (``replicated`` across ranks at world size > 1), or a kept flex site on CPU (``kept.py``).
+    ``SiteForm``'s word, as ``forms.decide_form`` decided it when the graph was rewritten); ``as written`` says
+    ``replicated`` at world size > 1 where the site could not be rewritten.
 
     Shared by ``compile_graph`` and ``ultraattn.explain``, so both say the same."""
-    by_name = {st.spec.name: st for st in states}
     forms = {}
     for s in sites:
-        st = by_name.get(s.name)
-        if s.name in kept:
-            forms[s.name] = SiteForm.KEPT_FLEX.word()
-        elif st is None:
-            replicated = world > 1 and not s.reason.startswith("kept (")
-            forms[s.name] = SiteForm.AS_WRITTEN.word() + (", replicated" if replicated else "")
-        else:
-            forms[s.name] = form_of(st).word(st.form_why)
+        word = s.form.word(s.form_why)
+        if s.form is SiteForm.AS_WRITTEN and world > 1 and not s.reason.startswith("kept ("):
+            word += ", replicated"
+        forms[s.name] = word
     return forms
-
-
-def keep_as_written(sites: list[Site], table: SideTable, code: str) -> dict[str, str]:
-    """The flex sites on CPU that are not rewritten, made to run as the model wrote them (``kept.py``), in place;
-    returns site name -> their side-table key."""
-    return keep_flex_eager([s for s in sites if _cpu(s)], table, code)
-
-
-def _cpu(s: Site) -> bool:
-    q = tensor_value(s.q)
-    return q is not None and q.device.type == "cpu"
 
 
 def _devices(sites: list[Site], states: list[SiteState]) -> dict[str, torch.device]:
     """The device of each site that is expanded at compile time (by site key)."""
     q_of = {s.name: s.q for s in sites}
     return {st.spec.key: tensor_value(q_of[st.spec.name]).device for st in states
-            if form_of(st) is not SiteForm.ONE_OP}
+            if st.form is not SiteForm.ONE_OP}
 
 
 # ----------------------------------------------------------------------------- analyse, plan, lower
@@ -291,7 +273,7 @@ def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendO
     spec = state.spec
     block = spec.flex.q_block if spec.flex is not None else opts.block_size
     world = opts.world_size
-    if form_of(state) is SiteForm.PROGRAM_PER_MASK:
+    if state.form is SiteForm.PROGRAM_PER_MASK:
         # a new mask every batch, computed where its query rows live: no single mask's plan fits the next one;
         # fine head-tail stripes balance document masks within ~1.1 (passes/explicit/dynamic.py's [Note]): the
         # most stripes (up to RUNTIME_MASK_STRIPES) that pad the sequence no more than the fewest would

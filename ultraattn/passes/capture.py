@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ultraattn.passes.fx_util import constant_value, insert_call, meta_value, tensor_value
-from ultraattn.passes.records import SiteRecord
+from ultraattn.passes.records import SiteForm, SiteRecord
 from ultraattn.passes.site import FlexMaskInfo
 
 _INV_LN2 = 1.0 / math.log(2.0)
@@ -59,6 +59,8 @@ class Site:
     q_shape: tuple[int, ...] = ()
     kv_shape: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
+    device: torch.device | None = None
+    """q's device (None when q's value is unknown)."""
     scale: float | None = None
     is_causal: bool = False
     mask: str = "full"
@@ -80,6 +82,9 @@ class Site:
     """Per score buffer: a floating-point tensor that requires grad (a learned bias)."""
     folded: bool = False
     """SDPA: the boolean attn_mask is a graph constant equal to ``mask`` (causal or full), read at compile time."""
+    form: SiteForm | None = None
+    """What the site runs as (``forms.decide_form``, when the graph is rewritten), and why."""
+    form_why: str = ""
 
     @property
     def name(self) -> str:
@@ -151,6 +156,7 @@ class Site:
         graph.erase_node(self.node)
 
     def record(self, form: str = "") -> SiteRecord:
+        """The report's row; ``form``: its form column (``backend.site_forms``)."""
         return SiteRecord(name=self.name, op=self.op, q_shape=tuple(self.q_shape), kv_shape=tuple(self.kv_shape),
                           dtype=str(self.dtype).replace("torch.", "") if self.dtype is not None else "",
                           mask=self.mask, density=self.density, rewritten=self.rewritable, why=self.reason, form=form)
@@ -172,7 +178,7 @@ def _identity_score_mod(gm) -> bool:
     return ret is phs[0]
 
 
-def _sdpa_site(index: int, node: fx.Node, world: int, world1: str = "auto") -> Site:
+def _sdpa_site(index: int, node: fx.Node, world: int) -> Site:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     args = dict(zip(names, node.args))
     args.update(node.kwargs)
@@ -181,7 +187,7 @@ def _sdpa_site(index: int, node: fx.Node, world: int, world1: str = "auto") -> S
     if qv is None or kv is None or vv is None:
         s.skip("q/k/v shapes are unknown in the graph")
         return s
-    s.q_shape, s.kv_shape, s.dtype = tuple(qv.shape), tuple(kv.shape), qv.dtype
+    s.q_shape, s.kv_shape, s.dtype, s.device = tuple(qv.shape), tuple(kv.shape), qv.dtype, qv.device
     s.scale = args.get("scale")
     s.is_causal = bool(args.get("is_causal", False))
     s.mask = "causal" if s.is_causal else "full"   # (before any refusal: a kept site is reported with its mask)
@@ -231,7 +237,6 @@ def _sdpa_site(index: int, node: fx.Node, world: int, world1: str = "auto") -> S
         return s
     s.reason = f"rewritten ({s.mask}" + (", an attn_mask built in the graph from positions alone" if s.folded else "") \
         + ")"
-    _world1_choice(s, world, qv.device, world1)
     return s
 
 
@@ -256,32 +261,14 @@ def _folded_mask(mask: fx.Node, s: Site) -> str | None:
     return None
 
 
-def _world1_choice(s: Site, world: int, device: torch.device, choice: str = "auto") -> None:
-    """At world size 1 there is no context to split, and a site runs wherever it is faster. On a GPU, measured on an
-    H100/H200 (docs/gpu.md, issue 52): the tiles run at 0.52-0.59x FlexAttention's forward+backward speed on every
-    mask, and at 0.6x SDPA's flash kernel on causal attention, so a flex site, and an SDPA site that is causal or
-    unmasked, keep the original op (Inductor lowers flex_attention to its own Triton template). An SDPA site with a
-    boolean mask is rewritten: the block-sparse tiles skip the blocks the mask leaves empty, which SDPA computes
-    (cuDNN on transformers' dense causal mask: 24.2 ms against the tiles' 18.6 ms at 8K, issue 51). On the CPU the
-    tiles run (the reference path the tests check). ``choice``: the backend option ``world1``."""
-    if world != 1 or not s.rewritable or choice == "tiles" or (choice == "auto" and device.type != "cuda"):
-        return
-    if s.op == "sdpa" and s.mask == "bool_mask" and choice == "auto":
-        return
-    why = "the world1 option" if choice == "original" else \
-        f"world size 1 on {device.type}: {'flex_attention' if s.op == 'flex' else 'SDPA'} is faster there than the " \
-        f"tiles (docs/gpu.md)"
-    s.skip(f"kept ({why})")
-
-
-def _flex_site(index: int, node: fx.Node, world: int, world1: str = "auto") -> Site:
+def _flex_site(index: int, node: fx.Node, world: int) -> Site:
     q, k, v, score_mod, bm, scale, kernel_options, score_buffers, mask_buffers = node.args[:9]
     s = Site(index=index, node=node, op="flex", q=q, k=k, v=v, scale=float(scale) if scale is not None else None)
     qv, kv, vv = tensor_value(q), tensor_value(k), tensor_value(v)
     if qv is None or kv is None or vv is None:
         s.skip("q/k/v shapes are unknown in the graph")
         return s
-    s.q_shape, s.kv_shape, s.dtype = tuple(qv.shape), tuple(kv.shape), qv.dtype
+    s.q_shape, s.kv_shape, s.dtype, s.device = tuple(qv.shape), tuple(kv.shape), qv.dtype, qv.device
     owner = node.graph.owning_module
     why_not = _flex_mask(s, bm, mask_buffers, owner)  # first: a site that is kept is reported with its true mask
     sm = getattr(owner, score_mod.target) if isinstance(score_mod, fx.Node) and score_mod.op == "get_attr" else None
@@ -314,7 +301,6 @@ def _flex_site(index: int, node: fx.Node, world: int, world1: str = "auto") -> S
         learned = sum(s.score_grads)
         what += ", score_mod" + (f" with {learned} learned buffer(s)" if learned else "")
     s.reason = f"rewritten ({what})"
-    _world1_choice(s, world, qv.device, world1)
     return s
 
 
@@ -392,7 +378,7 @@ def estimate_density(site: Site, values: dict) -> float | None:
     return None
 
 
-def find_sites(gm: fx.GraphModule, world: int = 1, world1: str = "auto") -> list[Site]:
+def find_sites(gm: fx.GraphModule, world: int = 1) -> list[Site]:
     """Every SDPA / flex_attention call in ``gm`` and its subgraphs, each marked rewritable or not (with why).
 
     Subgraphs are the bodies of higher-order ops (activation checkpointing, ``wrap``) that
@@ -404,7 +390,7 @@ def find_sites(gm: fx.GraphModule, world: int = 1, world1: str = "auto") -> list
             continue
         for node in mod.graph.nodes:
             if node.op == "call_function" and node.target in _SDPA_TARGETS:
-                sites.append(_sdpa_site(len(sites), node, world, world1))
+                sites.append(_sdpa_site(len(sites), node, world))
             elif _is_flex(node):
-                sites.append(_flex_site(len(sites), node, world, world1))
+                sites.append(_flex_site(len(sites), node, world))
     return sites

@@ -32,6 +32,7 @@ from torch import Tensor
 from ultraattn.masks.convert import listed_blocks
 from ultraattn.passes.capture import Site
 from ultraattn.passes.fx_util import insert_call, module_digest, tensor_value
+from ultraattn.passes.records import SiteForm
 
 
 @dataclass(frozen=True)
@@ -133,11 +134,12 @@ def keep_flex_eager(sites: list[Site], table, code: str) -> dict[str, str]:
     keys = {}
     touched = {}
     for s in sites:
-        if s.rewritable or s.op != "flex":
+        if s.form is not SiteForm.KEPT_FLEX:  # (``forms.decide_form``)
             continue
         made = kept_flex_call(s)
         if made is None:
-            continue
+            raise RuntimeError(f"ultraattn: internal error: flex site {s.name} was decided kept, and its call has "
+                               f"symbolic arguments")
         kept, tensors = made
         key = table.site_key(f"{s.name}-kept", code, s.q_shape, s.kv_shape, s.dtype, kept.identity)
         table.add_kept(key, kept)

@@ -27,8 +27,8 @@ def _tuple(x) -> tuple:
 
 class SiteForm(enum.Enum):
     """What an attention site runs as, decided once per site when the graph is rewritten
-    (``passes.explicit.form_decision`` for rewritten sites, ``passes.backend.site_forms`` for the others). The value
-    is the report's word."""
+    (``passes.forms.decide_form``, the one place; ``passes.backend.site_forms`` puts it in words). The value is the
+    report's word."""
 
     PROGRAM = "program"
     """This rank's tiles and messages, planned at compile time and expanded into the graphs Inductor compiles."""

@@ -27,9 +27,10 @@ import torch
 import torch.fx as fx
 
 from ultraattn.passes.capture import Site
+from ultraattn.passes.forms import decide_form
 from ultraattn.passes.fx_util import insert_call, is_impure, meta_value, set_value, tensor_value, value_fake_mode
 from ultraattn.passes.options import BackendOptions
-from ultraattn.passes.records import NullObserver, Observer
+from ultraattn.passes.records import NullObserver, Observer, SiteForm
 from ultraattn.passes.site import SiteSpec, SiteState, site_identity
 from ultraattn.passes.state import SideTable
 from ultraattn.runtime.tiles import ScoreMod
@@ -78,12 +79,16 @@ def _block_kinds(graph: fx.Graph, mask: fx.Node, block: int, made: dict[fx.Node,
 
 def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions, *, graph_index: int,
                   table: SideTable, observer: Observer | None = None) -> list[SiteState]:
-    """Replace every rewritable site in place (module docstring); returns the new sites' states, in site order."""
+    """Decide every site's form (``forms.decide_form``, kept on the site) and replace each site that it rewrites in
+    place (module docstring); returns the new sites' states, in site order, each holding its form."""
     states = []
     touched: dict[int, fx.GraphModule] = {}
     kinds: dict[fx.Node, fx.Node] = {}
     code = gm.code
     for s in sites:
+        s.form, s.form_why = decide_form(s, options)
+        if s.rewritable and s.form is SiteForm.AS_WRITTEN:  # rewritable, and its own op is faster (world size 1)
+            s.skip(s.form_why)
         if not s.rewritable:
             if s.folded:
                 s.keep_folded()
@@ -92,6 +97,7 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions
         graph = s.node.graph
         touched[id(graph.owning_module)] = graph.owning_module
         state = table.add_site(site_spec(s, options, graph_index, table, code), observer or NullObserver())
+        state.form, state.form_why = s.form, s.form_why
         inputs = s.mask_inputs()
         if s.mask == "bool_mask":  # its block table, what planning reads (once per mask and step, on its device)
             inputs.append(_block_kinds(graph, s.mask_node, options.block_size, kinds))

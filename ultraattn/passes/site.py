@@ -52,6 +52,9 @@ Runner = AttentionPlan | BlockLists
 """What a site runs: a plan across ranks, or (world size 1) the block-sparse kernels' layout."""
 
 
+STATIC_MASKS = ("causal", "full")
+"""Masks without run-time content: a site with one is planned at compile time."""
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FlexMaskInfo:
     """The static part of a site's BlockMask (its tensors and mask_mod buffers are run-time inputs)."""
@@ -106,7 +109,7 @@ class SiteSpec:
     @property
     def static_mask(self) -> bool:
         """The mask has no run-time content (causal or none): its plan is known at compile time."""
-        return self.mask in ("causal", "full")
+        return self.mask in STATIC_MASKS
 
 
 @dataclass(eq=False)
@@ -129,7 +132,7 @@ class SiteState:
     program: object = None
     """The site's explicit per-rank program (``passes.explicit.program.ExplicitProgram``), when expanded."""
     form: SiteForm | None = None
-    """What the site runs as (``passes.explicit.form_decision``, decided once when its graph is rewritten)."""
+    """What the site runs as (``passes.forms.decide_form``, decided once when its graph is rewritten), and why."""
     form_why: str = ""
     calls: int = 0
     memo: TensorMemo = field(default_factory=TensorMemo)

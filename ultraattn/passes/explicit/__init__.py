@@ -5,7 +5,7 @@ forward and backward); ``expand.py``: the pass that splices programs in; ``order
 that puts every communicating node in one order on every rank.
 """
 
-from ultraattn.passes.explicit.expand import expand_sites, form_decision, form_of, prepare, schedule_rows
+from ultraattn.passes.explicit.expand import expand_sites, prepare, schedule_rows
 from ultraattn.passes.explicit.order import order_comm
 
-__all__ = ["expand_sites", "form_decision", "form_of", "order_comm", "prepare", "schedule_rows"]
+__all__ = ["expand_sites", "order_comm", "prepare", "schedule_rows"]

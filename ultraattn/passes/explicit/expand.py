@@ -18,10 +18,11 @@ A ``site_attention_local`` node (a sequence-sharded graph) expands the same way 
 dispatch and the gathers. At world size 1 the site becomes the ``bsa_fwd`` / ``bsa_bwd``
 kernel op itself.
 
-What a site becomes is its ``SiteForm``, decided once by ``form_decision``: a program planned at compile time
-(``PROGRAM``: a mask without run-time content and static shapes; planned by ``prepare`` in the backend call,
-before the compiler runs), a program over a fixed skeleton planned per mask (``PROGRAM_PER_MASK``), the kernel
-op (``KERNEL``, world size 1), or one opaque op (``ONE_OP``, not expanded).
+What a site becomes is its ``SiteForm``, decided once by ``passes.forms.decide_form`` and kept in its
+state: a program planned at compile time (``PROGRAM``: a mask without run-time content and static shapes;
+planned by ``prepare`` in the backend call, before the compiler runs), a program over a fixed skeleton planned
+per mask (``PROGRAM_PER_MASK``), the kernel op (``KERNEL``, world size 1), or one opaque op (``ONE_OP``, not
+expanded).
 """
 
 from __future__ import annotations
@@ -52,31 +53,6 @@ from ultraattn.passes.state import SideTable
 from ultraattn.runtime.api import AttentionPlan, check_consistent
 
 
-def form_decision(state: SiteState) -> tuple[SiteForm, str]:
-    """What a rewritten site runs as, and why: the one place it is decided (``form_of`` records it in the site's
-    state, where the backend, the expansion and the report read it)."""
-    spec = state.spec
-    if not spec.options.explicit:
-        return SiteForm.ONE_OP, "options['explicit'] is False"
-    if not all(isinstance(d, int) for d in (*spec.q_shape, *spec.kv_shape)):
-        return SiteForm.ONE_OP, "dynamic shapes"
-    if not spec.static_mask:
-        if spec.options.world_size == 1:
-            return SiteForm.ONE_OP, "world size 1 with a run-time mask: the block-sparse kernel op runs with each " \
-                                    "mask's layout"
-        return SiteForm.PROGRAM_PER_MASK, "the mask arrives at run time"
-    if spec.options.world_size == 1:
-        return SiteForm.KERNEL, "world size 1: nothing to split"
-    return SiteForm.PROGRAM, "the plan is known at compile time"
-
-
-def form_of(state: SiteState) -> SiteForm:
-    """The site's form (decided by ``form_decision`` on first asking, then kept in ``state.form``)."""
-    if state.form is None:
-        state.form, state.form_why = form_decision(state)
-    return state.form
-
-
 def prepare(state: SiteState, device: torch.device) -> None:
     """Plan an expandable site now, in the backend call (every rank compiles the same graphs in order).
 
@@ -88,7 +64,7 @@ def prepare(state: SiteState, device: torch.device) -> None:
         return
     state.device = device
     spec = state.spec
-    if form_of(state) is SiteForm.PROGRAM_PER_MASK:  # the plan is run-time data: only the skeleton's geometry now
+    if state.form is SiteForm.PROGRAM_PER_MASK:  # the plan is run-time data: only the skeleton's geometry now
         state.program = dynamic_program(state, device)
         return
     runner = runner_for(state, spec.q_shape, spec.kv_shape, spec.dtype, device, [])
@@ -119,7 +95,7 @@ def _program_of(state: SiteState, backward: bool, local: bool):
     if prog is None:
         what = "backward of site" if backward else "site"
         raise RuntimeError(f"ultraattn: {what} {state.spec.name} reached the compiler without its compile-time plan")
-    if form_of(state) is SiteForm.KERNEL:
+    if state.form is SiteForm.KERNEL:
         return kernel_backward_program(prog) if backward else kernel_forward_program(prog)
     return backward_program(prog, local) if backward else forward_program(prog, local)
 
@@ -131,7 +107,7 @@ def expand_sites(gm: fx.GraphModule, table: SideTable) -> list[str]:
         if node.op != "call_function" or node.target not in SITE_OPS + SITE_BWD_OPS:
             continue
         state = table.sites.get(next(a for a in node.args if isinstance(a, str)))
-        if state is None or form_of(state) is SiteForm.ONE_OP:
+        if state is None or state.form is SiteForm.ONE_OP:
             continue
         backward = node.target in SITE_BWD_OPS
         args = list(node.args[:8] if backward else node.args[:3])
