@@ -11,7 +11,7 @@ and step, measured in the same run.
 
     python benchmarks/compile_cache.py                        # 2 ranks, the example's defaults
     python benchmarks/compile_cache.py --nproc 4 --mask document --seqlen 16384 --before /tmp/old \
-        --out benchmarks/results/compile_cache_document.json      # dynamic-mask sites at 16K tokens
+        --out benchmarks/results/compile_cache_document.json      # run-time-mask sites at 16K tokens
     python benchmarks/compile_cache.py --repeats 3 --before /tmp/old   # also an older checkout, same run
 
 ``--before DIR`` runs the same command from another checkout of the repository (its ``ultraattn`` first on the

@@ -4,7 +4,7 @@ The model of ``examples/train_cp.py`` (Llama-style, GQA, RoPE) compiled with the
 ranks; every step packs new random documents (a new BlockMask). Configurations, side by side in ONE run
 (same processes, same data; each compiled once, then timed round-robin so drift hits all alike):
 
-* ``explicit``: the default: the sites are explicit programs (``passes/explicit/dynamic.py``);
+* ``explicit``: the default: the sites are explicit programs (``passes/explicit/per_mask.py``);
 * ``opaque``: ``options={"explicit": False}``: one op per site, planned by the fast planner each step;
 * with ``--attention-only`` (the global view, where owners may follow each mask) also ``explicit-fixed``:
   explicit programs with owners fixed per graph (head-tail) instead of chosen per batch.
@@ -37,7 +37,7 @@ def worker(rank: int, world: int, args: dict) -> dict:
     import torch.distributed as dist
     from train_cp import Llama, batches, document_masks
 
-    import ultraattn.passes.explicit.dynamic as rt
+    import ultraattn.passes.explicit.per_mask as rt
 
     ns = argparse.Namespace(seed=0, steps=args["warmup"] + args["steps"], seqlen=args["seqlen"], same_mask=False)
     data = batches(ns)

@@ -1,6 +1,6 @@
 """Owners of a run-time-mask site: chosen per batch, or fixed per graph? Exchange plans of document masks, modelled.
 
-An explicit site whose mask arrives each batch (``passes/explicit/dynamic.py``) computes every cell where its
+An explicit site whose mask arrives each batch (``passes/explicit/per_mask.py``) computes every cell where its
 query rows live; who owns which chunk is either fixed for the graph (head-tail, balanced for causal masks) or
 chosen per mask by the balancer (``planner.balance.ownership``). On this 2-core CPU the end-to-end benchmark
 (``dynamic_masks.py --attention-only``) cannot tell them apart: four ranks share two cores, so a rank's idle

@@ -127,7 +127,7 @@ def _row(args, S: int, name: str, flex, dt, kv_heads: int) -> dict:
     device, gqa = args.device, kv_heads != args.heads
     mm = mask_mod_for(name, S, device)
     bm = create_block_mask(mm, None, None, S, S, device=device, BLOCK_SIZE=128)
-    lay = K.get_layout(bm, q_len=S, kv_len=S, batch=args.batch, num_heads=args.heads, device=torch.device(device))
+    lay = K.get_block_lists(bm, q_len=S, kv_len=S, batch=args.batch, num_heads=args.heads, device=torch.device(device))
     pairs = lay.attended_pairs()
     flops_fwd = 4.0 * pairs * args.head_dim
     g = torch.Generator(device=device).manual_seed(0)

@@ -345,7 +345,7 @@ def runtime_mask_worker(rank: int, world: int, specs: list[dict], options: dict,
                               for ph in ("fwd", "bwd")},
                     "planned": {ph: run.plan.bytes(ph, run.rank) for ph in ("fwd", "bwd")},
                     "plan": run.plan.content_hash(), "ownership": run.plan.ownership, "calls": st.calls,
-                    # tile rows that ran the block-sparse Triton kernels (their kernel layouts, cached per mask)
+                    # tile rows that ran the block-sparse Triton kernels (their block lists, cached per mask)
                     "kernel_rows": sum(k[0] == "kernel" for k in run.geo.mask_cache)}
         steps.append({"loss": loss.detach().double(), "sites": sites,
                       "grads": {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}})

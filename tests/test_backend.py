@@ -217,9 +217,9 @@ def test_world1_checkpointing_fullgraph():
 
 
 def test_new_mask_content_does_not_recompile_and_is_planned_again():
-    """A new mask runs without recompiling. Its layout is keyed by its block table (64-token blocks here): [130, 30]
-    has other blocks than [50, 70, 40] and is laid out again; [40, 80, 40] has the same blocks with other elements
-    and reuses that layout with its own bit tiles. Every step exact."""
+    """A new mask runs without recompiling. Its block lists are keyed by its block table (64-token blocks here):
+    [130, 30] has other blocks than [50, 70, 40] and gets its own; [40, 80, 40] has the same blocks with other
+    elements and reuses those block lists with its own bit tiles. Every step exact."""
     S = 160
     model = build({"attn": "flex"})
     cm = torch.compile(model, backend="ultraattn")
@@ -478,7 +478,7 @@ def test_explicit_graphs_show_every_stage_forward_and_backward(world, shard, tmp
         assert _count(fwd, "cp_start") == _count(fwd, "cp_wait") == sum(s["stages"]["fwd"] for s in sites.values())
         assert _count(bwd, "cp_start") == _count(bwd, "cp_wait") == sum(s["stages"]["bwd"] for s in sites.values())
         computes = sum(s["rows"] for s in sites.values()) > 0  # a rank may own only padding at this size
-        assert (_count(fwd, "cp_tile_fwd") > 0) == (_count(bwd, "cp_tile_bwd") > 0) == computes, r
+        assert (_count(fwd, "cp_tiles_fwd") > 0) == (_count(bwd, "cp_tiles_bwd") > 0) == computes, r
         gathers = (0, 0) if shard else (4, 6)  # out, lse / dq, dk, dv per site
         assert (_count(fwd, "cp_gather"), _count(bwd, "cp_gather")) == gathers
         for name, s in sites.items():
@@ -491,7 +491,7 @@ def test_explicit_graphs_show_every_stage_forward_and_backward(world, shard, tmp
     assert out.returncode == 0, out.stderr
     for kind in ("forward", "backward"):
         assert f"{kind} graph for Inductor: " in out.stdout
-    assert "program" in out.stdout and "cp_tile_bwd" in out.stdout
+    assert "program" in out.stdout and "cp_tiles_bwd" in out.stdout
     assert sum(s["moved"][ph]["sent"] for got in res for s in got["sites"].values() for ph in ("fwd", "bwd")) > 0
 
 
@@ -540,7 +540,7 @@ def test_explicit_tiles_are_the_triton_ops_where_the_kernels_run():
         assert not check_against_oracle(spec, got), r
         code = {g["kind"]: g["code"] for g in got["aot"]}
         assert _count(code["forward"], "bsa_fwd") > 0 and _count(code["backward"], "bsa_bwd") > 0, r
-        assert "cp_tile_fwd" not in code["forward"] and "cp_tile_bwd" not in code["backward"]
+        assert "cp_tiles_fwd" not in code["forward"] and "cp_tiles_bwd" not in code["backward"]
 
 
 class _Fallbacks(torch.nn.Module):

@@ -12,7 +12,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from ultraattn import masks
 from ultraattn.kernels import flex_tile as FT
-from ultraattn.kernels import make_layout
+from ultraattn.kernels import make_block_lists
 from ultraattn.kernels.reference import softmax_delta
 from ultraattn.runtime.tiles import merge_partial
 from ultraattn.testing import dense_attention
@@ -43,7 +43,7 @@ def _tile_mask(mm, n_kv: int, off: int, bits: bool):
         return mm(b, h, q_idx, kv_idx + off)
 
     bm = create_block_mask(shifted, None, None, S, n_kv, device="cpu", BLOCK_SIZE=128)
-    lists = make_layout(bm, q_len=S, kv_len=n_kv, batch=B, num_heads=H, mask_mod=shifted)
+    lists = make_block_lists(bm, q_len=S, kv_len=n_kv, batch=B, num_heads=H, mask_mod=shifted)
     return FT.block_mask_of(lists, None if bits else shifted)
 
 
@@ -52,7 +52,7 @@ def test_bit_tiles_as_a_block_mask_give_flex_its_own_output(name):
     q, k, v, *_ = _inputs(0)
     mm = _mask(name)
     bm = create_block_mask(mm, None, None, S, S, device="cpu", BLOCK_SIZE=128)
-    lists = make_layout(bm, q_len=S, kv_len=S, batch=B, num_heads=H, mask_mod=mm)
+    lists = make_block_lists(bm, q_len=S, kv_len=S, batch=B, num_heads=H, mask_mod=mm)
     want = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
     got = flex_attention(q, k, v, block_mask=FT.block_mask_of(lists), enable_gqa=True)
     assert torch.equal(got, want)

@@ -1,4 +1,4 @@
-"""Block-sparse attention kernels: layout, eager reference op, Triton kernels (interpreted on CPU), compile.
+"""Block-sparse attention kernels: block lists, eager reference op, Triton kernels (interpreted on CPU), compile.
 
 Every numeric check is the 2x rule (docs/numerics.md) against an fp64 dense oracle (out, lse, dq, dk,
 dv with a loss that flows through both out and lse, so dLSE is exercised). The Triton kernels
@@ -45,10 +45,10 @@ def _lib(**kw) -> list[Case]:
     return [Case(mask=m, kwargs=a, **kw) for m, a in LIB]
 
 
-# ----------------------------------------------------------------------------- layout
+# ----------------------------------------------------------------------------- block lists
 @pytest.mark.parametrize("case", _lib(seqlen=200, heads=2, kv_heads=2, block=32), ids=lambda c: c.name)
-def test_layout_reconstructs_the_dense_mask(case):
-    lay = K.make_layout(plan_mask(case), q_len=case.seqlen, kv_len=case.seqlen, num_heads=case.heads,
+def test_block_lists_reconstruct_the_dense_mask(case):
+    lay = K.make_block_lists(plan_mask(case), q_len=case.seqlen, kv_len=case.seqlen, num_heads=case.heads,
                         mask_mod=mask_mod_of(case) if case.mask not in ("causal", "full", "random") else None,
                         block_size=case.block)
     want = dense_mask(case)[0]  # [H, S, S]
@@ -77,29 +77,29 @@ def test_layout_reconstructs_the_dense_mask(case):
     assert lay.attended_pairs() == int(want.sum())
 
 
-def test_layout_kv_tail_is_never_full_and_heads_dedupe():
-    lay = K.make_layout("full", q_len=100, kv_len=100, num_heads=3, block_size=32)
+def test_block_lists_kv_tail_is_never_full_and_heads_dedupe():
+    lay = K.make_block_lists("full", q_len=100, kv_len=100, num_heads=3, block_size=32)
     assert lay.num_patterns == 1 and lay.pattern_of.tolist() == [0, 0, 0]
     assert (lay.kind[0, :, -1] == 1).all() and (lay.kind[0, :, :-1] == 2).all()
     # a mask_mod that differs per head inside blocks: heads get their own bit tiles
-    lay = K.make_layout(lambda b, h, q, kv: (q - kv) % (h + 2) == 0, q_len=64, kv_len=64, num_heads=3,
+    lay = K.make_block_lists(lambda b, h, q, kv: (q - kv) % (h + 2) == 0, q_len=64, kv_len=64, num_heads=3,
                         block_size=32)
     assert lay.pattern_of.tolist() == [0, 1, 2]
 
 
-def test_layout_errors_name_the_fix():
+def test_block_lists_errors_name_the_fix():
     pat = pattern_from_mask_mod(mask_mod_of(Case(mask="causal")), 128, 128, block_size=32)
     with pytest.raises(ValueError, match="mask_mod=..."):
-        K.make_layout(pat)
+        K.make_block_lists(pat)
     with pytest.raises(ValueError, match="power-of-two block size"):
-        K.make_layout("causal", q_len=96, block_size=24)
+        K.make_block_lists("causal", q_len=96, block_size=24)
     with pytest.raises(ValueError, match="batch=3"):
         doc = generate_document([[32, 32], [16, 48]])  # two batch entries with different blocks
-        K.make_layout(pattern_from_mask_mod(doc, 64, 64, block_size=32, batch=2), batch=3, mask_mod=doc)
+        K.make_block_lists(pattern_from_mask_mod(doc, 64, 64, block_size=32, batch=2), batch=3, mask_mod=doc)
 
 
 def _dense(lay) -> torch.Tensor:
-    """bool [B, H, rows, keys] of a layout (blocks whole, padding included)."""
+    """bool [B, H, rows, keys] of block lists (blocks whole, padding included)."""
     nq, nk = lay.grid
     qb, kb = lay.q_block, lay.kv_block
     bits = K.unpack_bits(lay.bits, kb)
@@ -123,7 +123,7 @@ def test_pack_unpack_roundtrip(kb):
     packed = K.pack_bits(m)
     assert packed.dtype == torch.int32 and packed.shape == (5, 16, (kb + 31) // 32)
     assert torch.equal(K.unpack_bits(packed, kb), m)
-    # the words' little-endian bytes hold bit c % 8 of byte c // 8 (the layout's documented order)
+    # the words' little-endian bytes hold bit c % 8 of byte c // 8 (the block lists' documented order)
     as_bytes = packed.contiguous().view(torch.uint8)[..., : kb // 8].to(torch.int32)
     assert torch.equal(((as_bytes[..., None] >> torch.arange(8)) & 1).reshape(5, 16, kb).bool(), m)
 
@@ -145,7 +145,7 @@ def test_reference_op_groups_the_heads_of_a_gqa_group():
     """The CPU op runs the query heads of a KV head as one matmul when they share a pattern and each head alone
     when they do not: a mask that differs between the heads of one group and between batch entries covers both."""
     case = Case(mask="head_mix", seqlen=200, heads=4, kv_heads=2, batch=2, block=32)
-    lay = K.make_layout(mask_mod_of(case), q_len=200, kv_len=200, batch=2, num_heads=4, block_size=32)
+    lay = K.make_block_lists(mask_mod_of(case), q_len=200, kv_len=200, batch=2, num_heads=4, block_size=32)
     assert lay.pattern_of.view(2, 2, 2).tolist() == [[[0, 0], [0, 1]], [[1, 0], [0, 1]]]
     assert not check_numerics(case, _run(case))
 
@@ -206,9 +206,9 @@ def test_triton_backward_takes_global_lse_and_dlse(triton_kernels):
     q, k, v = (torch.randn(1, 2, S, D, device=dev) for _ in range(3))
     go = torch.randn(1, 2, S, D, device=dev)
     gl = torch.randn(1, 2, S, device=dev)
-    lay0 = K.make_layout(lambda b, h, qi, kv: (kv < 64) & (kv <= qi), q_len=S, kv_len=S, num_heads=2,
+    lay0 = K.make_block_lists(lambda b, h, qi, kv: (kv < 64) & (kv <= qi), q_len=S, kv_len=S, num_heads=2,
                          block_size=64, device=dev)
-    lay1 = K.make_layout(lambda b, h, qi, kv: (kv >= 64) & (kv <= qi), q_len=S, kv_len=S, num_heads=2,
+    lay1 = K.make_block_lists(lambda b, h, qi, kv: (kv >= 64) & (kv <= qi), q_len=S, kv_len=S, num_heads=2,
                          block_size=64, device=dev)
     o0, l0 = K.block_sparse_attention(q, k, v, lay0, return_lse=True)
     o1, l1 = K.block_sparse_attention(q, k, v, lay1, return_lse=True)
@@ -234,7 +234,7 @@ def test_op_is_in_the_compiled_graph_and_matches_eager():
     S, H, D = 192, 4, 32
     bm = create_block_mask(mask_mod_of(Case(mask="sliding_window", kwargs=(("window", 40),))), None, None, S, S,
                            device="cpu", BLOCK_SIZE=64)
-    lay = K.make_layout(bm, num_heads=H)
+    lay = K.make_block_lists(bm, num_heads=H)
     graphs = []
 
     def spy(gm, example_inputs):
@@ -267,7 +267,7 @@ def test_bad_inputs_get_clear_errors(monkeypatch):
         K.block_sparse_attention(q.double(), q.double(), q.double(), "causal", block_size=32)
     with pytest.raises(ValueError, match="4-D"):
         K.block_sparse_attention(q[0], q, q, "causal", block_size=32)
-    lay = K.make_layout("causal", q_len=64, num_heads=4, block_size=32)
+    lay = K.make_block_lists("causal", q_len=64, num_heads=4, block_size=32)
     with pytest.raises(ValueError, match="built for q_len=64.*q_len=32"):
         K.block_sparse_attention(q[:, :, :32], q[:, :, :32], q[:, :, :32], lay)
     monkeypatch.setenv("ULTRAATTN_KERNELS", "fast")
@@ -288,7 +288,7 @@ def test_gpu_compiled_kernels_inside_torch_compile():
     def f(q, k, v):
         return K.block_sparse_attention(q, k, v, bm)
 
-    lay = K.get_layout(bm, q_len=S, kv_len=S, batch=2, num_heads=H, device=q.device)  # built outside compile
+    lay = K.get_block_lists(bm, q_len=S, kv_len=S, batch=2, num_heads=H, device=q.device)  # built outside compile
     out = torch.compile(lambda q, k, v: torch.ops.ultraattn.bsa_fwd(q, k, v, *lay.bwd_tensors(), 128, 128,
                                                                       D ** -0.5)[0])(q, k, v)
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
@@ -330,11 +330,11 @@ def test_every_kernel_parameter_is_passed_at_every_launch():
         assert "SCORE" in params, name
 
 
-def test_layout_cache_keys_the_mask_mod_too():
-    """``block_sparse_attention``'s layout cache (``ops._LAYOUTS``): one BlockPattern with PARTIAL blocks, read
-    with two mask_mods, gives each mask_mod's own layout (the bits of its PARTIAL cells), and the same pair again
+def test_block_list_cache_keys_the_mask_mod_too():
+    """``block_sparse_attention``'s block-list cache (``ops._BLOCK_LISTS``): one BlockPattern with PARTIAL blocks, read
+    with two mask_mods, gives each mask_mod's own block lists (the bits of its PARTIAL cells), and the same pair again
     the cached one."""
-    from ultraattn.kernels.ops import get_layout
+    from ultraattn.kernels.ops import get_block_lists
 
     def stripes(b, h, q, k):   # every block PARTIAL
         return (q + k) % 3 != 0
@@ -344,7 +344,7 @@ def test_layout_cache_keys_the_mask_mod_too():
 
     pattern = pattern_from_mask_mod(stripes, 128, 128, block_size=32)
     kw = dict(q_len=128, kv_len=128, batch=1, num_heads=1, device=torch.device("cpu"), block_size=32)
-    a = get_layout(pattern, mask_mod=stripes, **kw)
-    b = get_layout(pattern, mask_mod=other, **kw)
+    a = get_block_lists(pattern, mask_mod=stripes, **kw)
+    b = get_block_lists(pattern, mask_mod=other, **kw)
     assert a is not b and not torch.equal(a.bits, b.bits)
-    assert get_layout(pattern, mask_mod=other, **kw) is b
+    assert get_block_lists(pattern, mask_mod=other, **kw) is b

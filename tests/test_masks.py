@@ -490,7 +490,7 @@ def test_mask_listing_main_prints(capsys):
 
 def test_eval_mask_retries_on_the_device_of_the_mask_tables(monkeypatch):
     """A mask_mod whose tables live on another device than the indices (a document mask built for CUDA, evaluated
-    for a layout on CPU indices: the first GPU check's kernel-speed part) is evaluated there and brought back; any
+    for block lists on CPU indices: the first GPU check's kernel-speed part) is evaluated there and brought back; any
     other error is the user's and propagates. Only a CPU here: the other device is stood in for by a CPU whose
     mask_mod refuses both first calls (broadcast, then vmap) with PyTorch's device-mismatch message."""
     doc = generate_document([40, 24])

@@ -256,11 +256,11 @@ def test_tileplan_rejects_unequal_shards():
 
 
 def test_exchange_weights_from_a_pattern_and_striped_owners():
-    """Exchange plans weigh chunk cells alike from a pattern and from a kernel layout's block grids; fixed stripes
+    """Exchange plans weigh chunk cells alike from a pattern and from the kernels' block lists' grids; fixed stripes
     deal the head-tail order again every 2 x ranks chunks."""
     import numpy as np
 
-    from ultraattn.kernels import make_layout
+    from ultraattn.kernels import make_block_lists
     from ultraattn.masks import generate_document
     from ultraattn.masks.convert import to_block_pattern
     from ultraattn.planner.baselines import striped_owner, zigzag_owner
@@ -269,7 +269,7 @@ def test_exchange_weights_from_a_pattern_and_striped_owners():
     assert striped_owner(2, 2) == [0, 1, 1, 0, 0, 1, 1, 0] and striped_owner(3, 1) == zigzag_owner(3)
     doc = generate_document([100, 60, 96])
     pat = to_block_pattern(doc, q_len=256, kv_len=256, block_size=32)
-    lay = make_layout(doc, q_len=256, kv_len=256, num_heads=3, block_size=32)
+    lay = make_block_lists(doc, q_len=256, kv_len=256, num_heads=3, block_size=32)
     w = pattern_weights(pat, batch=1, num_heads=3, chunk=64, num_chunks=4, partial_overhead=0.25)
     uses = np.bincount(lay.pattern_of.numpy(), minlength=lay.num_patterns)
     assert np.allclose(w, cell_weights(lay.kind.numpy(), uses, per_q=2, per_k=2, num_chunks=4, partial_overhead=0.25))

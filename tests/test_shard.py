@@ -135,7 +135,7 @@ def test_checkpointed_layers_are_sharded_and_still_recomputed():
         assert sh["inlined_checkpoints"] == 2 and sh["fallbacks"] == [] and sh["sharded_ops"] > 20, sh
         assert "tag_activation_checkpoint" not in rec["code"]
         fwd, bwd = rec["aot"]["forward"], rec["aot"]["backward"]
-        assert fwd.count("cp_tile_fwd.default(") == bwd.count("cp_tile_fwd.default(") > 0  # recomputed, every tile
+        assert fwd.count("cp_tiles_fwd.default(") == bwd.count("cp_tiles_fwd.default(") > 0  # recomputed, every tile
 
 
 def test_an_unknown_op_falls_back_and_is_reported(tmp_path):

@@ -179,9 +179,9 @@ def test_site_keys_are_derived_from_the_graph_so_a_restart_compiles_the_same_tex
 
 
 def test_ultraattn_reset_clears_every_place_process_state_lives():
-    """The side table, the online planner of run-time masks, the kernels' layout cache and the score_mods' generated
-    functions: all empty after ``ultraattn.reset()``, and a graph compiled before it recompiles instead of
-    failing."""
+    """The side table, the online planner of run-time masks, the kernels' block-list cache and the score_mods'
+    generated functions (``cache.held_state()``: the one home of process state): all empty after
+    ``ultraattn.reset()``, and a graph compiled before it recompiles instead of failing."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from ultraattn.kernels import block_sparse_attention
@@ -197,12 +197,21 @@ def test_ultraattn_reset_clears_every_place_process_state_lives():
     assert plan.planner == "fast"
     from ultraattn.runtime import tile_kernels as tiles
 
-    tiles._SCORE_KERNELS["a score_mod's code"] = object()  # (generating one needs Triton's interpreter: a stand-in)
+    tiles._SCORE_KERNELS.put("a score_mod's code", object())  # (generating one needs Triton's interpreter: a stand-in)
     table = side_table()
-    assert table.sites and table.graphs and len(kernel_ops._LAYOUTS) and len(ONLINE._planners)
+    assert table.sites and table.graphs and len(kernel_ops._BLOCK_LISTS) and len(ONLINE._planners)
     ultraattn.reset()
     assert not table.sites and not table.graphs and not counters["ultraattn"]
-    assert not len(kernel_ops._LAYOUTS) and not len(ONLINE._planners) and not tiles._SCORE_KERNELS
+    assert not len(kernel_ops._BLOCK_LISTS) and not len(ONLINE._planners) and not len(tiles._SCORE_KERNELS)
+    # one home holds all of it: these four, and nothing else unnamed
+    from ultraattn.cache import held_state
+
+    held = held_state()
+    assert set(held) == {"passes: the side table", "runtime: the online planner",
+                         "kernels: block_sparse_attention's block lists",
+                         "runtime: the score_mods' generated Triton functions"}
+    assert held["passes: the side table"] is table and held["runtime: the online planner"] is ONLINE
+    assert held["kernels: block_sparse_attention's block lists"] is kernel_ops._BLOCK_LISTS
     torch.testing.assert_close(f(q), _sdpa(q))  # Dynamo forgot the graph too: it compiles again
     assert len(table.graphs) == 1
 

@@ -1,6 +1,14 @@
-"""A bounded mapping that evicts the least recently used entry: the one cache type of the package.
+"""The package's process state in one home (``process_state``), and its one cache type (``LRU``).
 
-Plans keyed by mask content, kernel layouts keyed by mask identity, and the forward state that
+Every module-level object that holds state across calls is declared here by name, where the module defines it
+(``X = process_state("what it is", LRU(32))``): the side table (``passes/state.py``), the online planner
+(``runtime/online.py``), the kernels' block lists (``kernels/ops.py``) and the score_mods' generated Triton functions
+(``runtime/tile_kernels.py``). ``ultraattn.reset()`` clears everything held here (``clear_process_state``);
+``held_state()`` lists it. What stays process-wide on purpose is listed in docs/architecture.md ("Where state lives").
+
+``LRU``: a bounded mapping that evicts the least recently used entry.
+
+Plans keyed by mask content, kernel block lists keyed by mask identity, and the forward state that
 waits for its backward are all bounded this way, because a training loop that meets a new mask
 every step must not grow memory without limit. Thread-safe: a plan may be made on a worker
 thread while the step that uses it runs.
@@ -11,10 +19,43 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+
+
+class Clearable(Protocol):
+    def clear(self) -> None: ...
+
+
+C = TypeVar("C", bound=Clearable)
+
+_STATE: dict[str, Clearable] = {}
+"""Name -> holder: every piece of the process's state (``process_state``)."""
+_STATE_LOCK = threading.Lock()
+
+
+def process_state(name: str, holder: C) -> C:
+    """Hold ``holder`` (anything with ``clear()``) as the process state called ``name``; returns it, so a module
+    declares its state in one line. A second holder under one name is an error (two modules claiming one name)."""
+    with _STATE_LOCK:
+        if name in _STATE and _STATE[name] is not holder:
+            raise RuntimeError(f"ultraattn: process state {name!r} is held already")
+        _STATE[name] = holder
+    return holder
+
+
+def held_state() -> dict[str, Clearable]:
+    """Every piece of process state, by name."""
+    with _STATE_LOCK:
+        return dict(_STATE)
+
+
+def clear_process_state() -> None:
+    """Clear every piece of process state (``ultraattn.reset``)."""
+    for holder in held_state().values():
+        holder.clear()
 
 
 class LRU(Generic[K, V]):
@@ -53,6 +94,10 @@ class LRU(Generic[K, V]):
     def values(self) -> list[V]:
         with self._lock:
             return list(self._data.values())
+
+    def items(self) -> list[tuple[K, V]]:
+        with self._lock:
+            return list(self._data.items())
 
     def __contains__(self, key: object) -> bool:
         with self._lock:

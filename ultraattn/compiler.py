@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from rich.console import Console
 
-from ultraattn.kernels.ops import forget_layouts
+from ultraattn.cache import clear_process_state
 from ultraattn.passes.backend import analyse_sharding, compile_graph, find_and_rewrite, site_forms
 from ultraattn.passes.flex_shim import install_flex_cpu_shim
 from ultraattn.passes.fx_util import meta_value, placeholders
@@ -47,7 +47,6 @@ from ultraattn.report.compile_report import (
 )
 from ultraattn.report.plan_report import plan_row, plans_table, print_plan_result
 from ultraattn.report.style import print_line, report_console
-from ultraattn.runtime.api import forget_runtime_state
 from ultraattn.runtime.comm import RankTimeoutError
 from ultraattn.runtime.plan_cache import content_digest
 
@@ -269,7 +268,7 @@ def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict |
     flow depends on tensor values may take another path).
 
     Args:
-        world_size: ranks to plan for (``nodes`` x devices per node); 1 shows the kernel layouts.
+        world_size: ranks to plan for (``nodes`` x devices per node); 1 shows the kernels' block lists.
         options: backend options (as for ``torch.compile(..., options=)``), e.g. planner settings.
         detail: ``"summary"`` (default): each graph's sites (what each runs as, and why) and one line per
             distinct plan against the best baseline; ``"plans"``: each distinct plan's full report too (mask,
@@ -309,12 +308,11 @@ def explain(model, *inputs, world_size: int = 8, nodes: int = 1, options: dict |
 def reset() -> None:
     """Forget all of ultraattn's process state, and Dynamo's compiled graphs (which hold keys into it).
 
-    The state lives in four places, each cleared here: the backend's side table (sites, layouts, records, counts,
-    meshes: ``passes/state.py``), the online planner of masks that arrive at run time (``runtime/online.py``), the
-    kernels' cache of block-sparse layouts (``kernels/ops.py``) and the score_mods' generated Triton functions
-    (``runtime/tiles.py``); docs/architecture.md lists what stays process-wide on purpose. Every rank must call it
-    at the same point."""
+    The state has one home, ``ultraattn.cache`` (``held_state()``), and all of it is cleared here: the backend's side
+    table (sites, token layouts, records, counts, meshes: ``passes/state.py``), the online planner of masks that
+    arrive at run time (``runtime/online.py``), the kernels' cache of block lists (``kernels/ops.py``) and the
+    score_mods' generated Triton functions (``runtime/tile_kernels.py``); docs/architecture.md lists what stays
+    process-wide on purpose. Every rank must call it at the same point."""
     torch._dynamo.reset()
-    side_table().reset()
-    forget_runtime_state()
-    forget_layouts()
+    side_table().reset()   # (the active table: a private one inside ``explain``, else the process's)
+    clear_process_state()

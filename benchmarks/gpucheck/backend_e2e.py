@@ -6,7 +6,7 @@ compiled with ``backend="ultraattn"`` and compiled plainly. The ultraattn steps 
 (``ultraattn.testing.check_step``: loss and every gradient) at the first and the last step, and the graphs the
 backend compiled must call the kernels: the causal mask, known at compile time, as the block-sparse kernel ops
 (``bsa_fwd`` / ``bsa_bwd``) in the graph; the document masks, which arrive at run time, as one site op that calls
-them with each step's layout. A profiled step then shows the kernel ops running (and, on a GPU, our Triton kernels
+them with each step's block lists. A profiled step then shows the kernel ops running (and, on a GPU, our Triton kernels
 on the device). Recorded: the first step (compile and run), where its compile time went (per phase), and the
 median of the later steps, for ultraattn and for plain ``torch.compile``.
 
@@ -201,7 +201,7 @@ def run_kind(ctx: Ctx, kind: str, cfg: dict, compiler: str) -> dict:
                            for op in (*sorted(TILE_OPS), "site_attention", "site_attention_bwd")}
     res["sites"] = {k: int(v) for k, v in side_table().counters.items() if k in ("sites", "rewritten", "fallbacks")}
     # at world 1 a mask known at compile time (causal) becomes the kernel ops themselves, in the graph; a mask that
-    # arrives at run time stays one site op, which builds the step's layout and calls the same kernel ops inside
+    # arrives at run time stays one site op, which builds the step's block lists and calls the same kernel ops inside
     want = ("bsa_fwd", "bsa_bwd") if kind == "causal" else ("site_attention", "site_attention_bwd")
     if not all(res["ops_in_graph"][op] for op in want):
         res["problems"].append(f"the compiled graphs do not call {want}: {res['ops_in_graph']}")

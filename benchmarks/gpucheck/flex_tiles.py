@@ -47,7 +47,7 @@ def _tile_mask(mask_mod, S: int, n_kv: int, off: int, B: int, H: int, device, bi
         return mask_mod(b, h, q_idx, kv_idx + off)
 
     bm = create_block_mask(shifted, None, None, S, n_kv, device=device, BLOCK_SIZE=128)
-    lists = K.get_layout(bm, q_len=S, kv_len=n_kv, batch=B, num_heads=H, device=device, mask_mod=shifted)
+    lists = K.get_block_lists(bm, q_len=S, kv_len=n_kv, batch=B, num_heads=H, device=device, mask_mod=shifted)
     return FT.block_mask_of(lists, None if bits else shifted)
 
 
@@ -151,7 +151,7 @@ def timed_row(ctx: Ctx, name: str, S: int, dims: dict, reps: int) -> dict:
     dev, dt, dname = ctx.device, dims["dtype"], ctx.device.type
     mm = bench.mask_mod_for(name, S, dname)
     bm = create_block_mask(mm, None, None, S, S, device=dname, BLOCK_SIZE=128)
-    lay = K.get_layout(bm, q_len=S, kv_len=S, batch=B, num_heads=H, device=dev)
+    lay = K.get_block_lists(bm, q_len=S, kv_len=S, batch=B, num_heads=H, device=dev)
     fb = FT.block_mask_of(lay, mm)
     fb_bits = FT.block_mask_of(lay)
     pairs = lay.attended_pairs()

@@ -83,7 +83,7 @@ def run_case(c: dict, device: torch.device) -> dict:
     os.environ["ULTRAATTN_TUNE"] = c["tune"]
     S, B, H, Hk, D = c["seqlen"], c["batch"], c["heads"], c["kv_heads"], c["head_dim"]
     bm, dense = make_mask(c["mask"], S, H, c["block"], c.get("seed", 0))
-    lay = K.make_layout(bm, q_len=S, kv_len=S, batch=B, num_heads=H, block_size=c["block"]).to(device)
+    lay = K.make_block_lists(bm, q_len=S, kv_len=S, batch=B, num_heads=H, block_size=c["block"]).to(device)
     g = torch.Generator().manual_seed(7)
     q = torch.randn(B, H, S, D, generator=g)
     k, v = (torch.randn(B, Hk, S, D, generator=g) for _ in range(2))
@@ -112,7 +112,7 @@ def compiled_case(ctx: Ctx) -> dict:
     os.environ["ULTRAATTN_TUNE"] = "first"
     S, H, D, block = ctx.pick(1024, 96), 4, ctx.pick(128, 32), ctx.pick(128, 32)
     bm, dense = make_mask("document", S, H, block)
-    lay = K.make_layout(bm, q_len=S, kv_len=S, batch=1, num_heads=H, block_size=block).to(ctx.device)
+    lay = K.make_block_lists(bm, q_len=S, kv_len=S, batch=1, num_heads=H, block_size=block).to(ctx.device)
     g = torch.Generator().manual_seed(3)
     q, k, v, go = (torch.randn(1, H, S, D, generator=g).to(torch.bfloat16) for _ in range(4))
     gl = torch.randn(1, H, S, generator=g)

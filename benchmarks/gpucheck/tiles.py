@@ -62,7 +62,7 @@ def run(ctx: Ctx) -> None:
     rows_class = config.row_class(D, "bf16")
     bm = bench.create_block_mask(bench.mask_mod_for("causal", S, dev), None, None, S, S, device=dev,
                                  BLOCK_SIZE=128)
-    lay = K.get_layout(bm, q_len=S, kv_len=S, batch=1, num_heads=H, device=ctx.device)
+    lay = K.get_block_lists(bm, q_len=S, kv_len=S, batch=1, num_heads=H, device=ctx.device)
     flops_fwd = 4.0 * lay.attended_pairs() * D
     g = torch.Generator(device=dev).manual_seed(0)
     dt = torch.bfloat16 if not ctx.dry_run else torch.float32

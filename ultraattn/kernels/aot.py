@@ -70,7 +70,7 @@ def has_nvidia_backend() -> tuple[bool, str]:
         return False, "triton is not installed"
     try:
         from triton.backends import backends
-    except ImportError as e:  # very old Triton layout
+    except ImportError as e:  # very old Triton
         return False, f"triton.backends is missing ({e})"
     if "nvidia" not in backends:
         return False, f"this Triton has no NVIDIA backend (backends: {sorted(backends)})"

@@ -139,7 +139,7 @@ def pack_bits(mask: Tensor) -> Tensor:
     The same bits as little-endian bytes with bit c % 8 of byte c // 8; words let a kernel fetch
     32 mask elements with one load (``triton_kernels._load_bits``). Built as bytes (eight shift-ors
     over uint8) and read as words: a few passes over one byte per element, where a weighted int64 sum
-    took most of a layout's build time."""
+    took most of the block lists' build time."""
     *lead, k = mask.shape
     w = (k + 31) // 32
     m = mask.to(torch.uint8)
@@ -188,7 +188,7 @@ def _check_block(name: str, value: int) -> None:
         )
 
 
-def make_layout(
+def make_block_lists(
     mask: BlockPattern | BlockMask | str | Callable,
     *,
     q_len: int | None = None,
@@ -199,7 +199,7 @@ def make_layout(
     block_size: int | tuple[int, int] = 128,
     device: torch.device | str = "cpu",
 ) -> BlockLists:
-    """Build the kernels' layout for ``mask`` at the given batch and head count.
+    """Build the kernels' block lists for ``mask`` at the given batch and head count.
 
     Args:
         mask: a ``BlockMask``, a ``BlockPattern`` (with ``mask_mod=`` when it has PARTIAL
@@ -208,7 +208,7 @@ def make_layout(
         batch, num_heads: the attention's batch size and number of query heads.
         mask_mod: the mask function for PARTIAL cells when ``mask`` doesn't carry one.
         block_size: block size for strings and mask_mods (a BlockMask/BlockPattern brings its own).
-        device: where the layout's tensors go.
+        device: where the block lists' tensors go.
     """
     pattern = to_block_pattern(mask, q_len=q_len, kv_len=kv_len, block_size=block_size, batch=batch,
                                num_heads=num_heads)
@@ -217,12 +217,12 @@ def make_layout(
     if kv_len is not None and kv_len != pattern.kv_len:
         raise ValueError(f"kv_len={kv_len} disagrees with the mask's kv_len={pattern.kv_len}")
     fn = _mask_mod_for(mask, mask_mod)
-    return layout_from_pattern(pattern, fn, batch=batch, num_heads=num_heads, device=device)
+    return block_lists_from_pattern(pattern, fn, batch=batch, num_heads=num_heads, device=device)
 
 
-def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, batch: int, num_heads: int,
+def block_lists_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, batch: int, num_heads: int,
                         device: torch.device | str = "cpu") -> BlockLists:
-    """Layout from a pattern plus the mask_mod that resolves its PARTIAL cells (see ``make_layout``)."""
+    """Layout from a pattern plus the mask_mod that resolves its PARTIAL cells (see ``make_block_lists``)."""
     qb, kb = pattern.q_block, pattern.kv_block
     _check_block("q_block", qb)
     _check_block("kv_block", kb)
@@ -264,7 +264,7 @@ def layout_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, bat
 
 
 def _assemble(kind_u: Tensor, tile_grid: Tensor, bits: Tensor, pattern_of: Tensor, **sizes) -> BlockLists:
-    """The layout of unique cell grids ``kind_u`` [U, NQ, NK] whose PARTIAL cells have tile ids ``tile_grid``."""
+    """The block lists of unique cell grids ``kind_u`` [U, NQ, NK] whose PARTIAL cells have tile ids ``tile_grid``."""
     full_cnt, full_idx = _sorted_lists(kind_u == FULL)
     part_cnt, part_idx = _sorted_lists(kind_u == PARTIAL)
     part_tile = torch.gather(tile_grid, 2, part_idx.long())
@@ -343,7 +343,7 @@ def _dedupe(kinds: list[Tensor], bit_sets: list[Tensor], qb: int, kb: int
 def dense_block_kinds(mask: Tensor, q_block: int, kv_block: int) -> Tensor:
     """int8 [B', H', NQ, NK] block kinds (EMPTY / PARTIAL / FULL) of a boolean mask [.., Q, K] (2-D, or 4-D with
     batch and head dims of size 1 or full), computed where the mask lives in one pass. Padding past the lengths is
-    False, so a tail block is never FULL (the layouts' tail promotion). This table, not the mask's S x S elements,
+    False, so a tail block is never FULL (the block lists' tail promotion). This table, not the mask's S x S elements,
     is what planning and cache keys read."""
     m = _dense4(mask)
     B, H, Q, K = m.shape
@@ -365,21 +365,21 @@ def _dense4(mask: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True, eq=False)
-class DenseLayout:
-    """A dense mask's layout for its block kinds (``dense_block_kinds``), with the PARTIAL cells the bit tiles of
+class DenseBlockLists:
+    """A dense mask's block lists for its block kinds (``dense_block_kinds``), with the PARTIAL cells the bit tiles of
     each call's mask fill (``bits_of``): built once per block table, so a new mask with the same blocks costs one
     gather on its device and no host work."""
 
     lists: BlockLists
-    """The layout with empty bit tiles."""
+    """The block lists with empty bit tiles."""
     cells: Tensor
-    """int64 [P, 3] on the layout's device: (pattern, q block, kv block) of tile ``p``."""
+    """int64 [P, 3] on the block lists' device: (pattern, q block, kv block) of tile ``p``."""
     by_pattern: tuple = ()
-    """(pattern, its tiles' ids on the layout's device, how many) per pattern with PARTIAL tiles: what ``mod_bits``
+    """(pattern, its tiles' ids on the block lists' device, how many) per pattern with PARTIAL tiles: what ``mod_bits``
     walks without reading the device."""
 
     def bits_of(self, mask: Tensor) -> BlockLists:
-        """The layout with ``mask``'s bit tiles (packed on the mask's device)."""
+        """The block lists with ``mask``'s bit tiles (packed on the mask's device)."""
         if not len(self.cells):
             return self.lists
         lay = self.lists
@@ -393,26 +393,26 @@ class DenseLayout:
         return dataclasses.replace(lay, bits=pack_bits(tiles).contiguous())
 
 
-def mod_bits(layout: DenseLayout, mask_mod: Callable, mask_heads: int) -> BlockLists:
-    """``layout`` with the bit tiles of ``mask_mod`` (a BlockMask's mask_mod over this call's buffers) evaluated on the
-    layout's device over its PARTIAL cells, pattern by pattern (pattern ``u`` is batch entry ``u // mask_heads``,
+def mod_bits(dense: DenseBlockLists, mask_mod: Callable, mask_heads: int) -> BlockLists:
+    """``dense`` with the bit tiles of ``mask_mod`` (a BlockMask's mask_mod over this call's buffers) evaluated on the
+    block lists' device over its PARTIAL cells, pattern by pattern (pattern ``u`` is batch entry ``u // mask_heads``,
     head ``u % mask_heads`` of the kinds it was built from): what a run-time BlockMask costs per call at world size
     1, no host work. Padded positions are evaluated clamped and come out 0."""
-    lay, cells = layout.lists, layout.cells
+    lay, cells = dense.lists, dense.cells
     if not len(cells):
         return lay
     qb, kb, dev = lay.q_block, lay.kv_block, cells.device
     bits = torch.empty(len(cells), qb, (kb + 31) // 32, dtype=torch.int32, device=dev)
-    for u, at, n in layout.by_pattern:
+    for u, at, n in dense.by_pattern:
         b, h = torch.tensor(u // mask_heads, device=dev), torch.tensor(u % mask_heads, device=dev)
         bits[at] = torch.cat(list(_cell_bits(mask_mod, b, h, cells[at, 1], cells[at, 2], n, qb, kb, lay.q_len,
                                              lay.kv_len)))
     return dataclasses.replace(lay, bits=bits.contiguous())
 
 
-def dense_layout(kinds: Tensor, *, q_len: int, kv_len: int, batch: int, num_heads: int, q_block: int,
-                 kv_block: int, device: torch.device | str) -> DenseLayout:
-    """The ``DenseLayout`` of a dense mask's block kinds ``kinds`` [B', H', NQ, NK] (on the host): one pattern per
+def dense_block_lists(kinds: Tensor, *, q_len: int, kv_len: int, batch: int, num_heads: int, q_block: int,
+                 kv_block: int, device: torch.device | str) -> DenseBlockLists:
+    """The ``DenseBlockLists`` of a dense mask's block kinds ``kinds`` [B', H', NQ, NK] (on the host): one pattern per
     (batch entry, head) of the mask, its PARTIAL cells numbered in row-major order."""
     _check_block("q_block", q_block)
     _check_block("kv_block", kv_block)
@@ -432,4 +432,4 @@ def dense_layout(kinds: Tensor, *, q_len: int, kv_len: int, batch: int, num_head
                     kv_block=kv_block, batch=batch, num_heads=num_heads, name="dense")
     by_pattern = tuple((u, at.to(device), len(at)) for u in cells[:, 0].unique().tolist()
                        for at in [(cells[:, 0] == u).nonzero().flatten()])
-    return DenseLayout(lists=lay.to(device), cells=cells.to(device), by_pattern=by_pattern)
+    return DenseBlockLists(lists=lay.to(device), cells=cells.to(device), by_pattern=by_pattern)

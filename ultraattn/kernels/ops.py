@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 from torch.library import custom_op, triton_op, wrap_triton
 
-from ultraattn.cache import LRU
+from ultraattn.cache import LRU, process_state
 from ultraattn.kernels import config
-from ultraattn.kernels.block_lists import BlockLists, make_layout
+from ultraattn.kernels.block_lists import BlockLists, make_block_lists
 from ultraattn.kernels.reference import reference_bwd, reference_fwd, softmax_delta
 
 _LOG2E = 1.4426950408889634
@@ -166,7 +166,7 @@ def bsa_fwd(q: Tensor, k: Tensor, v: Tensor, pattern_of: Tensor, full_cnt: Tenso
 
 def _fwd_launch(q, k, v, lay, q_block: int, kv_block: int, scale: float, fp32_out: bool, score: ScoreArgs | None,
                 wrap: Callable) -> tuple[Tensor, Tensor]:
-    """The forward kernel on the forward layout tensors ``lay`` (with a score_mod when ``score`` is given)."""
+    """The forward kernel on the forward block-list tensors ``lay`` (with a score_mod when ``score`` is given)."""
     from ultraattn.kernels import triton_kernels as tk
 
     pattern_of, full_cnt, full_idx, part_cnt, part_idx, part_tile, bits = (t.contiguous() for t in lay)
@@ -205,7 +205,7 @@ def bsa_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Ten
 def _bwd_launch(q, k, v, do, lse, delta, dlse, lay, q_block: int, kv_block: int, scale: float, fp32_grads: bool,
                 score: ScoreArgs | None, wanted: Sequence[int], wrap: Callable
                 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    """The dQ and dK/dV kernels on the layout tensors ``lay`` (``bwd_tensors`` order); with a score_mod, also
+    """The dQ and dK/dV kernels on the block-list tensors ``lay`` (``bwd_tensors`` order); with a score_mod, also
     the fp32 gradients of its buffers ``wanted`` (summed over this launch's scores)."""
     from ultraattn.kernels import triton_kernels as tk
     from ultraattn.kernels.score_codegen import MAX_BUFFERS
@@ -256,13 +256,13 @@ def score_bwd(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: T
                        lambda fn: fn)
 
 
-_N_LAYOUT = 12  # layout tensors passed to bsa_fwd
+_N_LISTS = 12  # block-list tensors passed to bsa_fwd
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v = inputs[:3]
-    lay = inputs[3:3 + _N_LAYOUT]
-    ctx.q_block, ctx.kv_block, ctx.scale, ctx.fp32_out = inputs[3 + _N_LAYOUT:]
+    lay = inputs[3:3 + _N_LISTS]
+    ctx.q_block, ctx.kv_block, ctx.scale, ctx.fp32_out = inputs[3 + _N_LISTS:]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *lay)
 
@@ -272,44 +272,39 @@ def _backward(ctx, dout, dlse):
     delta = softmax_delta(out, dout)
     # A zero dlse (lse unused) would be materialised by autograd anyway; pass it on unchanged.
     dq, dk, dv = bsa_bwd(q, k, v, dout, lse, delta, dlse, *lay, ctx.q_block, ctx.kv_block, ctx.scale)
-    return (dq, dk, dv) + (None,) * (_N_LAYOUT + 4)
+    return (dq, dk, dv) + (None,) * (_N_LISTS + 4)
 
 
 bsa_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------- public API
-_LAYOUTS: LRU = LRU(32)
-"""Layouts of the latest masks passed to ``block_sparse_attention``: (mask identity, mask_mod identity, shapes,
-device, block size) -> (mask, mask_mod, layout). The entry holds the mask and the mask_mod, so neither id can be
+_BLOCK_LISTS: LRU = process_state("kernels: block_sparse_attention's block lists", LRU(32))
+"""Block lists of the latest masks passed to ``block_sparse_attention``: (mask identity, mask_mod identity, shapes,
+device, block size) -> (mask, mask_mod, block lists). The entry holds the mask and the mask_mod, so neither id can be
 reused by another object while it is cached, and a hit is checked to be those very objects. A mask is read once:
-a tensor changed in place afterwards keeps its old layout (pass a new mask, or ``forget_layouts()``)."""
+a tensor changed in place afterwards keeps its old block lists (pass a new mask, or ``ultraattn.reset()``)."""
 
 
-def forget_layouts() -> None:
-    """Drop the cached layouts (``ultraattn.reset``)."""
-    _LAYOUTS.clear()
-
-
-def get_layout(mask, *, q_len: int, kv_len: int, batch: int, num_heads: int, device: torch.device,
+def get_block_lists(mask, *, q_len: int, kv_len: int, batch: int, num_heads: int, device: torch.device,
                mask_mod: Callable | None = None, block_size: int = 128) -> BlockLists:
-    """``make_layout`` with a small cache keyed on the mask object's identity (kept alive by the cache)."""
+    """``make_block_lists`` with a small cache keyed on the mask object's identity (kept alive by the cache)."""
     if isinstance(mask, BlockLists):
         lay = mask
     else:
         key = (id(mask) if not isinstance(mask, str) else mask, id(mask_mod), q_len, kv_len, batch, num_heads,
                str(device), block_size)
-        hit = _LAYOUTS.get(key)
+        hit = _BLOCK_LISTS.get(key)
         if hit is not None and (isinstance(mask, str) or hit[0] is mask) and hit[1] is mask_mod:
             return hit[2]
-        lay = make_layout(mask, q_len=q_len, kv_len=kv_len, batch=batch, num_heads=num_heads, mask_mod=mask_mod,
+        lay = make_block_lists(mask, q_len=q_len, kv_len=kv_len, batch=batch, num_heads=num_heads, mask_mod=mask_mod,
                           block_size=block_size, device=device)
-        _LAYOUTS.put(key, (mask, mask_mod, lay))
+        _BLOCK_LISTS.put(key, (mask, mask_mod, lay))
     if (lay.q_len, lay.kv_len, lay.batch, lay.num_heads) != (q_len, kv_len, batch, num_heads):
         raise ValueError(
-            f"the layout was built for q_len={lay.q_len}, kv_len={lay.kv_len}, batch={lay.batch}, "
+            f"the block lists were built for q_len={lay.q_len}, kv_len={lay.kv_len}, batch={lay.batch}, "
             f"heads={lay.num_heads}, but the inputs have q_len={q_len}, kv_len={kv_len}, batch={batch}, "
-            f"heads={num_heads}: build it with make_layout(..., batch=, num_heads=) for these inputs"
+            f"heads={num_heads}: build it with make_block_lists(..., batch=, num_heads=) for these inputs"
         )
     return lay if lay.device == torch.device(device) else lay.to(device)
 
@@ -345,13 +340,13 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask="full", *, scal
             ``BlockLists``, a mask_mod, or ``"causal"`` / ``"full"`` (SDPA semantics).
         scale: softmax scale, default ``1/sqrt(D)``.
         return_lse: also return the log-sum-exp ``[B, H, Sq]`` (fp32, -inf for rows that attend nowhere).
-        mask_mod, block_size: for masks that don't carry them (see ``make_layout``).
+        mask_mod, block_size: for masks that don't carry them (see ``make_block_lists``).
 
     Differentiable in q, k, v (and through lse). Rows that attend nowhere give 0, not NaN.
     """
     _check_inputs(q, k, v)
     B, H, Sq, D = q.shape
-    lay = get_layout(mask, q_len=Sq, kv_len=k.shape[2], batch=B, num_heads=H, device=q.device, mask_mod=mask_mod,
+    lay = get_block_lists(mask, q_len=Sq, kv_len=k.shape[2], batch=B, num_heads=H, device=q.device, mask_mod=mask_mod,
                      block_size=block_size)
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out, lse = torch.ops.ultraattn.bsa_fwd(q, k, v, *lay.bwd_tensors(), lay.q_block, lay.kv_block, s)

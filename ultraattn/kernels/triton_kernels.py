@@ -51,7 +51,7 @@ def _load_bits(BITS, tile, r_in, c_in, QB: tl.constexpr, KB: tl.constexpr, BLOCK
                BLOCK_N: tl.constexpr):
     """Mask bits [BLOCK_M, BLOCK_N] of bit tile ``tile`` at rows ``r_in``.., columns ``c_in``.. of the block.
 
-    Bits are 32-bit words along the KV axis (``layout.pack_bits``). With ``BLOCK_N >= 32`` a row of
+    Bits are 32-bit words along the KV axis (``block_lists.pack_bits``). With ``BLOCK_N >= 32`` a row of
     the tile is BLOCK_N / 32 word loads, expanded by shifts: one load per 32 mask elements, where an
     element-wise gather keeps a 64-bit address per element in registers (what made these kernels spill).
     """

@@ -31,9 +31,9 @@ from torch._dynamo.backends.common import aot_autograd
 
 from ultraattn.passes.capture import Site, estimate_density, find_sites
 from ultraattn.passes.carrier import Carried, SeqShard
-from ultraattn.passes.explicit.dynamic import RUNTIME_MASK_STRIPES
 from ultraattn.passes.explicit.expand import expand_sites, prepare, schedule_rows
 from ultraattn.passes.explicit.order import order_comm
+from ultraattn.passes.explicit.per_mask import RUNTIME_MASK_STRIPES
 from ultraattn.passes.fx_util import placeholders, refresh_fake_values, specialize_sizes, tensor_value, ultraattn_op
 from ultraattn.passes.kept import keep_flex_eager
 from ultraattn.passes.options import BackendOptions
@@ -275,7 +275,7 @@ def choose_layout(an, states: dict[str, SiteState], values: dict, opts: BackendO
     world = opts.world_size
     if state.form is SiteForm.PROGRAM_PER_MASK:
         # a new mask every batch, computed where its query rows live: no single mask's plan fits the next one;
-        # fine head-tail stripes balance document masks within ~1.1 (passes/explicit/dynamic.py's [Note]): the
+        # fine head-tail stripes balance document masks within ~1.1 (passes/explicit/per_mask.py's [Note]): the
         # most stripes (up to RUNTIME_MASK_STRIPES) that pad the sequence no more than the fewest would
         chunks = {s: padded_chunk(an.seq_len, 2 * world * s, block) for s in range(1, RUNTIME_MASK_STRIPES + 1)}
         least = min(2 * world * s * c for s, c in chunks.items())

@@ -43,12 +43,11 @@ OPS: dict[str, OpInfo] = {
     "cp_start": _COMM_TOKEN, "cp_wait": _WAIT, "cp_finish": _COMM_TOKEN, "cp_gather": _COMM_TOKEN,
     "cp_check_inputs": _COMM_TOKEN, "cp_all_reduce": _COMM_TOKEN,
     "cp_stash": OpInfo(token=True), "cp_unstash": OpInfo(), "cp_token": OpInfo(),
-    "cp_tile_fwd": OpInfo(tile=True, tile_row=True), "cp_tile_bwd": OpInfo(tile=True, tile_row=True),
-    "cp_tile_layout": OpInfo(tile_row=True), "cp_layout": OpInfo(),
-    "cp_tiles_fwd": OpInfo(tile=True), "cp_tiles_bwd": OpInfo(tile=True),
-    # a site's explicit program for masks that arrive at run time (passes/ops/dynamic.py)
+    "cp_tile_lists": OpInfo(tile_row=True), "cp_block_lists": OpInfo(),
+    "cp_tiles_fwd": OpInfo(tile=True, tile_row=True), "cp_tiles_bwd": OpInfo(tile=True, tile_row=True),
+    # a site's explicit program for masks that arrive at run time (passes/ops/per_mask.py)
     # (its stages, gathers and stash are the ops above, with the plan as data)
-    "cp_dyn_plan": _COMM_TOKEN, "cp_dyn_index": OpInfo(),
+    "cp_mask_plan": _COMM_TOKEN, "cp_mask_index": OpInfo(),
     # kernels (kernels/ops.py) and kept flex_attention sites (passes/ops/kept.py)
     "bsa_fwd": OpInfo(tile=True), "bsa_bwd": OpInfo(tile=True),
     "bsa_fwd_ref": OpInfo(), "bsa_bwd_ref": OpInfo(), "kept_flex": OpInfo(), "kept_flex_bwd": OpInfo(),

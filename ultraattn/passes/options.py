@@ -23,7 +23,7 @@ from ultraattn.planner.cost import DEFAULT_COST, CostModel
 from ultraattn.planner.plan import Mesh
 from ultraattn.planner.profile import CostProfile, cost_model_of
 from ultraattn.planner.tiling import PlannerOptions
-from ultraattn.runtime.calibrate import cached_profile_path, default_device
+from ultraattn.runtime.calibrate import auto_profile, cached_profile_path, default_device
 from ultraattn.runtime.costs import resolve_source
 
 ReportMode = Literal["off", "summary", "full"]
@@ -145,8 +145,10 @@ def _check_cost(cost, *, grouped: bool, mesh, world: int) -> CostModel | CostPro
                              f"cached ({path}); run `ultraattn calibrate --nproc {world}` first, or pass a profile "
                              f"path or a dict of CostModel fields")
         cost = path
+    if isinstance(cost, str) and cost == "auto":
+        return auto_profile(mesh=mesh)   # measured once per machine and configuration (a collective), then cached
     try:
-        return resolve_source(cost, mesh=mesh)
+        return resolve_source(cost)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"options['cost']: {exc}") from None
 

@@ -266,7 +266,7 @@ class AotGraphRecord:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanEvent:
-    """A plan (or, at world size 1, a kernel layout) made for a site's mask."""
+    """A plan (or, at world size 1, block lists) made for a site's mask."""
 
     site: str
     graph: int
@@ -282,7 +282,7 @@ class PlanEvent:
     comparison: dict | None = None
     """Modeled figures of ultraattn and every baseline (``report.plan_report.comparison``)."""
     planner: str = ""
-    """Which planner made it: "fast", "ilp", "baseline", or "kernels" (a kernel layout at world size 1)."""
+    """Which planner made it: "fast", "ilp", "baseline", or "kernels" (block lists at world size 1)."""
     ahead: bool = False
     """The fast plan was made on the worker thread before the step asked (``ultraattn.plan_ahead``)."""
     call: int = 0

@@ -7,7 +7,7 @@
 * ``SiteState`` (mutable, one per site in the side table): the plan cache, the forward state
   waiting for its backward, call counts, the explicit program, and the observer that shows
   plan events.
-* ``runner_for``: the plan (world > 1) or kernel layout (world 1) for one call's mask content,
+* ``runner_for``: the plan (world > 1) or block lists (world 1) for one call's mask content,
   cached on that content, so a new batch's document mask is planned again without recompiling.
 """
 
@@ -27,8 +27,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from ultraattn.cache import LRU
-from ultraattn.kernels import BlockLists, make_layout
-from ultraattn.kernels.block_lists import MASK_DEPENDS, dense_block_kinds, dense_layout, mod_bits
+from ultraattn.kernels import BlockLists, make_block_lists
+from ultraattn.kernels.block_lists import MASK_DEPENDS, dense_block_kinds, dense_block_lists, mod_bits
 from ultraattn.masks.convert import block_table_kinds, pattern_from_mask_mod, to_block_pattern
 from ultraattn.masks.pattern import FULL, PARTIAL
 from ultraattn.passes.fx_util import module_digest
@@ -49,7 +49,7 @@ MAX_PENDING = 8
 graph is compiled."""
 
 Runner = AttentionPlan | BlockLists
-"""What a site runs: a plan across ranks, or (world size 1) the block-sparse kernels' layout."""
+"""What a site runs: a plan across ranks, or (world size 1) the block-sparse kernels' block lists."""
 
 
 STATIC_MASKS = ("causal", "full")
@@ -199,7 +199,7 @@ def dense_mask_mod(mask: Tensor) -> Callable:
 def _bool_mask(spec: SiteSpec, tensors: Sequence[Tensor], batch: int, heads: int):
     """(pattern with exact pair counts, mask_mod) of a boolean mask: what a plan made once (at compile time, for a
     sequence-sharded graph's layout, ``explain``) reads. A run-time mask's plan per step reads its block table
-    instead (``explicit/dynamic.py``)."""
+    instead (``explicit/per_mask.py``)."""
     dense_mask = dense_mask_mod(tensors[0])
     bm, hm = getattr(dense_mask, MASK_DEPENDS)
     pat = pattern_from_mask_mod(dense_mask, spec.q_shape[2], spec.kv_shape[2], block_size=spec.options.block_size,
@@ -209,7 +209,7 @@ def _bool_mask(spec: SiteSpec, tensors: Sequence[Tensor], batch: int, heads: int
 
 def flex_mask_mod(info: FlexMaskInfo, buffers: Sequence[Tensor]) -> Callable:
     """A flex site's mask_mod over this call's buffers (document ids, ...), evaluated where its indices are: on the
-    buffers' device (a kernel layout's bit tiles on the GPU read them there), or, for indices elsewhere (the CPU
+    buffers' device (the block lists' bit tiles on the GPU read them there), or, for indices elsewhere (the CPU
     tiles' element masks), on a copy of the buffers made there once per mask (8 bytes per token, shared by the
     sites that read the mask in a step; the answers never cross devices)."""
     copies = {None: [t.detach() for t in buffers]}
@@ -253,7 +253,8 @@ def _block_mask(info: FlexMaskInfo, tensors: Sequence[Tensor]):
 
 
 def mask_from_content(spec: SiteSpec, tensors: Sequence[Tensor], batch: int, heads: int):
-    """(mask, mask_mod) for ``plan_attention`` / ``make_layout`` from the site's spec and one call's mask tensors."""
+    """(mask, mask_mod) for ``plan_attention`` / ``make_block_lists`` from the site's spec and one call's mask
+    tensors."""
     if spec.static_mask:
         return spec.mask, None
     if spec.mask == "bool_mask":
@@ -265,12 +266,12 @@ def mask_from_content(spec: SiteSpec, tensors: Sequence[Tensor], batch: int, hea
 # ----------------------------------------------------------------------------- planning
 def make_runner(spec: SiteSpec, layout: TokenSharding | None, q_shape: tuple, kv_shape: tuple, dtype: torch.dtype,
                 device, tensors: Sequence[Tensor]) -> Runner:
-    """Plan the site for this mask content (a collective across the site's ranks), or build its kernel layout."""
+    """Plan the site for this mask content (a collective across the site's ranks), or build its block lists."""
     B, H, S, D = q_shape
     mask, mask_mod = mask_from_content(spec, tensors, B, H)
     opts = spec.options
     if opts.world_size == 1:
-        return make_layout(mask, q_len=S, kv_len=kv_shape[2], batch=B, num_heads=H, mask_mod=mask_mod,
+        return make_block_lists(mask, q_len=S, kv_len=kv_shape[2], batch=B, num_heads=H, mask_mod=mask_mod,
                            block_size=opts.block_size, device=device)
     return plan_attention(mask, seqlen=S, num_heads=H, head_dim=D, num_kv_heads=kv_shape[1], batch=B, mesh=opts.mesh,
                           dtype=dtype, block_size=opts.block_size, mask_mod=mask_mod, method=opts.method,
@@ -281,11 +282,11 @@ def make_runner(spec: SiteSpec, layout: TokenSharding | None, q_shape: tuple, kv
 def plan_offline(spec: SiteSpec, tensors: Sequence[Tensor], *, nodes: int, devices: int
                  ) -> PlanResult | BlockLists:
     """Plan the site for ``nodes x devices`` ranks with the pure planner (no process group: ``ultraattn.explain``),
-    or build its kernel layout for one rank."""
+    or build its block lists for one rank."""
     B, H, S, D = spec.q_shape
     mask, mask_mod = mask_from_content(spec, tensors, B, H)
     if nodes * devices == 1:
-        return make_layout(mask, q_len=S, kv_len=spec.kv_shape[2], batch=B, num_heads=H, mask_mod=mask_mod,
+        return make_block_lists(mask, q_len=S, kv_len=spec.kv_shape[2], batch=B, num_heads=H, mask_mod=mask_mod,
                            block_size=spec.options.block_size)
     pattern = to_block_pattern(mask, q_len=S, kv_len=S, block_size=spec.options.block_size, batch=B, num_heads=H)
     shape = AttnShape(seq_len=S, num_heads=H, head_dim=D, num_kv_heads=spec.kv_shape[1], batch=B)
@@ -309,7 +310,7 @@ def _plan_key(state: SiteState, q_shape, kv_shape, dtype, device, tensors: Seque
 
 
 def call_block_kinds(state: SiteState, tensors: Sequence[Tensor]) -> Tensor:
-    """A run-time mask as its block table (int8 EMPTY / PARTIAL / FULL, on the host), what planning and layouts read
+    """A run-time mask as its block table (int8 EMPTY / PARTIAL / FULL, on the host), what planning and block lists read
     instead of the mask: a boolean mask's from the graph's ``ultraattn::mask_block_kinds`` node (computed once per
     mask and step for every site after it) or reduced here on the mask's device (``dense_block_kinds``); a
     BlockMask's from its index lists, on their device (``block_table_kinds``). Once per mask object (``TensorMemo``:
@@ -328,18 +329,18 @@ def call_block_kinds(state: SiteState, tensors: Sequence[Tensor]) -> Tensor:
 
 
 def _dense_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence[Tensor]) -> BlockLists:
-    """World size 1, a boolean mask: its block table (``call_block_kinds``), the layout of that table cached, and
+    """World size 1, a boolean mask: its block table (``call_block_kinds``), the block lists of that table cached, and
     this mask's bit tiles packed on its device. The mask's S x S elements never reach the host."""
     block = state.spec.options.block_size
     mask = tensors[0]
     kinds = call_block_kinds(state, tensors)
-    key = state.memo.get(kinds, ("dense layout", tuple(q_shape), tuple(kv_shape), str(device), block),
+    key = state.memo.get(kinds, ("dense block lists", tuple(q_shape), tuple(kv_shape), str(device), block),
                          lambda: content_digest([kinds], ("dense", tuple(q_shape), tuple(kv_shape), str(device),
                                                           block)))
     dense = state.plans.lookup(key)
     if dense is None:
         t0 = time.perf_counter()
-        dense = dense_layout(kinds, q_len=q_shape[2], kv_len=kv_shape[2], batch=q_shape[0], num_heads=q_shape[1],
+        dense = dense_block_lists(kinds, q_len=q_shape[2], kv_len=kv_shape[2], batch=q_shape[0], num_heads=q_shape[1],
                              q_block=block, kv_block=block, device=device)
         seconds = time.perf_counter() - t0
         state.plans.store(key, dense, seconds)
@@ -348,8 +349,8 @@ def _dense_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence
 
 
 def _flex_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence[Tensor]) -> BlockLists:
-    """World size 1, a BlockMask that arrives at run time: its block table (``call_block_kinds``), the layout of that
-    table cached, and this call's bit tiles evaluated from the mask_mod over the call's buffers on their device
+    """World size 1, a BlockMask that arrives at run time: its block table (``call_block_kinds``), the block lists
+    of that table cached, and this call's bit tiles evaluated from the mask_mod over the call's buffers on their device
     (``mod_bits``). The BlockMask's int32 lists and per-token buffers never reach the host; a mask with the blocks
     of one seen before builds nothing."""
     info = state.spec.flex
@@ -361,7 +362,7 @@ def _flex_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence[
     bm = B if dep_b or table.shape[0] > 1 else 1
     hm = H if dep_h or table.shape[1] > 1 else 1
 
-    def layout_key() -> tuple[Tensor, str]:  # (once per table object and shape: the sites of a step share it)
+    def lists_key() -> tuple[Tensor, str]:  # (once per table object and shape: the sites of a step share it)
         kinds = table.expand(bm, hm, *table.shape[2:]).clone()
         if info.kv_len % info.kv_block:  # a FULL tail block would be read past the keys: its bits bound it
             tail = kinds[..., -1]
@@ -369,18 +370,18 @@ def _flex_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence[
         return kinds, content_digest([kinds], ("flex", tuple(q_shape), tuple(kv_shape), str(device), info.q_block,
                                                info.kv_block))
 
-    kinds, key = state.memo.get(table, ("flex layout", tuple(q_shape), tuple(kv_shape), str(device), bm, hm),
-                                layout_key)
-    layout = state.plans.lookup(key)
-    if layout is None:
+    kinds, key = state.memo.get(table, ("flex block lists", tuple(q_shape), tuple(kv_shape), str(device), bm, hm),
+                                lists_key)
+    dense = state.plans.lookup(key)
+    if dense is None:
         t0 = time.perf_counter()
-        layout = dense_layout(kinds, q_len=q_shape[2], kv_len=kv_shape[2], batch=B, num_heads=H,
+        dense = dense_block_lists(kinds, q_len=q_shape[2], kv_len=kv_shape[2], batch=B, num_heads=H,
                               q_block=info.q_block, kv_block=info.kv_block, device=device)
         seconds = time.perf_counter() - t0
-        state.plans.store(key, layout, seconds)
-        state.observer.plan_made(plan_event(state, layout.lists, seconds))
+        state.plans.store(key, dense, seconds)
+        state.observer.plan_made(plan_event(state, dense.lists, seconds))
     anchor = buffers[0] if buffers else kvi
-    return state.memo.get(anchor, ("bits", key), lambda: mod_bits(layout, mask_mod, hm))
+    return state.memo.get(anchor, ("bits", key), lambda: mod_bits(dense, mask_mod, hm))
 
 
 def plan_event(state: SiteState, runner: Runner, seconds: float) -> PlanEvent:

@@ -20,7 +20,7 @@ one object makes the state visible, bounded and resettable:
 
 The custom ops look their state up in ``side_table()``, the active table. The backend's state is all
 here; the rest of ultraattn's process state is the online planner of masks that arrive at run time
-(``runtime/online.py``) and the kernels' layout cache (``kernels/ops.py``). ``ultraattn.reset()``
+(``runtime/online.py``) and the kernels' block-list cache (``kernels/ops.py``). ``ultraattn.reset()``
 clears all three together with Dynamo's graphs (graphs compiled before a reset hold keys into this
 table and could no longer run); the tests' fixture calls it. A site's state is also dropped when the
 compiled graph that holds it is garbage collected (``forget_with``), so recompiles do not grow the table.
@@ -40,7 +40,7 @@ from collections.abc import Iterator
 
 from torch._dynamo.utils import counters as dynamo_counters
 
-from ultraattn.cache import LRU
+from ultraattn.cache import LRU, process_state
 from ultraattn.passes.opinfo import ops_digest
 from ultraattn.passes.records import AotGraphRecord, CompileReport, GraphRecord, Observer, PlanEvent
 from ultraattn.passes.site import SiteSpec, SiteState
@@ -70,7 +70,7 @@ class SideTable:
         tensor however many sites receive it."""
         self.exchange_runs: LRU = LRU(64)
         """Run-time programs' plans by configuration and mask content: sites that see the same mask (every layer of
-        a model) plan it once (``explicit/dynamic.py``)."""
+        a model) plan it once (``explicit/per_mask.py``)."""
         self._ids = itertools.count(1)
         self._graph_count = 0
         self._key_uses: Counter = Counter()
@@ -198,6 +198,10 @@ class SideTable:
                                  stats=tuple(s.stats() for g in graphs for s in self.sites_of(g)))
 
     # ------------------------------------------------------------------ reset
+    def clear(self) -> None:
+        """``reset`` (what ``cache.clear_process_state`` calls)."""
+        self.reset()
+
     def reset(self) -> None:
         """Forget every site, layout, record and count (mesh handles too)."""
         with self.lock:
@@ -236,7 +240,7 @@ def _held(store: dict, key: str, what: str):
     return value
 
 
-_PROCESS_TABLE = SideTable(private=False)
+_PROCESS_TABLE = process_state("passes: the side table", SideTable(private=False))
 _active: list[SideTable] = [_PROCESS_TABLE]
 _active_lock = threading.Lock()
 

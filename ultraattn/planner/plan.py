@@ -93,7 +93,7 @@ class Mesh:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AttnShape:
-    """Shapes of one attention call (layout: batch, heads, seq, dim)."""
+    """Shapes of one attention call (dims: batch, heads, seq, dim)."""
 
     seq_len: int
     num_heads: int

@@ -328,7 +328,7 @@ class CostProfile:
 
 def cost_model_of(cost) -> CostModel:
     """A ``CostModel`` from a model, a profile or a profile's path (``"auto"`` is resolved by the runtime, which can
-    measure: ``ultraattn.runtime.costs.resolve_cost``)."""
+    measure: ``ultraattn.runtime.calibrate.auto_profile``)."""
     match cost:
         case CostModel():
             return cost
@@ -336,7 +336,7 @@ def cost_model_of(cost) -> CostModel:
             return cost.cost
         case "auto":
             raise ValueError("cost='auto' calibrates this machine, which needs the runtime: call "
-                             "ultraattn.runtime.costs.resolve_cost('auto', ...) or pass a profile path")
+                             "ultraattn.runtime.calibrate.auto_profile() or pass a profile path")
         case str() | os.PathLike():
             return CostProfile.load(cost).cost
         case _:

@@ -158,7 +158,7 @@ def _planner_words(ev: PlanEvent) -> str:
     if not ev.planner:
         return ""
     how = {"fast": "fast planner", "ilp": "ILP planner", "baseline": f"baseline {ev.method}",
-           "kernels": "kernel layout"}.get(ev.planner, ev.planner)
+           "kernels": "block lists"}.get(ev.planner, ev.planner)
     return f"{how}{', made ahead' if ev.ahead else ''}, "
 
 

@@ -1,8 +1,8 @@
 """Runtime: execute a plan across ranks (dispatch, exchange, tile compute, LSE merge, autograd)."""
 
-from ultraattn.runtime import calibrate as _calibrate  # noqa: F401 - provides cost="auto" (costs.py)
-from ultraattn.runtime.api import METHODS, AttentionPlan, check_consistent, plan_attention
+from ultraattn.runtime.api import METHODS, AttentionPlan, check_consistent
 from ultraattn.runtime.comm import RankTimeoutError
+from ultraattn.runtime.entry import plan_attention
 from ultraattn.runtime.executor import PlanExecutionError
 from ultraattn.runtime.online import plan_ahead
 from ultraattn.runtime.tokens import dispatch, dist_attention, undispatch

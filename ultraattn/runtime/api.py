@@ -47,7 +47,6 @@ from .costs import band_of, resolve_source
 from .executor import Executor
 from .online import ONLINE
 from .sequence import SequenceShards
-from .tile_kernels import forget_score_kernels
 from .tiles import ScoreMod, TileGeometry, group_kind_grid
 from .transport import transport_for
 
@@ -268,7 +267,8 @@ def plan_attention(
         cost: the cost model: a ``CostModel``, a ``CostProfile`` (``ultraattn.calibrate``), a profile's path, or
             ``"auto"``: this machine's calibrated profile, cached under the user's cache directory and measured
             first (a collective, about a minute) when there is none (``runtime/calibrate.py``). A path or
-            ``"auto"`` is resolved once per process and configuration.
+            ``"auto"`` is resolved once per process and configuration (``"auto"`` by ``ultraattn.plan_attention``,
+            ``runtime/entry.py``, which hands this function the profile).
         timeout: seconds any rank waits for a peer before failing with the peer's name.
         layout: a given ``TokenSharding`` (which rank holds which token chunks): the plan keeps it and
             chooses only where tiles run and what moves. A sequence-sharded model passes its
@@ -309,7 +309,7 @@ def plan_attention(
                       batch=batch, dtype=DTYPE_NAMES[dtype])
     pmesh, ranks, comm_group, me = resolve_group(mesh, group)
     _check_method(method, shape, pmesh)  # on every rank, before any communication
-    cost, band = _cost_model(cost, mesh=mesh, group=group, key=(ranks, pmesh.nodes, pmesh.devices), timeout=timeout)
+    cost, band = _cost_model(cost)
     if which == "fast":
         ap = _plan_fast(mask, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me, dtype=dtype,
                         block_size=block_size, mask_mod=mask_mod, options=options or PlannerOptions(), cost=cost,
@@ -322,19 +322,16 @@ def plan_attention(
     return ap
 
 
-def _cost_model(cost, *, mesh, group, key: tuple, timeout: float) -> tuple[CostModel, Band]:
+def _cost_model(cost) -> tuple[CostModel, Band]:
     """``cost`` as a ``CostModel``, and the band the fast planner chooses robustly over (a profile's fit errors, else
-    the default: ``runtime.costs.band_of``); a path or ``"auto"`` is resolved once per process
-    (``ONLINE.cost_model``)."""
-    if isinstance(cost, str) and cost == "auto":
-        src = ONLINE.cost_model(("auto", *key), lambda: resolve_source("auto", group=group, mesh=mesh,
-                                                                       timeout=timeout))
-    elif isinstance(cost, str | os.PathLike):
+    the default: ``runtime.costs.band_of``); a path is read once per process (``ONLINE.cost_model``). ``"auto"``
+    arrives resolved (``runtime/entry.py``); here it is an error that says where it is resolved."""
+    if isinstance(cost, str | os.PathLike) and not (isinstance(cost, str) and cost == "auto"):
         path = os.path.abspath(os.fspath(cost))
         stamp = os.stat(path).st_mtime_ns if os.path.exists(path) else None
         src = ONLINE.cost_model(("path", path, stamp), lambda: resolve_source(path))
     else:
-        src = resolve_source(cost)   # a model or a profile; anything else is a TypeError naming `cost`
+        src = resolve_source(cost)   # a model or a profile; "auto" or anything else raises, naming `cost`
     return cost_model_of(src), band_of(src)
 
 
@@ -494,15 +491,7 @@ def check_consistent(ap: AttentionPlan) -> None:
     ap._checked = True
 
 
-#: consistency checks so far per rank set (every rank checks its plans in the same order)
 _CHECK_COUNT: dict[tuple[int, ...], int] = {}
-
-
-def forget_runtime_state() -> None:
-    """Forget the online planners, plans and handed-over masks, and the score_mods' generated Triton functions
-    (``ultraattn.reset``).
-
-    ``_CHECK_COUNT`` stays: it numbers the keys the consistency check writes in the process group's store, which
-    outlive any reset, so counting again from 0 would read another check's values."""
-    ONLINE.clear()
-    forget_score_kernels()
+"""Consistency checks so far per rank set (every rank checks its plans in the same order). Deliberately not process
+state that ``ultraattn.reset()`` clears (``cache.process_state``): it numbers the keys the check writes in the process
+group's store, which outlive any reset, so counting again from 0 would read another check's values."""

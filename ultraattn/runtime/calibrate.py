@@ -20,9 +20,9 @@ devices and process group it runs on, and fits the model's terms to it (``planne
 A sample's figure is the median over repetitions on each rank, then the median over ranks. Every wait has a
 timeout (``timeout``), so a dead peer fails the call instead of hanging it.
 
-``costs.resolve_cost("auto", ...)`` calibrates once per machine and configuration and caches the profile under the
-user's cache directory (``$ULTRAATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/ultraattn``, else
-``~/.cache/ultraattn``); later calls (in this process or another) load it.
+``auto_profile`` (what ``cost="auto"`` resolves to: ``runtime/entry.py``, ``passes/options.py``) calibrates once
+per machine and configuration and caches the profile under the user's cache directory (``$ULTRAATTN_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/ultraattn``, else ``~/.cache/ultraattn``); later calls (in this process or another) load it.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ from ..planner.plan import Mesh
 from ..planner.profile import CostProfile, ProfileError, fit_cost, fit_step_scale, scale_kernels
 from .api import plan_attention
 from .comm import CommLog, GroupRef, resolve_group
-from .costs import provide_auto
 from .tiles import TileGeometry, merge_partial, row_backward, row_forward
 from .tokens import dispatch, dist_attention
 from .transport import Recv, Send, transport_for
@@ -523,5 +522,3 @@ def auto_profile(*, group=None, mesh=None, device=None, progress: bool = True, t
     return calibrate(comm_group if pmesh.world > 1 else None, device, mesh=mesh, progress=progress, out=path,
                      timeout=timeout, quick=quick)
 
-
-provide_auto(auto_profile)  # cost="auto" anywhere in the runtime resolves through this module (costs.py)

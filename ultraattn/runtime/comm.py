@@ -48,7 +48,7 @@ def pack(tensors: Sequence[Tensor]) -> Tensor:
 def unpack(buf: Tensor, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Tensor]:
     """Inverse of ``pack`` given the (shape, dtype) of each piece."""
     if buf.numel() != spec_bytes(specs):
-        raise RuntimeError(f"ultraattn: message of {buf.numel()} bytes does not match its layout "
+        raise RuntimeError(f"ultraattn: message of {buf.numel()} bytes does not match its pieces "
                            f"({spec_bytes(specs)} bytes)")
     out, off = [], 0
     for shape, dtype in specs:

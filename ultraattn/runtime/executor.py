@@ -138,8 +138,8 @@ def build_program(plan: TilePlan, rank: int) -> RankProgram:
     return RankProgram(rank=rank, steps=steps, finisher=finisher, keep_q=kq, keep_lse=kl, keep_kv=kkv)
 
 
-# ----------------------------------------------------------------------------- message layouts
-def layout(tensor: str, geo: TileGeometry, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+# ----------------------------------------------------------------------------- message pieces
+def message_pieces(tensor: str, geo: TileGeometry, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of the pieces of one unit message, in packing order (plan.py's byte table)."""
     b, c, d, hq, hk = geo.batch, geo.chunk, geo.head_dim, geo.hq, geo.hk
     f32 = torch.float32
@@ -166,7 +166,7 @@ def _record(t: Transfer) -> tuple:
 class TileSets:
     """The executor's tile calls: every ready tile of one step at once (``tiles_fwd`` / ``tiles_bwd``), by default one
     row at a time through the IO's ``tile_fwd`` / ``tile_bwd``. An IO may run a whole set as one call instead (a
-    dynamic program's ``TracedIO``: one graph node per set)."""
+    per-mask program's ``TracedIO``: one graph node per set)."""
 
     def tiles_fwd(self, items: list, scale: float, score: list[Tensor] = ()) -> list[tuple[Tensor, Tensor]]:
         """The tiles whose inputs are here, ``items`` = [(group, row, kv chunks, q, [(k, v) per chunk])]: each row's
@@ -207,7 +207,7 @@ class EagerIO(TileSets):
                     f"{t.nbytes}; plan and runtime disagree on the byte table"
                 )
             out.append(Send(buf, t.dst, idx, _record(t), f"{t.phase} {t.tensor} message for chunk {t.chunk}"))
-        specs = [(t, layout(t.tensor, ex.geo, ex.dtype)) for _idx, t in recvs]
+        specs = [(t, message_pieces(t.tensor, ex.geo, ex.dtype)) for _idx, t in recvs]
         expect = [Recv(spec_bytes(spec), t.src, idx, device, _record(t),
                        f"{t.phase} {t.tensor} message for chunk {t.chunk} group {t.head_group}")
                   for (idx, t), (_t, spec) in zip(recvs, specs, strict=True)]

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from ..cache import LRU
+from ..cache import LRU, process_state
 from ..masks.cells import BlockCells, cells_from_block_mask
 from ..planner.cost import CostModel
 from ..planner.fast import FastPlanner
@@ -263,7 +263,7 @@ class OnlinePlanner:
         self.stats = OnlineStats()
 
 
-ONLINE = OnlinePlanner()
+ONLINE = process_state("runtime: the online planner", OnlinePlanner())
 """The process's online planner (one object holds all run-time planning state)."""
 atexit.register(ONLINE.shutdown)
 

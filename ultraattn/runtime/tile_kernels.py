@@ -2,7 +2,7 @@
 
 ``runtime/tiles.py`` runs a row in plain torch; where kernels serve (on CUDA, or under Triton's interpreter when
 asked for), it hands the row to a function here. Coordinates are the row's own: queries ``0..chunk`` of the row's
-Q chunk, keys the row's KV chunks concatenated in column order (``kernel_layout``); a score_mod reaches our kernels
+Q chunk, keys the row's KV chunks concatenated in column order (``row_block_lists``); a score_mod reaches our kernels
 as generated Triton functions with the global offsets (``_score_args``). With ``ULTRAATTN_TILE_KERNEL=flex`` a row
 with a mask_mod and no score_mod runs on FlexAttention instead (``kernels/flex_tile.py``), with the same lists and
 the site's mask_mod shifted to the row.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..cache import LRU, process_state
 from ..eager import eager_dispatch
 from ..masks.convert import eval_mask
 from ..masks.pattern import FULL, PARTIAL, BlockPattern
@@ -32,16 +33,18 @@ def _kernels_on(geo: Geometry, t: Tensor, score: list[Tensor]) -> bool:
     return geo.score_mod is None or score_kernels(geo.score_mod, score) is not None
 
 
-_SCORE_KERNELS: dict = {}
+_SCORE_KERNELS: LRU = process_state("runtime: the score_mods' generated Triton functions", LRU(64))
 """(ScoreMod, buffer shapes and dtypes) -> its generated Triton functions, or None where there are none."""
+_NONE = object()
 
 
 def score_kernels(score_mod, buffers: list[Tensor]):
     """The score_mod's generated Triton functions (``kernels.score_codegen``) for these buffers, or None (with one
     warning naming the reason) when it has no translation: its tiles then take the plain-torch path."""
     key = (score_mod, tuple((tuple(t.shape), t.dtype) for t in buffers))
-    if key in _SCORE_KERNELS:
-        return _SCORE_KERNELS[key]
+    hit = _SCORE_KERNELS.get(key, _NONE)
+    if hit is not _NONE:
+        return hit
     from ..kernels.score_codegen import Unsupported, generate
 
     try:
@@ -53,13 +56,8 @@ def score_kernels(score_mod, buffers: list[Tensor]):
         warnings.warn(f"ultraattn: a score_mod has no Triton translation ({e}); its tiles run on the plain-torch "
                       f"path, which is exact but slower on a GPU", stacklevel=2)
         got = None
-    _SCORE_KERNELS[key] = got
+    _SCORE_KERNELS.put(key, got)
     return got
-
-
-def forget_score_kernels() -> None:
-    """Drop the generated score_mod functions (``ultraattn.reset``)."""
-    _SCORE_KERNELS.clear()
 
 
 def kv_block_ids(geo: Geometry, cols: list[int]) -> Tensor:
@@ -94,8 +92,8 @@ def _score_args(geo: Geometry, g: int, i: int, cols: list[int], score: list[Tens
                      h0=g * geo.hq, seq_len=geo.seq_len)
 
 
-def kernel_layout(geo: Geometry, g: int, i: int, cols: list[int], device: torch.device):
-    """The kernels' layout of row ``i`` (head group ``g``) against the concatenated KV chunks ``cols`` (cached).
+def row_block_lists(geo: Geometry, g: int, i: int, cols: list[int], device: torch.device):
+    """The kernels' block lists of row ``i`` (head group ``g``) against the concatenated KV chunks ``cols`` (cached).
 
     Coordinates are the row's: queries ``0..chunk``, keys ``0..len(cols)*chunk`` in column order.
     Cells touching the padded tail are PARTIAL so their bits exclude the padding.
@@ -104,12 +102,12 @@ def kernel_layout(geo: Geometry, g: int, i: int, cols: list[int], device: torch.
     hit = geo.mask_cache.get(key)
     if hit is not None:
         return hit
-    from ..kernels.block_lists import layout_from_pattern
+    from ..kernels.block_lists import block_lists_from_pattern
 
     c, bq, bk, s = geo.chunk, geo.q_block, geo.kv_block, geo.seq_len
     nqb = c // bq
     kv_ids = kv_block_ids(geo, cols)
-    per = geo.kinds_bh(g, i * nqb + torch.arange(nqb), kv_ids)  # per (batch, head): the layout is exact per head
+    per = geo.kinds_bh(g, i * nqb + torch.arange(nqb), kv_ids)  # per (batch, head): the block lists are exact per head
     kinds = (geo.kind_gQK[g][i * nqb:(i + 1) * nqb][:, kv_ids][None, None] if per is None else per).clone()
     touch = ((i * nqb + torch.arange(nqb) + 1) * bq > s)[:, None] | ((kv_ids + 1) * bk > s)[None, :]
     kinds[(kinds == FULL) & touch] = PARTIAL
@@ -126,7 +124,7 @@ def kernel_layout(geo: Geometry, g: int, i: int, cols: list[int], device: torch.
     pattern = BlockPattern(kind_BGQK=kinds.to(torch.int8), count_BGQK=torch.zeros(kinds.shape, dtype=torch.int64),
                            q_len=c, kv_len=kv_ids.numel() * bk, q_block=bq, kv_block=bk, name="row",
                            head_group_of=None if per is None else tuple(range(geo.hq)))
-    lay = layout_from_pattern(pattern, row_mask, batch=geo.batch, num_heads=geo.hq, device=device)
+    lay = block_lists_from_pattern(pattern, row_mask, batch=geo.batch, num_heads=geo.hq, device=device)
     geo.mask_cache[key] = lay
     return lay
 
@@ -142,7 +140,7 @@ def flex_tiles_on(geo: Geometry) -> bool:
 
 def flex_row_mask(geo: Geometry, g: int, i: int, cols: list[int], device: torch.device):
     """FlexAttention's BlockMask of row ``i`` (head group ``g``) against the KV chunks ``cols`` (cached): the lists of
-    ``kernel_layout``, and the site's mask_mod in global coordinates. Offsets are tensors the mask_mod closes over,
+    ``row_block_lists``, and the site's mask_mod in global coordinates. Offsets are tensors the mask_mod closes over,
     so every row of a site is one compiled flex kernel (Python ints would be guarded constants: one compile per
     row)."""
     key = ("flex", g, i, tuple(cols), str(device))
@@ -151,7 +149,7 @@ def flex_row_mask(geo: Geometry, g: int, i: int, cols: list[int], device: torch.
         return hit
     from ..kernels.flex_tile import block_mask_of
 
-    lists = kernel_layout(geo, g, i, cols, device)
+    lists = row_block_lists(geo, g, i, cols, device)
     s, mask_mod = geo.seq_len, geo.mask_mod
     kv_pos = kv_positions(geo, cols).to(torch.int32).to(device)
     q0 = torch.tensor(i * geo.chunk, dtype=torch.int32, device=device)
@@ -198,7 +196,7 @@ def _kv_cat(kvs: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tenso
 
 def kernel_row_forward(geo: Geometry, lay: tuple[Tensor, ...], q: Tensor, kvs: list[tuple[Tensor, Tensor]],
                        scale: float, score=None) -> tuple[Tensor, Tensor]:
-    """``row_forward`` on the block-sparse kernel op, given the row's ``kernel_layout`` tensors (fp32 out);
+    """``row_forward`` on the block-sparse kernel op, given the row's ``row_block_lists`` tensors (fp32 out);
     with a score_mod (``score``: the row's ``ScoreArgs``) on the plain kernel launch that takes one."""
     k_cat, v_cat = _kv_cat(kvs, q.dtype)
     if score is not None:

@@ -12,7 +12,7 @@ head group, as ONE softmax over the KV blocks the row's cells need:
 
 On CUDA (or with ``ULTRAATTN_KERNELS=triton`` under Triton's interpreter) a row runs the
 block-sparse Triton kernels instead (``tile_kernels.py``): the row's cells become a kernel
-layout in the row's own coordinates, with fp32 partial outputs and gradients; with
+block lists in the row's own coordinates, with fp32 partial outputs and gradients; with
 ``ULTRAATTN_TILE_KERNEL=flex`` a row with a mask_mod runs on FlexAttention (any device).
 
 GQA: Q heads are viewed as ``[B, Hk, r, L, D]`` against K/V ``[B, Hk, 1, L, D]``: K/V are
@@ -49,10 +49,10 @@ from .tile_kernels import (
     flex_row_backward,
     flex_row_forward,
     flex_tiles_on,
-    kernel_layout,
     kernel_row_backward,
     kernel_row_forward,
     kv_block_ids,
+    row_block_lists,
 )
 
 #: bytes of cached element masks per plan before the cache stops growing
@@ -347,7 +347,7 @@ def row_forward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, k
     if flex_tiles_on(geo):
         return flex_row_forward(geo, g, i, cols, q, kvs, scale)
     if _kernels_on(geo, q, list(score)):
-        return kernel_row_forward(geo, kernel_layout(geo, g, i, cols, q.device).bwd_tensors(), q, kvs, scale,
+        return kernel_row_forward(geo, row_block_lists(geo, g, i, cols, q.device).bwd_tensors(), q, kvs, scale,
                                   _score_args(geo, g, i, cols, list(score), q.device))
     c, bq, hk = geo.chunk, geo.q_block, geo.hk
     bsz, hq, _, d = q.shape
@@ -397,7 +397,7 @@ def row_backward(geo: TileGeometry, g: int, i: int, cols: list[int], q: Tensor, 
     if flex_tiles_on(geo):
         return flex_row_backward(geo, g, i, cols, q, do, lse, delta, kvs, scale)
     if _kernels_on(geo, q, list(score)):
-        lay = kernel_layout(geo, g, i, cols, q.device).bwd_tensors()
+        lay = row_block_lists(geo, g, i, cols, q.device).bwd_tensors()
         return kernel_row_backward(geo, lay, q, do, lse, delta, kvs, scale,
                                    _score_args(geo, g, i, cols, list(score), q.device))
     bsz, hq, _, d = q.shape

@@ -9,7 +9,7 @@ into this rank's program, traced from the executor's schedule (``explicit/progra
 
     q_l = cat(q[:, :, c0], q[:, :, c3])                            # dispatch (no index constants)
     h0 = cp_start(token, [q_l chunk for rank 1], key, 0)           # post 0: sends and receives (run order)
-    o0, l0 = cp_tile_fwd(q_l, [k_l], [v_l], key, 0)                # launches whose turn came first
+    o0, l0 = cp_tiles_fwd([q_l], [k_l], [v_l], key, 0)             # launches whose turn came first
     token, k1, v1 = cp_wait(h0, h0, key, 0)                        # post 0 received (token: the last post)
     ...                                                            # LSE merges as aten nodes
     out = cp_gather(token, out_l, key)                             # the global view (not when sharded)
@@ -35,7 +35,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ultraattn.passes.explicit.dynamic import dynamic_program
+from ultraattn.passes.explicit.per_mask import per_mask_program
 from ultraattn.passes.explicit.program import (
     ExplicitProgram,
     backward_program,
@@ -65,7 +65,7 @@ def prepare(state: SiteState, device: torch.device) -> None:
     state.device = device
     spec = state.spec
     if state.form is SiteForm.PROGRAM_PER_MASK:  # the plan is run-time data: only the skeleton's geometry now
-        state.program = dynamic_program(state, device)
+        state.program = per_mask_program(state, device)
         return
     runner = runner_for(state, spec.q_shape, spec.kv_shape, spec.dtype, device, [])
     if isinstance(runner, AttentionPlan):

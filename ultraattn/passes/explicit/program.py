@@ -22,8 +22,7 @@ from ultraattn.passes.opinfo import TILE_ROW_OPS
 from ultraattn.passes.ops.site import kernel_site_backward
 from ultraattn.passes.records import SiteForm
 from ultraattn.passes.site import Runner, SiteState
-from ultraattn.runtime.executor import TileSets
-from ultraattn.runtime.executor import layout as unit_layout
+from ultraattn.runtime.executor import TileSets, message_pieces
 from ultraattn.runtime.tile_kernels import flex_tiles_on, kernel_row_backward, kernel_row_forward
 from ultraattn.runtime.tiles import row_backward, row_forward
 from ultraattn.runtime.tokens import gather_tokens
@@ -59,7 +58,7 @@ class TileRow:
 
 @dataclass(frozen=True, slots=True)
 class TileSet:
-    """One tile node over several rows (``TracedIO.tiles_fwd`` / ``tiles_bwd`` for a dynamic program): its rows, and
+    """One tile node over several rows (``TracedIO.tiles_fwd`` / ``tiles_bwd`` for a per-mask program): its rows, and
     the (kv chunk, group) of each K/V the node takes, every one once."""
 
     rows: tuple[TileRow, ...]
@@ -71,18 +70,18 @@ class ExplicitProgram:
     """What the expanded nodes of one site look up at run time (``SiteState.program``)."""
 
     form: ClassVar[SiteForm] = SiteForm.PROGRAM
-    """The form this class serves (a site whose mask arrives at run time has a ``DynamicProgram``: the same program
+    """The form this class serves (a site whose mask arrives at run time has a ``PerMaskProgram``: the same program
     over a fixed plan, with the call's mask as data, the ``plan`` argument of its ops). Shared code never asks it:
     what differs is a method (``traced_io``, ``begin_forward``, ``resume_backward``, ``counts_calls_on_post``,
     ``describe``)."""
     counts_calls_on_post: ClassVar[bool] = True
-    """Whether posting the forward's first stage counts a call (a dynamic program counts calls when it plans)."""
+    """Whether posting the forward's first stage counts a call (a per-mask program counts calls when it plans)."""
 
     state: SiteState
     runner: Runner
     stages: list[Stage] = field(default_factory=list)
     tiles: list[TileRow | TileSet] = field(default_factory=list)
-    saved_layout: list | None = None
+    saved_shapes: list | None = None
     """(kind, unit, [(shape, dtype) per tensor]) of the stash, in order (the same on every trace of the site)."""
     handles: dict = field(default_factory=dict)
     """Posted stages not yet waited for, by handle id."""
@@ -104,7 +103,7 @@ class ExplicitProgram:
         return self.runner.seq_len
 
     # ------------------------------------------------------------------ what the ops do (ops/program.py)
-    # A ``DynamicProgram`` (explicit/dynamic.py) answers the same calls with its mask as data: the ``plan``
+    # A ``PerMaskProgram`` (explicit/per_mask.py) answers the same calls with its mask as data: the ``plan``
     # argument, which a static program has none of.
     def posts(self, sends: list, recvs: list, plan: Tensor | None) -> tuple[list, list]:
         """The messages of a stage that are posted for this call: all of a static plan's."""
@@ -112,7 +111,7 @@ class ExplicitProgram:
 
     def start(self, stage: int, pieces: list[Tensor], plan: Tensor | None = None) -> int:
         """Post stage ``stage`` of the traced schedule (``pieces``: its messages' tensors in order); a handle id.
-        ``plan``: the call's plan id (a ``DynamicProgram``'s mask data; None for a static plan)."""
+        ``plan``: the call's plan id (a ``PerMaskProgram``'s mask data; None for a static plan)."""
         st = self.stages[stage]
         io = self.executor.io
         if st.first:
@@ -127,7 +126,7 @@ class ExplicitProgram:
         return hid
 
     def wait(self, hid: int, stage: int, plan: Tensor | None = None) -> list[Tensor]:
-        """The stage's received tensors, in order (a ``DynamicProgram`` assembles them from the messages it posted)."""
+        """The stage's received tensors, in order (a ``PerMaskProgram`` assembles them from the messages it posted)."""
         return [p.clone() for _t, pieces in self.executor.io.wait(self.handles.pop(hid)) for p in pieces]
 
     def received(self, stage: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -146,17 +145,17 @@ class ExplicitProgram:
 
     # ------------------------------------------------------------------ what the traced programs ask of the form
     def traced_io(self) -> TracedIO:
-        """The IO the program's trace runs with (a dynamic program's emits its tile sets)."""
+        """The IO the program's trace runs with (a per-mask program's emits its tile sets)."""
         return TracedIO(self)
 
     def begin_forward(self, io: TracedIO, q: Tensor, k: Tensor, v: Tensor, mask: list[Tensor], local: bool) -> None:
         """What the traced forward does first: with ``options['debug']``, check that every rank got the same
-        inputs (a dynamic program plans the call's mask there instead)."""
+        inputs (a per-mask program plans the call's mask there instead)."""
         if self.state.spec.options.debug and not local:
             io.token = ops.cp_check_inputs(io.token, [q, k, v], self.key)
 
     def resume_backward(self, io: TracedIO, flat: list[Tensor]) -> list[Tensor]:
-        """The traced backward's start: the stash the forward kept (a dynamic program takes its plan id off first)."""
+        """The traced backward's start: the stash the forward kept (a per-mask program takes its plan id off first)."""
         return flat
 
     def describe(self, n, op: str) -> tuple[str, int]:
@@ -179,20 +178,26 @@ class ExplicitProgram:
 
     def stashed(self) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
         """(shape, dtype, device) of what ``unstash`` returns (fake kernels)."""
-        return [(shape, dt, self.device) for _kind, _u, specs in self.saved_layout for shape, dt in specs]
+        return [(shape, dt, self.device) for _kind, _u, specs in self.saved_shapes for shape, dt in specs]
 
-    def tile_fwd(self, tile: int, q: Tensor, kvs: list[tuple[Tensor, Tensor]], score: list[Tensor] = ()):
-        """Partial attention of tile row ``tile`` (``runtime.tiles.row_forward``): (o, lse) fp32."""
-        row = self.tiles[tile]
-        return row_forward(self.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, kvs, row.scale, score)
+    def tiles_fwd(self, tile: int, qs: list[Tensor], ks: list[Tensor], vs: list[Tensor], score: list[Tensor] = (),
+                  plan: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:
+        """``cp_tiles_fwd``: partial attention of tile row ``tile`` (one row: ``runtime.tiles.row_forward``),
+        [(o, lse)] fp32. (A ``PerMaskProgram``'s tile is a set of rows planned per mask.)"""
+        row, (q,) = self.tiles[tile], qs
+        return [row_forward(self.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, list(zip(ks, vs)),
+                            row.scale, score)]
 
-    def tile_bwd(self, tile: int, q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, kvs: list[tuple[Tensor, Tensor]],
-                 score: list[Tensor] = ()):
-        """Gradients of tile row ``tile`` (``runtime.tiles.row_backward``): dq, per column (dK, dV), and the
-        score_mod buffers' part, fp32."""
-        row = self.tiles[tile]
-        return row_backward(self.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, do, lse, delta, kvs,
-                            row.scale, score)
+    def tiles_bwd(self, tile: int, qs: list[Tensor], dos: list[Tensor], lses: list[Tensor], deltas: list[Tensor],
+                  ks: list[Tensor], vs: list[Tensor], score: list[Tensor] = (), plan: Tensor | None = None):
+        """``cp_tiles_bwd``: gradients of tile row ``tile`` (``runtime.tiles.row_backward``): ([dq], [dk per
+        column], [dv per column], [score_mod buffers' part]) fp32, each its own tensor (an op's outputs must not
+        share storage, and the row's per-column gradients are slices of one buffer)."""
+        row, (q,), (do,), (lse,), (delta,) = self.tiles[tile], qs, dos, lses, deltas
+        dq, per_col, dscore = row_backward(self.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), q, do,
+                                           lse, delta, list(zip(ks, vs)), row.scale, score)
+        own = (lambda t: t.clone()) if len(per_col) > 1 else (lambda t: t)
+        return [dq], [own(dk) for dk, _ in per_col], [own(dv) for _, dv in per_col], list(dscore)
 
 
 def stage_of(n) -> int:
@@ -216,12 +221,12 @@ class TracedIO(TileSets):
         self.prog = prog
         self.token = ops.cp_token()
         self.plan: Tensor | None = None
-        """The call's plan id (a graph value) for a dynamic program; None for a static one."""
+        """The call's plan id (a graph value) for a per-mask program; None for a static one."""
         self.begun: set[str] = set()
 
     @property
     def data(self) -> tuple:
-        """The ops' trailing ``plan`` argument: (the plan id,) for a dynamic program, () for a static one."""
+        """The ops' trailing ``plan`` argument: (the plan id,) for a per-mask program, () for a static one."""
         return () if self.plan is None else (self.plan,)
 
     def begin(self, phase: str) -> None:
@@ -231,7 +236,7 @@ class TracedIO(TileSets):
         prog = self.prog
         ex = prog.executor
         sid = len(prog.stages)
-        specs = tuple(s for _tag, t in recvs for s in unit_layout(t.tensor, ex.geo, ex.dtype))
+        specs = tuple(s for _tag, t in recvs for s in message_pieces(t.tensor, ex.geo, ex.dtype))
         prog.stages.append(Stage(phase, phase not in self.begun, tuple((tag, t, len(p)) for tag, t, p in sends),
                                  tuple(recvs), specs))
         self.begun.add(phase)
@@ -252,7 +257,8 @@ class TracedIO(TileSets):
         outs = ops.cp_wait(self.token, h, prog.key, sid, *self.data)
         self.token, it = outs[0], iter(outs[1:])
         ex = prog.executor
-        return [(t, [next(it) for _ in unit_layout(t.tensor, ex.geo, ex.dtype)]) for _tag, t in prog.stages[sid].recvs]
+        return [(t, [next(it) for _ in message_pieces(t.tensor, ex.geo, ex.dtype)])
+                for _tag, t in prog.stages[sid].recvs]
 
     def finish(self, phase: str) -> None:
         self.token = ops.cp_finish(self.token, self.prog.key, phase)
@@ -260,9 +266,9 @@ class TracedIO(TileSets):
     def _tile(self, g, i, js, q, scale) -> tuple[int, bool]:
         """A tile id, and whether the tile is the Triton op in the graph: on CUDA (``kernels.uses_triton``), or on
         CPU with ``ULTRAATTN_KERNELS=triton`` under the interpreter when the graph runs uncompiled (aot_eager);
-        never with a score_mod, whose tiles are ``cp_tile_fwd`` ops (a generated score_mod function is no op argument;
-        inside the op, ``runtime.tiles`` runs the kernels with it on CUDA). (A dynamic program's tiles are tile sets,
-        ``tiles_fwd``: their layouts change with the mask.)"""
+        never with a score_mod, whose tiles are ``cp_tiles_fwd`` ops (a generated score_mod function is no op argument;
+        inside the op, ``runtime.tiles`` runs the kernels with it on CUDA). (A per-mask program's tiles are tile sets,
+        ``tiles_fwd``: their block lists change with the mask.)"""
         tid = len(self.prog.tiles)
         self.prog.tiles.append(TileRow(g, i, tuple(js), scale))
         if self.prog.executor.geo.score_mod is not None or flex_tiles_on(self.prog.executor.geo):
@@ -275,18 +281,19 @@ class TracedIO(TileSets):
     def tile_fwd(self, g, i, js, q, kvs, scale, score=()):
         tid, kernels = self._tile(g, i, js, q, scale)
         if kernels:  # the block-sparse Triton op itself, on the row's concatenated kv chunks
-            lay = ops.cp_tile_layout(self.prog.key, tid)
+            lay = ops.cp_tile_lists(self.prog.key, tid)
             return kernel_row_forward(self.prog.executor.geo, lay, q, kvs, scale)
-        return ops.cp_tile_fwd(q, [k for k, _ in kvs], [v for _, v in kvs], list(score), self.prog.key, tid)
+        o, lse = ops.cp_tiles_fwd([q], [k for k, _ in kvs], [v for _, v in kvs], list(score), self.prog.key, tid)
+        return o, lse
 
     def tile_bwd(self, g, i, js, q, do, lse, delta, kvs, scale, score=()):
         tid, kernels = self._tile(g, i, js, q, scale)
         n = len(js)
         if kernels:
-            lay = ops.cp_tile_layout(self.prog.key, tid)
+            lay = ops.cp_tile_lists(self.prog.key, tid)
             return kernel_row_backward(self.prog.executor.geo, lay, q, do, lse, delta, kvs, scale)
-        outs = ops.cp_tile_bwd(q, do, lse, delta, [k for k, _ in kvs], [v for _, v in kvs], list(score),
-                               self.prog.key, tid)
+        outs = ops.cp_tiles_bwd([q], [do], [lse], [delta], [k for k, _ in kvs], [v for _, v in kvs], list(score),
+                                self.prog.key, tid)
         return outs[0], list(zip(outs[1:1 + n], outs[1 + n:1 + 2 * n])), list(outs[1 + 2 * n:])
 
     def all_reduce(self, tensors: list[Tensor]) -> list[Tensor]:
@@ -339,7 +346,7 @@ def _unflatten_saved(flat: list[Tensor], lay: list) -> dict:
 # ----------------------------------------------------------------------------- the programs
 def forward_program(prog: ExplicitProgram, local: bool = False):
     """fn(q, k, v, *mask tensors) -> (out, lse fp32, ticket): the site's forward as this rank's explicit program
-    (the mask tensors: a dynamic program's, planned in the graph's first node).
+    (the mask tensors: a per-mask program's, planned in the graph's first node).
 
     ``local``: q, k, v are already this rank's tokens (a sequence-sharded graph) and so are out, lse:
     no dispatch, no gather."""
@@ -353,7 +360,7 @@ def forward_program(prog: ExplicitProgram, local: bool = False):
         shard = None if local else prog.dispatcher(io.plan)
         qkv = (q, k, v) if local else (shard(q), shard(k), shard(v))
         out_l, lse_l, saved = ex.forward(*qkv, spec.scale, score)
-        flat, prog.saved_layout = _flatten_saved(saved)
+        flat, prog.saved_shapes = _flatten_saved(saved)
         if local:
             out, lse = out_l.to(q.dtype), lse_l
         else:
@@ -374,7 +381,7 @@ def backward_program(prog: ExplicitProgram, local: bool = False):
         ex = _traced_executor(prog)
         io = ex.io
         flat = prog.resume_backward(io, ops.cp_unstash(ticket, prog.key))
-        saved = _unflatten_saved(flat, prog.saved_layout)
+        saved = _unflatten_saved(flat, prog.saved_shapes)
         xs = (q, k, v, out, lse, dout.to(out.dtype), dlse.float())
         if not local:
             shard = prog.dispatcher(io.plan)
@@ -389,10 +396,10 @@ def backward_program(prog: ExplicitProgram, local: bool = False):
 
 
 def kernel_forward_program(prog: ExplicitProgram):
-    """World size 1: the site is the block-sparse kernel op itself; its layout comes from ``cp_layout``."""
+    """World size 1: the site is the block-sparse kernel op itself; its block lists come from ``cp_block_lists``."""
 
     def fn(q, k, v):
-        lay = ops.cp_layout(prog.key)
+        lay = ops.cp_block_lists(prog.key)
         out, lse = ops.bsa_fwd(q, k, v, *lay, prog.runner.q_block, prog.runner.kv_block, prog.state.spec.scale)
         return out, lse, ops.cp_token()
 
@@ -401,7 +408,7 @@ def kernel_forward_program(prog: ExplicitProgram):
 
 def kernel_backward_program(prog: ExplicitProgram):
     def fn(q, k, v, out, lse, dout, dlse, ticket):
-        return kernel_site_backward(q, k, v, out, lse, dout, dlse, ops.cp_layout(prog.key), prog.runner.q_block,
+        return kernel_site_backward(q, k, v, out, lse, dout, dlse, ops.cp_block_lists(prog.key), prog.runner.q_block,
                                     prog.runner.kv_block, prog.state.spec.scale)
 
     return fn

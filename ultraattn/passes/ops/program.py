@@ -20,7 +20,7 @@ from torch.library import custom_op
 
 from ultraattn.passes.site import check_same_inputs
 from ultraattn.passes.state import side_table
-from ultraattn.runtime.tile_kernels import kernel_layout
+from ultraattn.runtime.tile_kernels import row_block_lists
 
 
 def _program(site: str):
@@ -55,7 +55,7 @@ def _():
 @custom_op("ultraattn::cp_start", mutates_args=())
 def cp_start(token: Tensor, pieces: list[Tensor], site: str, stage: int, plan: Tensor | None = None) -> Tensor:
     """Post one stage's sends (``pieces``, message after message) and receives; returns a handle. ``plan``: the
-    call's plan id, for a program whose plan is run-time data (``DynamicProgram``); None for a static one."""
+    call's plan id, for a program whose plan is run-time data (``PerMaskProgram``); None for a static one."""
     return torch.tensor(_program(site).start(stage, pieces, plan), dtype=torch.int64)
 
 
@@ -101,22 +101,23 @@ def _(token, tensors, site):
     return _fake_token()
 
 
-def _tile_layout(site: str, tile: int):
+def _tile_lists(site: str, tile: int):
     prog = _program(site)
     row = prog.tiles[tile]
     with unset_fake_temporarily():
-        return kernel_layout(prog.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), prog.device)
+        return row_block_lists(prog.executor.geo, row.group, row.q_chunk, list(row.kv_chunks), prog.device)
 
 
-@custom_op("ultraattn::cp_tile_layout", mutates_args=())
-def cp_tile_layout(site: str, tile: int) -> list[Tensor]:
-    """The kernel layout of one tile row (``runtime.tile_kernels.kernel_layout``, cached), copied like ``cp_layout``."""
-    return [t.clone() for t in _tile_layout(site, tile).bwd_tensors()]
+@custom_op("ultraattn::cp_tile_lists", mutates_args=())
+def cp_tile_lists(site: str, tile: int) -> list[Tensor]:
+    """The block lists of one tile row (``runtime.tile_kernels.row_block_lists``, cached), copied like
+    ``cp_block_lists``."""
+    return [t.clone() for t in _tile_lists(site, tile).bwd_tensors()]
 
 
-@cp_tile_layout.register_fake
+@cp_tile_lists.register_fake
 def _(site, tile):
-    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in _tile_layout(site, tile).bwd_tensors()]
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in _tile_lists(site, tile).bwd_tensors()]
 
 
 def _score_grads_fake(site: str, score: list[Tensor]) -> list[Tensor]:
@@ -124,44 +125,12 @@ def _score_grads_fake(site: str, score: list[Tensor]) -> list[Tensor]:
     return [score[n].new_empty(score[n].shape, dtype=torch.float32) for n in _program(site).state.spec.score_wanted]
 
 
-@custom_op("ultraattn::cp_tile_fwd", mutates_args=())
-def cp_tile_fwd(q: Tensor, ks: list[Tensor], vs: list[Tensor], score: list[Tensor], site: str, tile: int
-                ) -> tuple[Tensor, Tensor]:
-    """Partial attention of one (head group, q chunk) over its kv chunks: (o fp32, lse fp32). ``score``: the
-    site's score_mod buffers (none without a score_mod)."""
-    o, lse = _program(site).tile_fwd(tile, q, list(zip(ks, vs)), score)
-    return o.contiguous(), lse.contiguous()
-
-
-@cp_tile_fwd.register_fake
-def _(q, ks, vs, score, site, tile):
-    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-@custom_op("ultraattn::cp_tile_bwd", mutates_args=())
-def cp_tile_bwd(q: Tensor, do: Tensor, lse: Tensor, delta: Tensor, ks: list[Tensor], vs: list[Tensor],
-                score: list[Tensor], site: str, tile: int) -> list[Tensor]:
-    """Gradients of one tile row (global lse and delta): [dq, dk per kv chunk..., dv per kv chunk..., this row's
-    part of each score_mod buffer gradient (``SiteSpec.score_wanted``)...], fp32."""
-    dq, per_col, dscore = _program(site).tile_bwd(tile, q, do, lse, delta, list(zip(ks, vs)), score)
-    # the per-column gradients are slices of one buffer: a custom op's outputs must not share storage
-    own = (lambda t: t.clone()) if len(per_col) > 1 else (lambda t: t.contiguous())
-    return [dq.contiguous()] + [own(dk) for dk, _ in per_col] + [own(dv) for _, dv in per_col] + \
-        [t.contiguous() for t in dscore]
-
-
-@cp_tile_bwd.register_fake
-def _(q, do, lse, delta, ks, vs, score, site, tile):
-    f32 = torch.float32
-    return [q.new_empty(q.shape, dtype=f32)] + [k.new_empty(k.shape, dtype=f32) for k in ks] + \
-        [v.new_empty(v.shape, dtype=f32) for v in vs] + _score_grads_fake(site, score)
-
-
 @custom_op("ultraattn::cp_tiles_fwd", mutates_args=())
 def cp_tiles_fwd(qs: list[Tensor], ks: list[Tensor], vs: list[Tensor], score: list[Tensor], site: str, tile: int,
                  plan: Tensor | None = None) -> list[Tensor]:
-    """Partial attention of a set of tile rows (``TileSet``: each row's queries, every column's K/V once):
-    [o, lse] per row, fp32."""
+    """Partial attention of a set of tile rows (``plan``: a per-mask program's ``TileSet``, each row's queries and
+    every column's K/V once; a static program's tile row, one q and its row's K/V): [o, lse] per row, fp32.
+    ``score``: the site's score_mod buffers (none without a score_mod)."""
     return [t.contiguous() for o, lse in _program(site).tiles_fwd(tile, qs, ks, vs, score, plan) for t in (o, lse)]
 
 
@@ -176,7 +145,8 @@ def cp_tiles_bwd(qs: list[Tensor], dos: list[Tensor], lses: list[Tensor], deltas
                  vs: list[Tensor], score: list[Tensor], site: str, tile: int, plan: Tensor | None = None
                  ) -> list[Tensor]:
     """Gradients of a set of tile rows (global lse and delta): [dq per row..., dk per column..., dv per column...,
-    score_mod buffer gradients...], fp32; a column's dK and dV, and the buffers' gradients, summed over the rows."""
+    score_mod buffer gradients (``SiteSpec.score_wanted``)...], fp32; a column's dK and dV, and the buffers'
+    gradients, summed over the rows."""
     dqs, dks, dvs, dscore = _program(site).tiles_bwd(tile, qs, dos, lses, deltas, ks, vs, score, plan)
     return [t.contiguous() for t in (*dqs, *dks, *dvs, *dscore)]
 
@@ -214,7 +184,7 @@ def _(token, x, site, plan=None):
 
 @custom_op("ultraattn::cp_stash", mutates_args=())
 def cp_stash(token: Tensor, tensors: list[Tensor], site: str, plan: Tensor | None = None) -> Tensor:
-    """Keep what the backward reuses (the units received in the forward; a dynamic program's plan too); returns
+    """Keep what the backward reuses (the units received in the forward; a per-mask program's plan too); returns
     their ticket."""
     # copies: the tensors are the graph's buffers, which Inductor reuses once the graph no longer reads them
     return torch.tensor(_program(site).stash([t.clone() for t in tensors], plan), dtype=torch.int64)
@@ -227,7 +197,7 @@ def _(token, tensors, site, plan=None):
 
 @custom_op("ultraattn::cp_unstash", mutates_args=())
 def cp_unstash(ticket: Tensor, site: str) -> list[Tensor]:
-    """What the forward that returned ``ticket`` stashed (a dynamic program's plan id first)."""
+    """What the forward that returned ``ticket`` stashed (a per-mask program's plan id first)."""
     return _program(site).unstash(int(ticket))
 
 
@@ -237,16 +207,16 @@ def _(ticket, site):
     return [torch.empty(shape, dtype=dt, device=dev) for shape, dt, dev in prog.stashed()]
 
 
-@custom_op("ultraattn::cp_layout", mutates_args=())
-def cp_layout(site: str) -> list[Tensor]:
-    """The block-sparse layout of a world-1 site (copies: the graph may reuse its buffers after the kernel).
+@custom_op("ultraattn::cp_block_lists", mutates_args=())
+def cp_block_lists(site: str) -> list[Tensor]:
+    """The block lists of a world-1 site (copies: the graph may reuse its buffers after the kernel).
 
     A graph constant would be simpler, but Inductor's fake-tensor passes refuse real constant tensors as
-    arguments of an op; the layout is small (2 KiB per partially masked block).
+    arguments of an op; the block lists are small (2 KiB per partially masked block).
     """
     return [t.clone() for t in _program(site).runner.bwd_tensors()]
 
 
-@cp_layout.register_fake
+@cp_block_lists.register_fake
 def _(site):
     return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in _program(site).runner.bwd_tensors()]

@@ -40,11 +40,11 @@ from ultraattn.runtime.tokens import dispatch, gather_tokens
 
 
 def kernel_site_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor,
-                         layout: list[Tensor] | tuple[Tensor, ...], q_block: int, kv_block: int, scale: float):
+                         lists: list[Tensor] | tuple[Tensor, ...], q_block: int, kv_block: int, scale: float):
     """World-1 gradients on the block-sparse kernel op (delta from out and dout; the op folds dLSE in)."""
     dout = dout.to(out.dtype)
     delta = softmax_delta(out, dout)
-    return torch.ops.ultraattn.bsa_bwd(q, k, v, dout, lse, delta, dlse.float(), *layout, q_block, kv_block, scale)
+    return torch.ops.ultraattn.bsa_bwd(q, k, v, dout, lse, delta, dlse.float(), *lists, q_block, kv_block, scale)
 
 
 def _grads_like(grads, inputs) -> list[Tensor]:

@@ -6,11 +6,11 @@ a ``TilePlan`` in which every rank computes the rows of its own chunks against e
 K/V may go to every other rank. The executor traces that plan exactly as it traces a static site's
 (``explicit/program.py``: the same ``TracedIO``, stage ops, tile sets, merge and delta), written with ONE chunk
 per rank (its tokens), so the graph does not grow with the chunks per rank; the ops work in the site's fine
-chunks (``DynamicProgram.fine``). The mask enters the graph in its first node and every later node reads it by
+chunks (``PerMaskProgram.fine``). The mask enters the graph in its first node and every later node reads it by
 the plan id it returns::
 
-    token, plan = cp_dyn_plan(token, [mask tensors], site)       # milliseconds; cached per mask content
-    q_l = index_select(pad(q), 2, cp_dyn_index(plan, site))      # dispatch: the mask's owners (global view)
+    token, plan = cp_mask_plan(token, [mask tensors], site)       # milliseconds; cached per mask content
+    q_l = index_select(pad(q), 2, cp_mask_index(plan, site))      # dispatch: the mask's owners (global view)
     h = cp_start(token, [this rank's K, V], site, 0, plan)       # per peer, only the fine chunks it needs
     o, lse = cp_tiles_fwd([q_l], [own K], [own V], site, t, plan)   # own keys, while messages fly
     token, *kv_in = cp_wait(h, h, site, 0, plan)                 # each peer's K/V; zeros where nothing came
@@ -21,7 +21,7 @@ The plan id selects the call's ``MaskRun``: its ``ExchangePlan`` (owners, which 
 global chunk of every fine chunk, and the mask's ``TileGeometry`` (block kinds, element masks), so a tile
 computes each fine row of its rows against the global chunks its columns stand for. A new mask: no recompile,
 no new guard, the same graph. Only planning and the dispatch index are this path's own ops
-(``passes/ops/dynamic.py``).
+(``passes/ops/per_mask.py``).
 
 [Note] Owners: fixed per graph or chosen per batch? Owner computes (only K/V move), so the owners ARE the
 balance. ``benchmarks/exchange_owners.py`` plans document masks (the example's packing and a pretraining-like
@@ -75,8 +75,7 @@ from ultraattn.planner.exchange import ExchangePlan, owner_computes_plan, patter
 from ultraattn.planner.plan import AttnShape, Mesh, Transfer, padded_chunk
 from ultraattn.runtime.api import DTYPE_NAMES
 from ultraattn.runtime.comm import GroupRef, resolve_group
-from ultraattn.runtime.executor import Executor
-from ultraattn.runtime.executor import layout as unit_layout
+from ultraattn.runtime.executor import Executor, message_pieces
 from ultraattn.runtime.plan_cache import content_digest
 from ultraattn.runtime.sequence import SequenceShards
 from ultraattn.runtime.tiles import TileGeometry, group_kind_grid, row_backward, row_forward
@@ -147,8 +146,8 @@ def _message(t: Transfer) -> tuple[str, int, int, int]:
 ops = torch.ops.ultraattn
 
 
-class DynamicTracedIO(TracedIO):
-    """The traced IO of a dynamic program: a step's ready tiles become ONE node (``cp_tiles_fwd`` / ``cp_tiles_bwd``):
+class PerMaskTracedIO(TracedIO):
+    """The traced IO of a per-mask program: a step's ready tiles become ONE node (``cp_tiles_fwd`` / ``cp_tiles_bwd``):
     the graph holds a node per step of the schedule, not per row (its rows cover every chunk, most of them empty
     under any one mask)."""
 
@@ -181,9 +180,9 @@ class DynamicTracedIO(TracedIO):
         return tid, ks, vs
 
 
-_DYNAMIC_WORDS = {
-    "cp_dyn_plan": "plan this call's mask (run-time data: bytes per step in the planning table)",
-    "cp_dyn_index": "this rank's token positions under the plan",
+_PER_MASK_WORDS = {
+    "cp_mask_plan": "plan this call's mask (run-time data: bytes per step in the planning table)",
+    "cp_mask_index": "this rank's token positions under the plan",
     ("cp_start", "fwd"): "stage: post the K/V chunks each rank needs (of {n} possible messages)",
     ("cp_wait", "fwd"): "stage received: other ranks' K/V chunks (zeros for those the mask needs none of)",
     ("cp_start", "bwd"): "stage: post the dK/dV partials of received chunks to their owners (of {n} possible)",
@@ -195,7 +194,7 @@ _DYNAMIC_WORDS = {
 
 
 @dataclass(eq=False)
-class DynamicProgram(ExplicitProgram):
+class PerMaskProgram(ExplicitProgram):
     """A run-time-mask site's program: the fixed plan's executor, and one ``MaskRun`` per mask seen."""
 
     form: ClassVar[SiteForm] = SiteForm.PROGRAM_PER_MASK
@@ -363,14 +362,14 @@ class DynamicProgram(ExplicitProgram):
         out = []
         for _tag, t in self.stages[stage].recvs:
             parts = [got.get((t.tensor, t.chunk * per + b, t.src)) for b in range(per)]
-            for n, (shape, dt) in enumerate(unit_layout(t.tensor, fine.geo, fine.dtype)):
+            for n, (shape, dt) in enumerate(message_pieces(t.tensor, fine.geo, fine.dtype)):
                 out.append(torch.cat([torch.zeros(shape, dtype=dt, device=self.device) if ps is None else ps[n]
                                       for ps in parts], dim=2))
         return out
 
     def dispatcher(self, plan):
         """This rank's tokens of a global tensor: an index_select whose index is the call's plan data."""
-        index = ops.cp_dyn_index(plan, self.key)
+        index = ops.cp_mask_index(plan, self.key)
         padded = self.padded_len
 
         def shard(x: Tensor) -> Tensor:
@@ -456,11 +455,11 @@ class DynamicProgram(ExplicitProgram):
 
     # ------------------------------------------------------------------ what the traced programs ask of the form
     def traced_io(self) -> TracedIO:
-        return DynamicTracedIO(self)
+        return PerMaskTracedIO(self)
 
     def begin_forward(self, io: TracedIO, q: Tensor, k: Tensor, v: Tensor, mask: list[Tensor], local: bool) -> None:
         """Plan the call's mask first (its plan id is every later op's ``plan`` argument)."""
-        io.token, io.plan = ops.cp_dyn_plan(io.token, mask, self.key)
+        io.token, io.plan = ops.cp_mask_plan(io.token, mask, self.key)
 
     def resume_backward(self, io: TracedIO, flat: list[Tensor]) -> list[Tensor]:
         """The forward's plan id comes first in its stash."""
@@ -473,15 +472,15 @@ class DynamicProgram(ExplicitProgram):
             st = self.stages[stage_of(n)]
             if not st.sends and not st.recvs:
                 return "(none)", 0
-            return _DYNAMIC_WORDS[(op, st.phase)].format(n=len(st.sends) + len(st.recvs)), 0
+            return _PER_MASK_WORDS[(op, st.phase)].format(n=len(st.sends) + len(st.recvs)), 0
         if op in ("cp_tiles_fwd", "cp_tiles_bwd"):
             ts = self.tiles[stage_of(n)]
             return (f"{len(ts.rows)} q chunks × {len(ts.cols)} kv chunks (virtual: the mask's owners say which, "
                     f"its blocks which cells)"), 0
-        return _DYNAMIC_WORDS.get(op, ""), 0
+        return _PER_MASK_WORDS.get(op, ""), 0
 
 
-def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:
+def per_mask_program(state: SiteState, device: torch.device) -> PerMaskProgram:
     """The site's program: its chunking (the graph's layout, or ``CHUNKS_PER_RANK`` per rank), its ranks and the
     executor of its fixed plan."""
     spec, opts = state.spec, state.spec.options
@@ -519,5 +518,5 @@ def dynamic_program(state: SiteState, device: torch.device) -> DynamicProgram:
     template, fine = executor(chunk * per, 1), executor(chunk, per)
     fine.log = template.log
     template.io = fine.io
-    return DynamicProgram(state=state, runner=None, mesh=mesh, chunk=chunk, num_chunks=num, owner=owner,
+    return PerMaskProgram(state=state, runner=None, mesh=mesh, chunk=chunk, num_chunks=num, owner=owner,
                           template=template, fine=fine)

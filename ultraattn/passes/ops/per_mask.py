@@ -1,13 +1,13 @@
 """The ops of an explicit program whose plan is run-time data (a mask that arrives with each batch).
 
-The graph is a fixed skeleton (``passes/explicit/dynamic.py``); each op finds the site's
-``DynamicProgram`` in the side table (``side_table().site(site).program``) and the call's plan by
-the ``plan`` id that ``cp_dyn_plan`` returns (an int64 scalar that flows through the graph like any
+The graph is a fixed skeleton (``passes/explicit/per_mask.py``); each op finds the site's
+``PerMaskProgram`` in the side table (``side_table().site(site).program``) and the call's plan by
+the ``plan`` id that ``cp_mask_plan`` returns (an int64 scalar that flows through the graph like any
 activation, into the backward through the stash). Shapes are static: they depend on the site's
 shapes, mesh and chunking only (the program's fields), never on the mask.
 
-    token, plan = cp_dyn_plan(token, mask_tensors, site)        # read the mask, plan it (or reuse)
-    index = cp_dyn_index(plan, site)                            # this rank's token positions
+    token, plan = cp_mask_plan(token, mask_tensors, site)        # read the mask, plan it (or reuse)
+    index = cp_mask_index(plan, site)                            # this rank's token positions
 
 Everything else (stages, tiles, gathers, stash) is the ops every explicit program uses (``program.py``),
 given the plan id as their ``plan`` argument.
@@ -35,24 +35,24 @@ def _fake_scalar() -> Tensor:
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
-@custom_op("ultraattn::cp_dyn_plan", mutates_args=())
-def cp_dyn_plan(token: Tensor, mask_tensors: list[Tensor], site: str) -> list[Tensor]:
+@custom_op("ultraattn::cp_mask_plan", mutates_args=())
+def cp_mask_plan(token: Tensor, mask_tensors: list[Tensor], site: str) -> list[Tensor]:
     """Plan this call's mask (an ``ExchangePlan``, cached on its content): [token, plan id]."""
     return [new_token(), torch.tensor(_program(site).plan(mask_tensors), dtype=torch.int64)]
 
 
-@cp_dyn_plan.register_fake
+@cp_mask_plan.register_fake
 def _(token, mask_tensors, site):
     return [_fake_scalar(), _fake_scalar()]
 
 
-@custom_op("ultraattn::cp_dyn_index", mutates_args=())
-def cp_dyn_index(plan: Tensor, site: str) -> Tensor:
+@custom_op("ultraattn::cp_mask_index", mutates_args=())
+def cp_mask_index(plan: Tensor, site: str) -> Tensor:
     """int64 [local_len]: the global (padded) positions of this rank's tokens under the plan."""
     return _program(site).run_of(plan).index.clone()
 
 
-@cp_dyn_index.register_fake
+@cp_mask_index.register_fake
 def _(plan, site):
     prog = _program(site)
     return torch.empty(prog.local_len, dtype=torch.int64, device=prog.device)
