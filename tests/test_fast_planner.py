@@ -16,6 +16,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from baseline_oracles import oracle_plan
 from plan_checks import check_plan
 from runtime_cases import LIB, Case, cases_worker, check_bytes, check_numerics, mask_mod_of
 from torch.nn.attention.flex_attention import create_block_mask
@@ -24,7 +25,7 @@ import ultraattn
 from ultraattn.masks.cells import cells_from_block_mask, cells_from_pattern
 from ultraattn.masks.pattern import FULL, PARTIAL
 from ultraattn.planner.api import baseline_plan, evaluate, work_imbalance, workload
-from ultraattn.planner.baselines import BASELINES, NotApplicable
+from ultraattn.planner.baselines import BASELINES, REGISTRY, NotApplicable
 from ultraattn.planner.cost import DEFAULT_COST
 from ultraattn.planner.fast import FINALISTS, REGRET_TIE, ROBUST_WINDOW, FastPlanner
 from ultraattn.planner.plan import AttnShape, Mesh, TokenSharding
@@ -169,11 +170,12 @@ def test_fast_plans_on_every_library_mask(mesh, cost):
 @pytest.mark.parametrize("backward", [True, False], ids=["fwd+bwd", "fwd"])
 @pytest.mark.parametrize("name", BASELINES)
 def test_every_registered_baseline_array_form_equals_its_builder(name, backward):
-    """Every registered baseline (``planner.baselines.REGISTRY``) in both of its forms: the array form the fast planner
-    prices (``Baseline.fixed`` / ``assign`` / ``draft``) and its ``TilePlan`` builder (``Baseline.plan``) agree on
-    ownership, the rank computing each cell, the work per rank, the kernels, and every message with its bytes, in
-    order (the arrays priced as well as the objects built); where it cannot run, neither form runs. One- and two-level
-    meshes, an odd world, GQA and MHA, batch 2, head counts the world does not divide."""
+    """Every registered baseline (``planner.baselines.REGISTRY``), written once in the array form the fast planner
+    prices (``Baseline.fixed`` / ``assign`` / ``draft``), equals its loop-by-loop builder (``baseline_oracles.py``):
+    as the fast planner builds it, as ``Baseline.tile_plan`` assembles it (``api.baseline_plan``: what the ILP
+    planner, the runtime and the comparisons run) and as priced arrays, on ownership, the rank computing each cell,
+    the work per rank, the kernels, and every message with its bytes, in order; where it cannot run, neither runs.
+    One- and two-level meshes, an odd world, GQA and MHA, batch 2, head counts the world does not divide."""
     s = 1024
     shapes = [shape_for(s), AttnShape(seq_len=s, num_heads=8, head_dim=32, batch=2),
               AttnShape(seq_len=s, num_heads=6, head_dim=16, num_kv_heads=3)]
@@ -187,11 +189,16 @@ def test_every_registered_baseline_array_form_equals_its_builder(name, backward)
                 pattern = cells.to_pattern()
                 cands = {c.name: c for c in fp.candidates(cells)}
                 try:
-                    ref = baseline_plan(name, pattern, shape, mesh, backward=backward)
+                    plan = baseline_plan(name, pattern, shape, mesh, backward=backward)
                 except NotApplicable:
                     assert name not in cands, (str(mesh), shape)
                     continue
+                p, g = REGISTRY[name].grid(mesh, shape)
+                ref = oracle_plan(name, workload(pattern, shape, num_chunks=p, head_groups=g).nonempty_GPP(),
+                                  mesh=mesh, shape=shape, chunk=plan.chunk_size, backward=backward)
                 check_plan(ref, pattern, backward=backward)
+                check_plan(plan, pattern, backward=backward)
+                assert plan.content_hash() == ref.content_hash() and plan.meta == ref.meta, (mask, str(mesh))
                 c = cands[name]
                 draft, built = c.get(), fp.build(c)
                 if c.unbatched is not None:   # priced in a kernel batch (step 6): its own launches are the builder's

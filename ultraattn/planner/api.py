@@ -194,10 +194,9 @@ def compute_bound_ms(pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, cos
 def baseline_plan(name: str, pattern: BlockPattern, shape: AttnShape, mesh: Mesh, *, backward: bool = True) -> TilePlan:
     """One baseline's plan (``baselines.REGISTRY``); raises ``NotApplicable`` with the reason when it cannot run."""
     base = baseline_of(name)
-    p, g = base.grid(mesh, shape)
-    chunk = padded_chunk(shape.seq_len, p, pattern.q_block)
-    nonempty = workload(pattern, shape, num_chunks=p, head_groups=g).nonempty_GPP()
-    return base.plan(nonempty, mesh=mesh, shape=shape, chunk=chunk, backward=backward)
+    p, _g = base.grid(mesh, shape)
+    return base.tile_plan(pattern, mesh=mesh, shape=shape, chunk=padded_chunk(shape.seq_len, p, pattern.q_block),
+                          backward=backward)
 
 
 @dataclass(slots=True)

@@ -20,12 +20,12 @@ same simulator and cost model as ours:
   divides both head counts), zigzag ring across the u-groups (Fang & Zhao 2024).
 
 A baseline is ONE object: a ``Baseline`` subclass, registered with ``@register``, holds its name, where it
-applies (``grid`` raises ``NotApplicable``), its ``TilePlan`` builder (``plan``) and the same plan in the fast
-planner's array form (``fixed``, ``assign``, ``draft``: equal to the builder's, tested for every registered
-baseline). ``REGISTRY`` maps names to baselines; ``BASELINES`` (the names, in registration order), ``METHODS``
-and ``Method`` are derived from it. The planners (``api.baseline_plan``, ``fast.FastPlanner``), the runtime's and
-the backend's ``method`` checks, the CLI's ``--baselines`` and the tests read them: a new baseline is one class
-here.
+applies (``grid`` raises ``NotApplicable``) and its plan, written once in the fast planner's array form
+(``fixed``, ``assign``, ``draft``; ``tile_plan`` assembles its ``TilePlan``), tested for every registered baseline
+against a loop-by-loop builder of the same plan (``tests/baseline_oracles.py``). ``REGISTRY`` maps names to
+baselines; ``BASELINES`` (the names, in registration order), ``METHODS`` and ``Method`` are derived from it. The
+planners (``api.baseline_plan``, ``fast.FastPlanner``), the runtime's and the backend's ``method`` checks, the
+CLI's ``--baselines`` and the tests read them: a new baseline is one class here.
 
 Closed forms (tested): ring forward moves, per K/V chunk j, (last hop distance) messages
 of one chunk; all-gather delivers each chunk to every rank exactly once.
@@ -33,16 +33,16 @@ of one chunk; all-gather delivers each chunk to every rank exactly once.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import ClassVar, Literal
 
 import numpy as np
-import torch
 
-from .build import group_kernels, kernel_groups
-from .cost import CostModel
-from .plan import AttnShape, Kernel, Mesh, TilePlan, Transfer
-from .price import Draft, Grid, Kernels, Messages, ring_messages
+from ..masks.cells import BlockCells
+from ..masks.pattern import BlockPattern
+from .build import kernel_groups
+from .cost import DEFAULT_COST, CostModel
+from .plan import AttnShape, Mesh, TilePlan, Transfer
+from .price import Draft, Grid, Kernels, Messages, assemble, grid_of, ring_messages
 
 
 class NotApplicable(ValueError):
@@ -70,87 +70,6 @@ def striped_owner(world: int, stripes: int) -> list[int]:
     return zigzag_owner(world) * stripes
 
 
-def _assign_at_row_owner(nonempty_PP: torch.Tensor, owner: list[int]) -> torch.Tensor:
-    own = torch.tensor(owner, dtype=torch.int32)
-    a = own[:, None].expand_as(nonempty_PP).clone()
-    a[~nonempty_PP] = -1
-    return a[None]
-
-
-def _ring_transfers(*, owner, assign_PP, mesh, shape, chunk, backward, head_group=0, groups=1,
-                    ring: list[int], start_of=None) -> list[Transfer]:
-    """K/V of each column travel along ``ring`` (a list of ranks) from the column's ring origin."""
-    pos = {r: n for n, r in enumerate(ring)}
-    n = len(ring)
-    out = []
-    a = assign_PP.tolist()
-    p = len(owner)
-    kv = shape.unit_bytes("kv", chunk, groups)
-    dkv = shape.unit_bytes("dkv", chunk, groups)
-    for j in range(p):
-        origin = start_of(j) if start_of else owner[j]
-        needers = {a[i][j] for i in range(p) if a[i][j] >= 0 and a[i][j] != origin}
-        if not needers:
-            continue
-        last = max((pos[r] - pos[origin]) % n for r in needers)
-        hops = [(ring[(pos[origin] + t) % n], ring[(pos[origin] + t + 1) % n]) for t in range(last)]
-        phases = ("fwd", "bwd") if backward else ("fwd",)
-        for ph in phases:
-            for s, d in hops:
-                out.append(Transfer(tensor="kv", chunk=j, head_group=head_group, src=s, dst=d, nbytes=kv, phase=ph))
-        if backward:
-            # dK/dV ride along the same hops, then the last holder returns the sum to the origin
-            chain = [d for _, d in hops]
-            for s, d in zip(chain, chain[1:] + [origin]):
-                out.append(Transfer(tensor="dkv", chunk=j, head_group=head_group, src=s, dst=d, nbytes=dkv,
-                                    phase="bwd"))
-    return out
-
-
-def ring_plan(nonempty_PP, *, mesh: Mesh, shape: AttnShape, chunk: int, backward: bool, owner: list[int],
-              method: str) -> TilePlan:
-    """Cells computed at their row's owner, K/V circulating rank -> rank + 1 (``ring``: contiguous ``owner``,
-    ``zigzag``: head-tail)."""
-    world = mesh.world
-    assign = _assign_at_row_owner(nonempty_PP, owner)
-    transfers = _ring_transfers(owner=owner, assign_PP=assign[0], mesh=mesh, shape=shape, chunk=chunk,
-                                backward=backward, ring=list(range(world)))
-    return TilePlan(method=method, mesh=mesh, shape=shape, chunk_size=chunk,
-                    num_chunks=len(owner), owner=tuple(owner), num_head_groups=1, assign_GPP=assign,
-                    kernels=tuple(group_kernels(owner=owner, assign_GPP=assign)), transfers=tuple(transfers))
-
-
-def allgather_plan(nonempty_PP, *, mesh: Mesh, shape: AttnShape, chunk: int, backward: bool) -> TilePlan:
-    world, dev = mesh.world, mesh.devices
-    owner = zigzag_owner(world)
-    p = len(owner)
-    assign = _assign_at_row_owner(nonempty_PP, owner)
-    kv = shape.unit_bytes("kv", chunk)
-    dkv = shape.unit_bytes("dkv", chunk)
-    out = []
-    phases = ("fwd", "bwd") if backward else ("fwd",)
-    for j in range(p):
-        src = owner[j]
-        hops = []
-        for node in range(mesh.nodes):
-            rail = node * dev + src % dev
-            if node != mesh.node_of(src):
-                hops.append((src, rail))
-            for d in range(dev):
-                r = node * dev + d
-                if r != rail and r != src:
-                    hops.append((rail, r))
-        for ph in phases:
-            out.extend(Transfer(tensor="kv", chunk=j, head_group=0, src=s, dst=d, nbytes=kv, phase=ph)
-                       for s, d in hops)
-        if backward:
-            out.extend(Transfer(tensor="dkv", chunk=j, head_group=0, src=d, dst=s, nbytes=dkv, phase="bwd")
-                       for s, d in reversed(hops))
-    return TilePlan(method="allgather", mesh=mesh, shape=shape, chunk_size=chunk, num_chunks=p,
-                    owner=tuple(owner), num_head_groups=1, assign_GPP=assign,
-                    kernels=tuple(group_kernels(owner=owner, assign_GPP=assign)), transfers=tuple(out))
-
-
 def ulysses_degree(mesh: Mesh, shape: AttnShape, *, within_node: bool) -> int:
     h, hk = shape.num_heads, shape.kv_heads
     if not within_node:
@@ -158,82 +77,9 @@ def ulysses_degree(mesh: Mesh, shape: AttnShape, *, within_node: bool) -> int:
     return max(u for u in range(1, mesh.devices + 1) if mesh.devices % u == 0 and h % u == 0 and hk % u == 0)
 
 
-def usp_plan(nonempty_GPP, *, mesh: Mesh, shape: AttnShape, chunk: int, backward: bool,
-             pure_ulysses: bool = False) -> TilePlan:
-    """Ulysses (u = world) or Ulysses x zigzag-ring (u | devices). ``nonempty_GPP`` has u head groups."""
-    world = mesh.world
-    if pure_ulysses:
-        u = ulysses_degree(mesh, shape, within_node=False)
-        if not u:
-            raise NotApplicable(
-                f"ulysses needs num_heads={shape.num_heads} and num_kv_heads={shape.kv_heads} to be multiples of "
-                f"the world size {world}"
-            )
-    else:
-        u = ulysses_degree(mesh, shape, within_node=True)
-    rd = world // u
-    if pure_ulysses:
-        owner = [r for r in range(world)]
-        super_of = list(range(world))
-        pos_of_super = [0] * world
-    else:
-        owner_pos = zigzag_owner(rd)  # ring position of each super chunk
-        owner = [owner_pos[s] * u + m for s in range(2 * rd) for m in range(u)]
-        super_of = [i // u for i in range(len(owner))]
-        pos_of_super = owner_pos
-    p = len(owner)
-    if nonempty_GPP.shape[0] != u or nonempty_GPP.shape[1] != p:
-        raise ValueError(f"usp_plan needs the pattern on {u} head groups and {p} chunks, "
-                         f"got {tuple(nonempty_GPP.shape)}")
-
-    def computer(i: int, g: int) -> int:
-        return g if pure_ulysses else pos_of_super[super_of[i]] * u + g
-
-    assign = torch.full((u, p, p), -1, dtype=torch.int32)
-    for g in range(u):
-        rows = torch.tensor([computer(i, g) for i in range(p)], dtype=torch.int32)
-        assign[g] = torch.where(nonempty_GPP[g], rows[:, None].expand(p, p), assign[g])
-    out: list[Transfer] = []
-    b = {t: shape.unit_bytes(t, chunk, u) for t in ("q", "kv", "out", "do", "dq_out", "dkv_out")}
-    for g in range(u):
-        for c in range(p):
-            home = computer(c, g)
-            src = owner[c]
-            if home == src:
-                continue
-            out.append(Transfer(tensor="q", chunk=c, head_group=g, src=src, dst=home, nbytes=b["q"], phase="fwd"))
-            out.append(Transfer(tensor="kv", chunk=c, head_group=g, src=src, dst=home, nbytes=b["kv"], phase="fwd"))
-            out.append(Transfer(tensor="out", chunk=c, head_group=g, src=home, dst=src, nbytes=b["out"], phase="fwd"))
-            if backward:
-                out.append(Transfer(tensor="do", chunk=c, head_group=g, src=src, dst=home, nbytes=b["do"], phase="bwd"))
-                out.append(Transfer(tensor="dq_out", chunk=c, head_group=g, src=home, dst=src, nbytes=b["dq_out"],
-                                    phase="bwd"))
-                out.append(Transfer(tensor="dkv_out", chunk=c, head_group=g, src=home, dst=src,
-                                    nbytes=b["dkv_out"], phase="bwd"))
-        if not pure_ulysses:
-            ring = [pos * u + g for pos in range(rd)]
-            out.extend(_ring_transfers(owner=owner, assign_PP=assign[g], mesh=mesh, shape=shape, chunk=chunk,
-                                       backward=backward, head_group=g, groups=u, ring=ring,
-                                       start_of=lambda j, g=g: computer(j, g)))
-    # kernels: one launch per rank and ring step (columns grouped by the super chunk they came from)
-    groups: dict[tuple, list] = defaultdict(list)
-    a = assign.tolist()
-    for g in range(u):
-        for i in range(p):
-            for j in range(p):
-                r = a[g][i][j]
-                if r >= 0:
-                    step = 0 if pure_ulysses else (pos_of_super[super_of[j]] - r // u) % rd
-                    groups[(r, g, step)].append((i, j))
-    kernels = tuple(Kernel(rank=r, head_group=g, cells=tuple(c), stage=s) for (r, g, s), c in sorted(groups.items()))
-    return TilePlan(method="ulysses" if pure_ulysses else "usp", mesh=mesh, shape=shape, chunk_size=chunk,
-                    num_chunks=p, owner=tuple(owner), num_head_groups=u, assign_GPP=assign, kernels=kernels,
-                    transfers=tuple(out), meta={"ulysses_degree": u, "ring_degree": rd})
-
-
 # ----------------------------------------------------------------------------- array forms (fast planner)
 def allgather_messages(owner: np.ndarray, mesh: Mesh, shape: AttnShape, chunk: int, backward: bool) -> Messages:
-    """``allgather_plan``'s transfers as arrays: every chunk to every rank, across nodes between equal device indices
+    """The all-gather's transfers as arrays: every chunk to every rank, across nodes between equal device indices
     (the NIC rails), then inside the node; backward re-gathers K/V and reduces dK/dV back."""
     dev = mesh.devices
     parts = {"fwd": [], "bwd": [], "dkv": []}
@@ -251,14 +97,14 @@ def allgather_messages(owner: np.ndarray, mesh: Mesh, shape: AttnShape, chunk: i
                                               shape.unit_bytes("kv", chunk)))
             parts["dkv"].append(Messages.make("dkv", "bwd", np.full(s.size, c), 0, d[::-1], s[::-1],
                                               shape.unit_bytes("dkv", chunk)))
-    # the builder's order: per chunk, forward hops, backward hops, reversed dK/dV hops
+    # per chunk: forward hops, backward hops, reversed dK/dV hops (the oracle builder's order)
     per_chunk = [[parts[k][c] for k in ("fwd", "bwd", "dkv") if parts[k]] for c in range(owner.size)]
     return Messages.concat([m for ms in per_chunk for m in ms])
 
 
 def all_to_all_messages(owner: np.ndarray, computer_GP: np.ndarray, shape: AttnShape, chunk: int,
                         backward: bool) -> Messages:
-    """``usp_plan``'s sequence-to-head all-to-all as arrays: each chunk's Q and K/V to the rank computing its head
+    """USP's and Ulysses' sequence-to-head all-to-all as arrays: each chunk's Q and K/V to the rank computing its head
     group, the output back; backward dO in, dQ and dK/dV out."""
     u, p = computer_GP.shape
     g, c = np.nonzero(computer_GP != owner[None, :])
@@ -267,7 +113,7 @@ def all_to_all_messages(owner: np.ndarray, computer_GP: np.ndarray, shape: AttnS
     if backward:
         flows += [("do", "bwd", src, home), ("dq_out", "bwd", home, src), ("dkv_out", "bwd", home, src)]
     parts = [Messages.make(t, ph, c, g, s, d, shape.unit_bytes(t, chunk, u)) for t, ph, s, d in flows]
-    # the builder's order: per (head group, chunk), its flows in turn
+    # per (head group, chunk), its flows in turn (the oracle builder's order)
     msgs = Messages.concat(parts)
     flow = np.repeat(np.arange(len(parts)), c.size)
     return msgs.select(np.lexsort((flow, msgs.chunk, msgs.group)))
@@ -286,11 +132,12 @@ def _row_owner_kernels(grid: Grid, owner: np.ndarray, assign: np.ndarray, *, sha
 
 # ----------------------------------------------------------------------------- the registry
 class Baseline:
-    """One baseline: its name, where it applies, its ``TilePlan`` builder and the same plan in array form.
+    """One baseline: its name, where it applies, and its plan, written once in the fast planner's array form.
 
-    Subclass, set ``name``, implement ``grid``, ``plan``, ``fixed`` and ``draft`` (and ``assign`` unless cells are
-    computed where their query rows live), decorate with ``@register``. The fast planner prices and builds the
-    array form; the ILP planner, the runtime and the comparisons build ``plan``; a test checks they agree.
+    Subclass, set ``name``, implement ``grid``, ``fixed`` and ``draft`` (and ``assign`` unless cells are computed
+    where their query rows live), decorate with ``@register``. The fast planner prices the array form;
+    ``tile_plan`` assembles it into the ``TilePlan`` the ILP planner, the runtime and the comparisons use. A test
+    checks it against a loop-by-loop builder of the same plan (``tests/baseline_oracles.py``).
     """
 
     name: ClassVar[str]
@@ -306,10 +153,19 @@ class Baseline:
         """Raise ``NotApplicable`` where it cannot run (front ends refuse such a request up front)."""
         self.grid(mesh, shape)
 
-    def plan(self, nonempty_GPP: torch.Tensor, *, mesh: Mesh, shape: AttnShape, chunk: int,
-             backward: bool) -> TilePlan:
-        """Its ``TilePlan`` for the non-empty cells (bool [G, P, P] on ``grid``'s chunks and head groups)."""
-        raise NotImplementedError
+    def tile_plan(self, mask: BlockCells | BlockPattern, *, mesh: Mesh, shape: AttnShape, chunk: int,
+                  backward: bool, cost: CostModel = DEFAULT_COST) -> TilePlan:
+        """Its ``TilePlan`` for ``mask`` on ``grid``'s chunks of ``chunk`` tokens: the array form (``fixed``,
+        ``assign``, ``draft``) assembled (``price.assemble``), its own launches ungrouped. ``cost`` only prices the
+        draft's kernels; the plan does not depend on it."""
+        num_chunks, groups = self.grid(mesh, shape)
+        grid = grid_of(mask, shape, cost, chunk=chunk, num_chunks=num_chunks, head_groups=groups)
+        fixed = self.fixed(mesh=mesh, shape=shape, chunk=chunk, num_chunks=num_chunks, backward=backward)
+        d = self.draft(grid, fixed, self.assign(fixed, grid.nonempty_GPP > 0), mesh=mesh, shape=shape, cost=cost,
+                       backward=backward)
+        return assemble(owner=d.owner, assign_GPP=d.assign_GPP, kern=d.kernels, msgs=d.messages, mesh=mesh,
+                        shape=shape, chunk=d.chunk, meta={k: v for k, v in d.meta.items() if k != "structure"},
+                        transfers=None if d.transfers is None else d.transfers(), method=self.name)
 
     def fixed(self, *, mesh: Mesh, shape: AttnShape, chunk: int, num_chunks: int, backward: bool) -> dict:
         """Array form, the parts that do not depend on the mask (the fast planner caches them per grid): at least
@@ -350,7 +206,7 @@ def baseline_of(name: str) -> Baseline:
 
 
 class RingFamily(Baseline):
-    """Cells computed where their query rows live, K/V circulating rank -> rank + 1 (``ring_plan``)."""
+    """Cells computed where their query rows live, K/V circulating rank -> rank + 1."""
 
     chunks_per_rank: ClassVar[int]
 
@@ -360,10 +216,6 @@ class RingFamily(Baseline):
 
     def grid(self, mesh: Mesh, shape: AttnShape) -> tuple[int, int]:
         return self.chunks_per_rank * mesh.world, 1
-
-    def plan(self, nonempty_GPP, *, mesh, shape, chunk, backward) -> TilePlan:
-        return ring_plan(nonempty_GPP[0], mesh=mesh, shape=shape, chunk=chunk, backward=backward,
-                         owner=self.owner(mesh.world), method=self.name)
 
     def fixed(self, *, mesh, shape, chunk, num_chunks, backward) -> dict:
         return {"owner": np.asarray(self.owner(mesh.world), dtype=np.int64)}
@@ -402,9 +254,6 @@ class AllGather(Baseline):
     def grid(self, mesh, shape) -> tuple[int, int]:
         return 2 * mesh.world, 1
 
-    def plan(self, nonempty_GPP, *, mesh, shape, chunk, backward) -> TilePlan:
-        return allgather_plan(nonempty_GPP[0], mesh=mesh, shape=shape, chunk=chunk, backward=backward)
-
     def fixed(self, *, mesh, shape, chunk, num_chunks, backward) -> dict:
         owner = np.asarray(zigzag_owner(mesh.world), dtype=np.int64)
         msgs = allgather_messages(owner, mesh, shape, chunk, backward)
@@ -418,13 +267,10 @@ class AllGather(Baseline):
 
 
 class HeadParallel(Baseline):
-    """Ulysses (``pure``: head groups over the whole world) or Ulysses inside a node x zigzag ring (``usp_plan``)."""
+    """Ulysses (``pure``: head groups over the whole world) or Ulysses inside a node x zigzag ring."""
 
     head_parallel = True
     pure: ClassVar[bool]
-
-    def plan(self, nonempty_GPP, *, mesh, shape, chunk, backward) -> TilePlan:
-        return usp_plan(nonempty_GPP, mesh=mesh, shape=shape, chunk=chunk, backward=backward, pure_ulysses=self.pure)
 
     def fixed(self, *, mesh, shape, chunk, num_chunks, backward) -> dict:
         w, p, pure = mesh.world, num_chunks, self.pure
@@ -448,7 +294,7 @@ class HeadParallel(Baseline):
 
     def draft(self, grid, fixed, assign, *, mesh, shape, cost, backward) -> Draft:
         u, rd, owner = assign.shape[0], fixed["rd"], fixed["owner"]
-        # kernels: usp_plan's grouping, per rank, head group and ring step
+        # kernels: one launch per rank, head group and ring step
         g, i, j = np.nonzero(assign >= 0)
         r = assign[g, i, j]
         step = np.zeros_like(r) if self.pure else (fixed["pos_of_col"][j] - r // u) % rd
@@ -464,7 +310,7 @@ class HeadParallel(Baseline):
                                shape=shape, chunk=grid.chunk, backward=backward, group=gg, groups=u)
                  for gg in range(u)]
         a2a = fixed["msgs"]
-        # per head group: its all-to-all, then its ring (the builder's order)
+        # per head group: its all-to-all, then its ring (the oracle builder's order)
         msgs = Messages.concat([m for gg in range(u) for m in (a2a.select(a2a.group == gg), rings[gg])])
 
         def transfers() -> tuple[Transfer, ...]:

@@ -485,7 +485,7 @@ class FastPlanner:
     # ------------------------------------------------------------------ baselines
     def _baseline(self, cells: BlockCells, name: str) -> Candidate | None:
         """A registered baseline (``planner.baselines.REGISTRY``) in its array form: the same ownership, placement,
-        kernels and transfers as its builder (tested), without its Python loops over cells. None where it cannot
+        kernels and transfers as ``api.baseline_plan`` (one form: ``Baseline.tile_plan``). None where it cannot
         run, or (given a layout) holds tokens in another layout."""
         base = REGISTRY[name]
         try:

@@ -461,10 +461,12 @@ class Draft:
 
 
 def assemble(*, owner: np.ndarray, assign_GPP: np.ndarray, kern: Kernels, msgs: Messages, mesh: Mesh,
-             shape: AttnShape, chunk: int, meta: dict, transfers: tuple[Transfer, ...] | None = None) -> TilePlan:
+             shape: AttnShape, chunk: int, meta: dict, transfers: tuple[Transfer, ...] | None = None,
+             method: str = "ultraattn") -> TilePlan:
     """The ``TilePlan`` of an array-form plan (Kernel and Transfer objects are made here, once; ``transfers``, when
-    given, are ``msgs`` as objects already, e.g. cached mask-independent ones)."""
-    return TilePlan(method="ultraattn", mesh=mesh, shape=shape, chunk_size=chunk, num_chunks=int(owner.size),
+    given, are ``msgs`` as objects already, e.g. cached mask-independent ones). ``method``: a baseline's name for
+    its own plan (``Baseline.tile_plan``), else ours."""
+    return TilePlan(method=method, mesh=mesh, shape=shape, chunk_size=chunk, num_chunks=int(owner.size),
                     owner=tuple(owner.tolist()), num_head_groups=int(assign_GPP.shape[0]),
                     assign_GPP=torch.from_numpy(assign_GPP.astype(np.int32)), kernels=kern.to_kernels(),
                     transfers=msgs.to_transfers() if transfers is None else transfers, meta=meta)
