@@ -20,7 +20,7 @@ from numerics import check_step, fresh_dynamo  # noqa: F401 - fresh_dynamo: an a
 import ultraattn
 from ultraattn.passes import side_table
 from ultraattn.passes.capture import Site
-from ultraattn.passes.forms import decide_form
+from ultraattn.passes.forms import form_for
 from ultraattn.passes.options import parse_options
 from ultraattn.passes.records import SiteForm
 from ultraattn.testing import HostReads, run_ranks
@@ -184,14 +184,14 @@ def test_a_mask_built_from_positions_alone_is_causal_at_compile_time():
 
 
 def test_world_size_1_keeps_the_faster_op_on_a_gpu():
-    """The world-1 choice (``forms.decide_form``): on a GPU, flex_attention and SDPA without a boolean mask keep
+    """The world-1 choice (``forms.form_for``): on a GPU, flex_attention and SDPA without a boolean mask keep
     the original op; an SDPA boolean mask runs on the tiles; the CPU runs the tiles; ``world1`` overrides."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
     def site(op, mask, device, choice="auto", world=1):
         s = Site(index=0, node=None, op=op, q=None, k=None, v=None, mask=mask, reason="rewritten", device=device,
                  q_shape=(1, 2, 64, 16), kv_shape=(1, 2, 64, 16))
-        form, why = decide_form(s, parse_options({"world_size": world, "world1": choice}, require_group=False))
+        form, why = form_for(s, parse_options({"world_size": world, "world1": choice}, require_group=False))
         return form is not SiteForm.AS_WRITTEN, why if form is SiteForm.AS_WRITTEN else s.reason
 
     assert site("flex", "block_mask", cuda) == (False, "kept (world size 1 on cuda: flex_attention is faster there "

@@ -175,7 +175,7 @@ def capture(gm: fx.GraphModule, example_inputs, world: int) -> list[Site]:
 
 def site_forms(sites: list[Site], world: int) -> dict[str, str]:
     """What each site of a graph runs as, in the words the report's "form" column shows (site name -> its
-    ``SiteForm``'s word, as ``forms.decide_form`` decided it when the graph was rewritten); ``as written`` says
+    ``SiteForm``'s word, as ``forms.form_for`` decided it when the graph was rewritten); ``as written`` says
     ``replicated`` at world size > 1 where the site could not be rewritten.
 
     Shared by ``compile_graph`` and ``ultraattn.explain``, so both say the same."""

@@ -83,7 +83,7 @@ class Site:
     folded: bool = False
     """SDPA: the boolean attn_mask is a graph constant equal to ``mask`` (causal or full), read at compile time."""
     form: SiteForm | None = None
-    """What the site runs as (``forms.decide_form``, when the graph is rewritten), and why."""
+    """What the site runs as (``forms.form_for``, when the graph is rewritten), and why."""
     form_why: str = ""
 
     @property

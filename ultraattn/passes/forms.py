@@ -1,4 +1,4 @@
-"""What each attention site of a graph runs as: its ``SiteForm``, decided by ``decide_form`` and nowhere else.
+"""What each attention site of a graph runs as: its ``SiteForm``, decided by ``form_for`` and nowhere else.
 
 ``capture.py`` says what a site *can* become (a site it cannot rewrite exactly carries the reason); this module
 chooses among what it can become, once per site, from the site (op, mask, shapes, device), the world size and the
@@ -27,7 +27,7 @@ from ultraattn.passes.records import SiteForm
 from ultraattn.passes.site import STATIC_MASKS
 
 
-def decide_form(s: Site, opts: BackendOptions) -> tuple[SiteForm, str]:
+def form_for(s: Site, opts: BackendOptions) -> tuple[SiteForm, str]:
     """What site ``s`` runs as, and why (the report's words). The one place a site's form is decided."""
     device = s.device.type if s.device is not None else None
     if not s.rewritable:

@@ -134,7 +134,7 @@ def keep_flex_eager(sites: list[Site], table, code: str) -> dict[str, str]:
     keys = {}
     touched = {}
     for s in sites:
-        if s.form is not SiteForm.KEPT_FLEX:  # (``forms.decide_form``)
+        if s.form is not SiteForm.KEPT_FLEX:  # (``forms.form_for``)
             continue
         made = kept_flex_call(s)
         if made is None:

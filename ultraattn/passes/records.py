@@ -27,7 +27,7 @@ def _tuple(x) -> tuple:
 
 class SiteForm(enum.Enum):
     """What an attention site runs as, decided once per site when the graph is rewritten
-    (``passes.forms.decide_form``, the one place; ``passes.backend.site_forms`` puts it in words). The value is the
+    (``passes.forms.form_for``, the one place; ``passes.backend.site_forms`` puts it in words). The value is the
     report's word."""
 
     PROGRAM = "program"

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from ultraattn.passes.capture import Site
-from ultraattn.passes.forms import decide_form
+from ultraattn.passes.forms import form_for
 from ultraattn.passes.fx_util import insert_call, is_impure, meta_value, set_value, tensor_value, value_fake_mode
 from ultraattn.passes.options import BackendOptions
 from ultraattn.passes.records import NullObserver, Observer, SiteForm
@@ -79,14 +79,14 @@ def _block_kinds(graph: fx.Graph, mask: fx.Node, block: int, made: dict[fx.Node,
 
 def rewrite_sites(gm: fx.GraphModule, sites: list[Site], options: BackendOptions, *, graph_index: int,
                   table: SideTable, observer: Observer | None = None) -> list[SiteState]:
-    """Decide every site's form (``forms.decide_form``, kept on the site) and replace each site that it rewrites in
+    """Decide every site's form (``forms.form_for``, kept on the site) and replace each site that it rewrites in
     place (module docstring); returns the new sites' states, in site order, each holding its form."""
     states = []
     touched: dict[int, fx.GraphModule] = {}
     kinds: dict[fx.Node, fx.Node] = {}
     code = gm.code
     for s in sites:
-        s.form, s.form_why = decide_form(s, options)
+        s.form, s.form_why = form_for(s, options)
         if s.rewritable and s.form is SiteForm.AS_WRITTEN:  # rewritable, and its own op is faster (world size 1)
             s.skip(s.form_why)
         if not s.rewritable:

@@ -132,7 +132,7 @@ class SiteState:
     program: object = None
     """The site's explicit per-rank program (``passes.explicit.program.ExplicitProgram``), when expanded."""
     form: SiteForm | None = None
-    """What the site runs as (``passes.forms.decide_form``, decided once when its graph is rewritten), and why."""
+    """What the site runs as (``passes.forms.form_for``, decided once when its graph is rewritten), and why."""
     form_why: str = ""
     calls: int = 0
     memo: TensorMemo = field(default_factory=TensorMemo)

@@ -18,7 +18,7 @@ A ``site_attention_local`` node (a sequence-sharded graph) expands the same way 
 dispatch and the gathers. At world size 1 the site becomes the ``bsa_fwd`` / ``bsa_bwd``
 kernel op itself.
 
-What a site becomes is its ``SiteForm``, decided once by ``passes.forms.decide_form`` and kept in its
+What a site becomes is its ``SiteForm``, decided once by ``passes.forms.form_for`` and kept in its
 state: a program planned at compile time (``PROGRAM``: a mask without run-time content and static shapes;
 planned by ``prepare`` in the backend call, before the compiler runs), a program over a fixed skeleton planned
 per mask (``PROGRAM_PER_MASK``), the kernel op (``KERNEL``, world size 1), or one opaque op (``ONE_OP``, not
