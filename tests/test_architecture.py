@@ -75,3 +75,24 @@ def test_the_readme_stays_short_and_links_what_it_leaves_out():
     assert len(text.split()) <= 1500, len(text.split())
     for link in re.findall(r"\]\(((?:docs|examples)/[^)#]+)", text):
         assert (root / link).exists(), link
+
+
+def test_one_function_decides_a_sites_form():
+    """A site's ``SiteForm`` is decided in one place (``passes.forms.form_for``) and recorded in one
+    (``passes/rewrite.py``): no other module assigns a ``form`` attribute, and no other module returns a form."""
+    files = sorted(_PKG.rglob("*.py"))
+    assigned, returned = set(), set()
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:
+                for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(leaf, ast.Attribute) and leaf.attr == "form":
+                        assigned.add(str(f.relative_to(_PKG)))
+            if isinstance(node, ast.Return) and node.value is not None:   # return SiteForm.X[, why]
+                value = node.value.elts[0] if isinstance(node.value, ast.Tuple) and node.value.elts else node.value
+                if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and \
+                        value.value.id == "SiteForm":
+                    returned.add(str(f.relative_to(_PKG)))
+    assert assigned == {"passes/rewrite.py"}, assigned
+    assert returned == {"passes/forms.py"}, returned
