@@ -279,7 +279,7 @@ def explicit_worker(rank: int, world: int, spec: dict, options: dict) -> dict:
         e = st.program
         if e is None:
             continue
-        if e.form is SiteForm.PROGRAM_PER_MASK:  # a run-time program: the latest call's plan and messages
+        if st.form is SiteForm.PROGRAM_PER_MASK:  # a run-time program: the latest call's plan and messages
             run = e.last
             res["sites"][st.spec.name] = {
                 "moved": {ph: e.executor.log[ph].totals().get(ph, {"sent": 0, "recv": 0}) for ph in ("fwd", "bwd")},
@@ -338,7 +338,7 @@ def runtime_mask_worker(rank: int, world: int, specs: list[dict], options: dict,
         sites = {}
         for st in side_table().sites.values():
             e = st.program
-            if e is not None and e.form is SiteForm.PROGRAM_PER_MASK:
+            if e is not None and st.form is SiteForm.PROGRAM_PER_MASK:
                 run = e.last
                 sites[st.spec.name] = {
                     "moved": {ph: e.executor.log[ph].totals().get(ph, {"sent": 0, "recv": 0})

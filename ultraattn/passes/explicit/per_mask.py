@@ -59,7 +59,7 @@ from torch import Tensor
 from ultraattn.cache import LRU
 from ultraattn.masks.convert import pattern_from_kinds
 from ultraattn.passes.explicit.program import ExplicitProgram, TileRow, TileSet, TracedIO, stage_of
-from ultraattn.passes.records import PlanEvent, SiteForm
+from ultraattn.passes.records import PlanEvent
 from ultraattn.passes.site import (
     MAX_PENDING,
     SiteState,
@@ -197,7 +197,6 @@ _PER_MASK_WORDS = {
 class PerMaskProgram(ExplicitProgram):
     """A run-time-mask site's program: the fixed plan's executor, and one ``MaskRun`` per mask seen."""
 
-    form: ClassVar[SiteForm] = SiteForm.PROGRAM_PER_MASK
     counts_calls_on_post: ClassVar[bool] = False
 
     mesh: Mesh = None

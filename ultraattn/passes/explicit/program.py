@@ -20,7 +20,6 @@ from torch import Tensor
 from ultraattn.kernels import config, uses_triton
 from ultraattn.passes.opinfo import TILE_ROW_OPS
 from ultraattn.passes.ops.site import kernel_site_backward
-from ultraattn.passes.records import SiteForm
 from ultraattn.passes.site import Runner, SiteState
 from ultraattn.runtime.executor import TileSets, message_pieces
 from ultraattn.runtime.tile_kernels import flex_tiles_on, kernel_row_backward, kernel_row_forward
@@ -69,11 +68,10 @@ class TileSet:
 class ExplicitProgram:
     """What the expanded nodes of one site look up at run time (``SiteState.program``)."""
 
-    form: ClassVar[SiteForm] = SiteForm.PROGRAM
-    """The form this class serves (a site whose mask arrives at run time has a ``PerMaskProgram``: the same program
-    over a fixed plan, with the call's mask as data, the ``plan`` argument of its ops). Shared code never asks it:
-    what differs is a method (``traced_io``, ``begin_forward``, ``resume_backward``, ``counts_calls_on_post``,
-    ``describe``)."""
+    # A site whose mask arrives at run time (``SiteForm.PROGRAM_PER_MASK``) has a ``PerMaskProgram``: the same program
+    # over a fixed plan, with the call's mask as data (the ``plan`` argument of its ops). Shared code never asks which
+    # class it holds: what differs is a method (``traced_io``, ``begin_forward``, ``resume_backward``,
+    # ``counts_calls_on_post``, ``describe``).
     counts_calls_on_post: ClassVar[bool] = True
     """Whether posting the forward's first stage counts a call (a per-mask program counts calls when it plans)."""
 

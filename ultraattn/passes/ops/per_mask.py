@@ -25,8 +25,9 @@ from ultraattn.passes.state import side_table
 
 
 def _program(site: str):
-    program = side_table().site(site).program
-    if program is None or program.form is not SiteForm.PROGRAM_PER_MASK:
+    state = side_table().site(site)
+    program = state.program
+    if program is None or state.form is not SiteForm.PROGRAM_PER_MASK:
         raise RuntimeError(f"ultraattn: site {site!r} has no run-time program (it was not prepared at compile time)")
     return program
 
