@@ -181,18 +181,16 @@ def site_forms(sites: list[Site], world: int) -> dict[str, str]:
     Shared by ``compile_graph`` and ``ultraattn.explain``, so both say the same."""
     forms = {}
     for s in sites:
-        word = s.form.word(s.form_why)
-        if s.form is SiteForm.AS_WRITTEN and world > 1 and not s.reason.startswith("kept ("):
-            word += ", replicated"
-        forms[s.name] = word
+        # (a site is kept by choice only at world size 1, ``forms.form_for``: above it, as written is replicated)
+        forms[s.name] = s.form.word(s.form_why) + (", replicated" if s.form is SiteForm.AS_WRITTEN and world > 1
+                                                   else "")
     return forms
 
 
 def _devices(sites: list[Site], states: list[SiteState]) -> dict[str, torch.device]:
     """The device of each site that is expanded at compile time (by site key)."""
-    q_of = {s.name: s.q for s in sites}
-    return {st.spec.key: tensor_value(q_of[st.spec.name]).device for st in states
-            if st.form is not SiteForm.ONE_OP}
+    device_of = {s.name: s.device for s in sites}
+    return {st.spec.key: device_of[st.spec.name] for st in states if st.form is not SiteForm.ONE_OP}
 
 
 # ----------------------------------------------------------------------------- analyse, plan, lower
