@@ -163,9 +163,8 @@ class Baseline:
         fixed = self.fixed(mesh=mesh, shape=shape, chunk=chunk, num_chunks=num_chunks, backward=backward)
         d = self.draft(grid, fixed, self.assign(fixed, grid.nonempty_GPP > 0), mesh=mesh, shape=shape, cost=cost,
                        backward=backward)
-        return assemble(owner=d.owner, assign_GPP=d.assign_GPP, kern=d.kernels, msgs=d.messages, mesh=mesh,
-                        shape=shape, chunk=d.chunk, meta={k: v for k, v in d.meta.items() if k != "structure"},
-                        transfers=None if d.transfers is None else d.transfers(), method=self.name)
+        return assemble(d, mesh=mesh, shape=shape, meta={k: v for k, v in d.meta.items() if k != "structure"},
+                        method=self.name)
 
     def fixed(self, *, mesh: Mesh, shape: AttnShape, chunk: int, num_chunks: int, backward: bool) -> dict:
         """Array form, the parts that do not depend on the mask (the fast planner caches them per grid): at least

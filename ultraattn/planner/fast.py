@@ -359,10 +359,7 @@ class FastPlanner:
         d = cand.get()
         meta = {**d.meta, "planner": "fast", **({} if cand.seconds is None else {"estimate_ms": cand.seconds * 1e3}),
                 **meta}
-        return assemble(owner=d.owner, assign_GPP=d.assign_GPP, kern=d.kernels if kernels is None else kernels,
-                        msgs=d.messages, mesh=self.mesh,
-                        shape=self.shape, chunk=d.chunk, meta=meta,
-                        transfers=None if d.transfers is None else d.transfers())
+        return assemble(d, mesh=self.mesh, shape=self.shape, meta=meta, kernels=kernels)
 
     def _check(self, mask) -> BlockCells:
         if isinstance(mask, BlockPattern):

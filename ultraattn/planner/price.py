@@ -460,16 +460,17 @@ class Draft:
     """``messages`` as ``Transfer`` objects, from cached mask-independent parts (None: made from the arrays)."""
 
 
-def assemble(*, owner: np.ndarray, assign_GPP: np.ndarray, kern: Kernels, msgs: Messages, mesh: Mesh,
-             shape: AttnShape, chunk: int, meta: dict, transfers: tuple[Transfer, ...] | None = None,
+def assemble(d: Draft, *, mesh: Mesh, shape: AttnShape, meta: dict, kernels: Kernels | None = None,
              method: str = "ultraattn") -> TilePlan:
-    """The ``TilePlan`` of an array-form plan (Kernel and Transfer objects are made here, once; ``transfers``, when
-    given, are ``msgs`` as objects already, e.g. cached mask-independent ones). ``method``: a baseline's name for
-    its own plan (``Baseline.tile_plan``), else ours."""
-    return TilePlan(method=method, mesh=mesh, shape=shape, chunk_size=chunk, num_chunks=int(owner.size),
-                    owner=tuple(owner.tolist()), num_head_groups=int(assign_GPP.shape[0]),
-                    assign_GPP=torch.from_numpy(assign_GPP.astype(np.int32)), kernels=kern.to_kernels(),
-                    transfers=msgs.to_transfers() if transfers is None else transfers, meta=meta)
+    """The ``TilePlan`` of an array-form plan (Kernel and Transfer objects are made here, once; the draft's
+    ``transfers``, when it has them, are its messages as objects already, e.g. cached mask-independent ones).
+    ``kernels``: the same cells grouped otherwise (a kernel batch); ``method``: a baseline's name for its own plan
+    (``Baseline.tile_plan``), else ours."""
+    kern = d.kernels if kernels is None else kernels
+    return TilePlan(method=method, mesh=mesh, shape=shape, chunk_size=d.chunk, num_chunks=int(d.owner.size),
+                    owner=tuple(d.owner.tolist()), num_head_groups=int(d.assign_GPP.shape[0]),
+                    assign_GPP=torch.from_numpy(d.assign_GPP.astype(np.int32)), kernels=kern.to_kernels(),
+                    transfers=d.messages.to_transfers() if d.transfers is None else d.transfers(), meta=meta)
 
 
 def batches(owner: np.ndarray, assign_GPP: np.ndarray, msgs: Messages, grid: Grid, mesh: Mesh, shape: AttnShape,
