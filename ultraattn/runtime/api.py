@@ -326,7 +326,7 @@ def _cost_model(cost) -> tuple[CostModel, Band]:
     """``cost`` as a ``CostModel``, and the band the fast planner chooses robustly over (a profile's fit errors, else
     the default: ``runtime.costs.band_of``); a path is read once per process (``ONLINE.cost_model``). ``"auto"``
     arrives resolved (``runtime/entry.py``); here it is an error that says where it is resolved."""
-    if isinstance(cost, str | os.PathLike) and not (isinstance(cost, str) and cost == "auto"):
+    if isinstance(cost, str | os.PathLike) and cost != "auto":
         path = os.path.abspath(os.fspath(cost))
         stamp = os.stat(path).st_mtime_ns if os.path.exists(path) else None
         src = ONLINE.cost_model(("path", path, stamp), lambda: resolve_source(path))
