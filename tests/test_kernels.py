@@ -49,8 +49,8 @@ def _lib(**kw) -> list[Case]:
 @pytest.mark.parametrize("case", _lib(seqlen=200, heads=2, kv_heads=2, block=32), ids=lambda c: c.name)
 def test_block_lists_reconstruct_the_dense_mask(case):
     lay = K.make_block_lists(plan_mask(case), q_len=case.seqlen, kv_len=case.seqlen, num_heads=case.heads,
-                        mask_mod=mask_mod_of(case) if case.mask not in ("causal", "full", "random") else None,
-                        block_size=case.block)
+                             mask_mod=mask_mod_of(case) if case.mask not in ("causal", "full", "random") else None,
+                             block_size=case.block)
     want = dense_mask(case)[0]  # [H, S, S]
     nq, nk = lay.grid
     qb, kb = lay.q_block, lay.kv_block
@@ -83,7 +83,7 @@ def test_block_lists_kv_tail_is_never_full_and_heads_dedupe():
     assert (lay.kind[0, :, -1] == 1).all() and (lay.kind[0, :, :-1] == 2).all()
     # a mask_mod that differs per head inside blocks: heads get their own bit tiles
     lay = K.make_block_lists(lambda b, h, q, kv: (q - kv) % (h + 2) == 0, q_len=64, kv_len=64, num_heads=3,
-                        block_size=32)
+                             block_size=32)
     assert lay.pattern_of.tolist() == [0, 1, 2]
 
 
@@ -207,9 +207,9 @@ def test_triton_backward_takes_global_lse_and_dlse(triton_kernels):
     go = torch.randn(1, 2, S, D, device=dev)
     gl = torch.randn(1, 2, S, device=dev)
     lay0 = K.make_block_lists(lambda b, h, qi, kv: (kv < 64) & (kv <= qi), q_len=S, kv_len=S, num_heads=2,
-                         block_size=64, device=dev)
+                              block_size=64, device=dev)
     lay1 = K.make_block_lists(lambda b, h, qi, kv: (kv >= 64) & (kv <= qi), q_len=S, kv_len=S, num_heads=2,
-                         block_size=64, device=dev)
+                              block_size=64, device=dev)
     o0, l0 = K.block_sparse_attention(q, k, v, lay0, return_lse=True)
     o1, l1 = K.block_sparse_attention(q, k, v, lay1, return_lse=True)
     lse = torch.logaddexp(l0, l1)

@@ -221,7 +221,7 @@ def make_block_lists(
 
 
 def block_lists_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, batch: int, num_heads: int,
-                        device: torch.device | str = "cpu") -> BlockLists:
+                             device: torch.device | str = "cpu") -> BlockLists:
     """Layout from a pattern plus the mask_mod that resolves its PARTIAL cells (see ``make_block_lists``)."""
     qb, kb = pattern.q_block, pattern.kv_block
     _check_block("q_block", qb)
@@ -411,7 +411,7 @@ def mod_bits(dense: DenseBlockLists, mask_mod: Callable, mask_heads: int) -> Blo
 
 
 def dense_block_lists(kinds: Tensor, *, q_len: int, kv_len: int, batch: int, num_heads: int, q_block: int,
-                 kv_block: int, device: torch.device | str) -> DenseBlockLists:
+                      kv_block: int, device: torch.device | str) -> DenseBlockLists:
     """The ``DenseBlockLists`` of a dense mask's block kinds ``kinds`` [B', H', NQ, NK] (on the host): one pattern per
     (batch entry, head) of the mask, its PARTIAL cells numbered in row-major order."""
     _check_block("q_block", q_block)

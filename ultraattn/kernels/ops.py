@@ -287,7 +287,7 @@ a tensor changed in place afterwards keeps its old block lists (pass a new mask,
 
 
 def get_block_lists(mask, *, q_len: int, kv_len: int, batch: int, num_heads: int, device: torch.device,
-               mask_mod: Callable | None = None, block_size: int = 128) -> BlockLists:
+                    mask_mod: Callable | None = None, block_size: int = 128) -> BlockLists:
     """``make_block_lists`` with a small cache keyed on the mask object's identity (kept alive by the cache)."""
     if isinstance(mask, BlockLists):
         lay = mask
@@ -298,7 +298,7 @@ def get_block_lists(mask, *, q_len: int, kv_len: int, batch: int, num_heads: int
         if hit is not None and (isinstance(mask, str) or hit[0] is mask) and hit[1] is mask_mod:
             return hit[2]
         lay = make_block_lists(mask, q_len=q_len, kv_len=kv_len, batch=batch, num_heads=num_heads, mask_mod=mask_mod,
-                          block_size=block_size, device=device)
+                               block_size=block_size, device=device)
         _BLOCK_LISTS.put(key, (mask, mask_mod, lay))
     if (lay.q_len, lay.kv_len, lay.batch, lay.num_heads) != (q_len, kv_len, batch, num_heads):
         raise ValueError(
@@ -347,7 +347,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask="full", *, scal
     _check_inputs(q, k, v)
     B, H, Sq, D = q.shape
     lay = get_block_lists(mask, q_len=Sq, kv_len=k.shape[2], batch=B, num_heads=H, device=q.device, mask_mod=mask_mod,
-                     block_size=block_size)
+                          block_size=block_size)
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out, lse = torch.ops.ultraattn.bsa_fwd(q, k, v, *lay.bwd_tensors(), lay.q_block, lay.kv_block, s)
     return (out, lse) if return_lse else out

@@ -272,7 +272,7 @@ def make_runner(spec: SiteSpec, layout: TokenSharding | None, q_shape: tuple, kv
     opts = spec.options
     if opts.world_size == 1:
         return make_block_lists(mask, q_len=S, kv_len=kv_shape[2], batch=B, num_heads=H, mask_mod=mask_mod,
-                           block_size=opts.block_size, device=device)
+                                block_size=opts.block_size, device=device)
     return plan_attention(mask, seqlen=S, num_heads=H, head_dim=D, num_kv_heads=kv_shape[1], batch=B, mesh=opts.mesh,
                           dtype=dtype, block_size=opts.block_size, mask_mod=mask_mod, method=opts.method,
                           options=opts.planner_options(), cost=opts.cost, timeout=opts.timeout,
@@ -287,7 +287,7 @@ def plan_offline(spec: SiteSpec, tensors: Sequence[Tensor], *, nodes: int, devic
     mask, mask_mod = mask_from_content(spec, tensors, B, H)
     if nodes * devices == 1:
         return make_block_lists(mask, q_len=S, kv_len=spec.kv_shape[2], batch=B, num_heads=H, mask_mod=mask_mod,
-                           block_size=spec.options.block_size)
+                                block_size=spec.options.block_size)
     pattern = to_block_pattern(mask, q_len=S, kv_len=S, block_size=spec.options.block_size, batch=B, num_heads=H)
     shape = AttnShape(seq_len=S, num_heads=H, head_dim=D, num_kv_heads=spec.kv_shape[1], batch=B)
     return plan(pattern, shape, Mesh(nodes=nodes, devices=devices), cost=spec.options.cost_model(),
@@ -341,7 +341,7 @@ def _dense_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence
     if dense is None:
         t0 = time.perf_counter()
         dense = dense_block_lists(kinds, q_len=q_shape[2], kv_len=kv_shape[2], batch=q_shape[0], num_heads=q_shape[1],
-                             q_block=block, kv_block=block, device=device)
+                                  q_block=block, kv_block=block, device=device)
         seconds = time.perf_counter() - t0
         state.plans.store(key, dense, seconds)
         state.observer.plan_made(plan_event(state, dense.lists, seconds))
@@ -376,7 +376,7 @@ def _flex_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence[
     if dense is None:
         t0 = time.perf_counter()
         dense = dense_block_lists(kinds, q_len=q_shape[2], kv_len=kv_shape[2], batch=B, num_heads=H,
-                              q_block=info.q_block, kv_block=info.kv_block, device=device)
+                                  q_block=info.q_block, kv_block=info.kv_block, device=device)
         seconds = time.perf_counter() - t0
         state.plans.store(key, dense, seconds)
         state.observer.plan_made(plan_event(state, dense.lists, seconds))
