@@ -96,3 +96,38 @@ def test_one_function_decides_a_sites_form():
                     returned.add(str(f.relative_to(_PKG)))
     assert assigned == {"passes/rewrite.py"}, assigned
     assert returned == {"passes/forms.py"}, returned
+
+
+def _masks_imports(path: pathlib.Path) -> list[tuple[int, str, str]]:
+    """(line, masks module, name) of every name a file imports from ``ultraattn.masks``, relative imports
+    included."""
+    parts = path.relative_to(_PKG.parent).with_suffix("").parts
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            base = ".".join(parts[:len(parts) - node.level] + ((node.module,) if node.module else ()))
+        if base == "ultraattn.masks" or base.startswith("ultraattn.masks."):
+            out += [(node.lineno, base, a.name) for a in node.names]
+    return out
+
+
+def test_below_the_passes_a_mask_is_read_in_one_place():
+    """A mask goes down to ``masks`` once on its way from a site op to a kernel (issue 54): ``masks.read.read_mask``
+    reads it into its blocks and its element test, and the runtime and kernels use those. Neither imports a mask
+    reader or evaluator of its own (``eval_mask``, ``to_block_pattern``, ``pattern_from_*``, ``cells_from_*``): from
+    ``masks`` they take the kinds and types (``masks.pattern``, ``BlockCells``) and ``masks.read``; and
+    ``plan_attention`` reads its mask once."""
+    files = sorted([*(_PKG / "runtime").rglob("*.py"), *(_PKG / "kernels").rglob("*.py")])
+    assert len(files) > 20
+    allowed = {"ultraattn.masks.pattern", "ultraattn.masks.read"}
+    bad = [f"{f.relative_to(_PKG)}:{line}: {mod}.{name}" for f in files for line, mod, name in _masks_imports(f)
+           if mod not in allowed and (mod, name) != ("ultraattn.masks.cells", "BlockCells")]
+    assert not bad, "\n".join(bad)
+    # the scan sees relative imports: tiles.py takes its kinds that way
+    assert ("ultraattn.masks.read", "ElementMask") in {(m, n) for _, m, n in _masks_imports(_PKG / "runtime/tiles.py")}
+    api = ast.parse((_PKG / "runtime/api.py").read_text())
+    reads = [n for n in ast.walk(api) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "read_mask"]
+    assert len(reads) == 1, [n.lineno for n in reads]

@@ -166,7 +166,7 @@ def _geometry(S: int, chunk: int, block: int, heads: int, kv_heads: int, batch: 
     kinds = torch.full((nb, nb), FULL, dtype=torch.int8)   # (the tiles mask the padded tail themselves)
     return TileGeometry(seq_len=S, chunk=chunk, q_block=block, kv_block=block, batch=batch, num_heads=heads,
                         num_kv_heads=kv_heads, head_groups=groups, head_dim=8, kind_gQK=[kinds] * groups,
-                        mask_mod=None, score_mod=score)
+                        element=None, score_mod=score)
 
 
 def _tile_rows(geo: TileGeometry, q, k, v, do, dlse, scale, score) -> dict:

@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 import ultraattn.kernels as K
 from ultraattn.kernels.triton_kernels import _JIT
 from ultraattn.masks import convert
+from ultraattn.masks.read import ElementMask
 from ultraattn.masks.spec import MASK_NAMES, parse_mask_spec
 from ultraattn.testing import block_select_mask, check_2x, dense_attention, random_block_dense, random_block_table
 
@@ -164,7 +165,8 @@ def score_case(ctx: Ctx) -> dict:
 
     sm = ScoreMod(fn=fn, grads=(True,))
     geo = TileGeometry(seq_len=S, chunk=chunk, q_block=block, kv_block=block, batch=1, num_heads=H, num_kv_heads=Hk,
-                       head_groups=1, head_dim=D, kind_gQK=[kinds.to(torch.int8)], mask_mod=causal, score_mod=sm)
+                       head_groups=1, head_dim=D, kind_gQK=[kinds.to(torch.int8)], element=ElementMask(causal),
+                       score_mod=sm)
     q = torch.randn(1, H, S, D, generator=g).to(dt)
     k, v = (torch.randn(1, Hk, S, D, generator=g).to(dt) for _ in range(2))
     go, gl = torch.randn(1, H, S, D, generator=g).to(dt), torch.randn(1, H, S, generator=g)

@@ -36,13 +36,12 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from ultraattn.masks.convert import eval_mask, to_block_pattern
-from ultraattn.masks.factories import generate_causal, generate_full
 from ultraattn.masks.pattern import FULL, PARTIAL, BlockPattern
+from ultraattn.masks.read import MASK_DEPENDS, read_mask
 
-MASK_DEPENDS = "ultraattn_depends"
-"""Attribute a mask_mod may carry: (depends on b, depends on h), read off its graph by whoever builds it; absent:
-both (every (b, h) pair is evaluated)."""
+Element = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+"""An element test: (b, h, q, kv) broadcastable index tensors -> bool of their broadcast shape (a mask's
+``masks.read.ElementMask``, or a function built on one)."""
 
 # Elements of mask evaluation per chunk (bounds the index tensors' memory to a few hundred MB).
 _EVAL_CHUNK = 1 << 24
@@ -161,18 +160,6 @@ def unpack_bits(bits: Tensor, k: int) -> Tensor:
     return out.reshape(*bits.shape[:-1], -1)[..., :k].bool()
 
 
-def _mask_mod_for(mask: BlockPattern | BlockMask | str | Callable, mask_mod: Callable | None) -> Callable | None:
-    if mask_mod is not None:
-        return mask_mod
-    if isinstance(mask, BlockMask):
-        return mask.mask_mod
-    if isinstance(mask, str):
-        return generate_causal() if mask == "causal" else generate_full()
-    if callable(mask) and not isinstance(mask, BlockPattern):
-        return mask
-    return None
-
-
 def _sorted_lists(sel: Tensor) -> tuple[Tensor, Tensor]:
     """bool [..., N] -> (count int32 [...], indices int32 [..., N]: the True positions ascending, then the rest)."""
     cnt = sel.sum(-1).to(torch.int32)
@@ -210,19 +197,15 @@ def make_block_lists(
         block_size: block size for strings and mask_mods (a BlockMask/BlockPattern brings its own).
         device: where the block lists' tensors go.
     """
-    pattern = to_block_pattern(mask, q_len=q_len, kv_len=kv_len, block_size=block_size, batch=batch,
-                               num_heads=num_heads)
-    if q_len is not None and q_len != pattern.q_len:
-        raise ValueError(f"q_len={q_len} disagrees with the mask's q_len={pattern.q_len}")
-    if kv_len is not None and kv_len != pattern.kv_len:
-        raise ValueError(f"kv_len={kv_len} disagrees with the mask's kv_len={pattern.kv_len}")
-    fn = _mask_mod_for(mask, mask_mod)
-    return block_lists_from_pattern(pattern, fn, batch=batch, num_heads=num_heads, device=device)
+    read = read_mask(mask, q_len=q_len, kv_len=kv_len, block_size=block_size, batch=batch, num_heads=num_heads,
+                     mask_mod=mask_mod)
+    return block_lists_from_pattern(read.pattern, read.element, batch=batch, num_heads=num_heads, device=device)
 
 
-def block_lists_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *, batch: int, num_heads: int,
+def block_lists_from_pattern(pattern: BlockPattern, element: Element | None, *, batch: int, num_heads: int,
                              device: torch.device | str = "cpu") -> BlockLists:
-    """Layout from a pattern plus the mask_mod that resolves its PARTIAL cells (see ``make_block_lists``)."""
+    """Block lists from a pattern plus the element test that resolves its PARTIAL cells (see
+    ``make_block_lists``)."""
     qb, kb = pattern.q_block, pattern.kv_block
     _check_block("q_block", qb)
     _check_block("kv_block", kb)
@@ -240,13 +223,13 @@ def block_lists_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *
         tail = kind_all[..., nk - 1]
         tail[tail == FULL] = PARTIAL
     has_partial = bool((kind_all == PARTIAL).any())
-    if has_partial and mask_mod is None:
+    if has_partial and element is None:
         raise ValueError(
             "the mask has PARTIAL blocks but no mask_mod to evaluate them: pass the BlockMask, or "
             "mask_mod=... together with the BlockPattern"
         )
-    # a mask_mod that declares it ignores b or h (``MASK_DEPENDS``) is evaluated once for all of them
-    dep_b, dep_h = getattr(mask_mod, MASK_DEPENDS, (True, True))
+    # a mask that declares it ignores b or h (``MASK_DEPENDS``) is evaluated once for all of them
+    dep_b, dep_h = _depends(element)
     kinds, bit_sets, seen = [], [], {}
     for b in range(batch):
         for h in range(num_heads):
@@ -254,7 +237,7 @@ def block_lists_from_pattern(pattern: BlockPattern, mask_mod: Callable | None, *
             kind = kind_all[b % bp, g]
             key = (b if dep_b else -1, h if dep_h else -1, b % bp, g)
             if key not in seen:
-                seen[key] = _partial_bits(mask_mod, kind, b, h, qb, kb, q_len, kv_len)
+                seen[key] = _partial_bits(element, kind, b, h, qb, kb, q_len, kv_len)
             kinds.append(kind)
             bit_sets.append(seen[key])
     pattern_of, kind_u, bits_all, tile_grid = _dedupe(kinds, bit_sets, qb, kb)
@@ -286,18 +269,24 @@ def _assemble(kind_u: Tensor, tile_grid: Tensor, bits: Tensor, pattern_of: Tenso
     )
 
 
-def _partial_bits(mask_mod: Callable | None, kind: Tensor, b: int, h: int, qb: int, kb: int, q_len: int,
+def _depends(element: Element | None) -> tuple[bool, bool]:
+    """(depends on b, depends on h) of an element test: an ``ElementMask``'s, else a function's ``MASK_DEPENDS``."""
+    depends = getattr(element, "depends", None)
+    return depends if depends is not None else getattr(element, MASK_DEPENDS, (True, True))
+
+
+def _partial_bits(element: Element | None, kind: Tensor, b: int, h: int, qb: int, kb: int, q_len: int,
                   kv_len: int) -> Tensor:
     """int32 [cells, qb, ceil(kb / 32)]: the packed element mask of each PARTIAL cell of one (batch, head) grid, in
     row-major cell order, evaluated ``_EVAL_CHUNK`` elements at a time."""
     cells = (kind == PARTIAL).nonzero()
     if not len(cells):
         return torch.zeros(0, qb, (kb + 31) // 32, dtype=torch.int32)
-    return torch.cat(list(_cell_bits(mask_mod, torch.tensor(b), torch.tensor(h), cells[:, 0], cells[:, 1], len(cells),
+    return torch.cat(list(_cell_bits(element, torch.tensor(b), torch.tensor(h), cells[:, 0], cells[:, 1], len(cells),
                                      qb, kb, q_len, kv_len)))
 
 
-def _cell_bits(mask_mod: Callable, b: Tensor, h: Tensor, q_blocks: Tensor, kv_blocks: Tensor, n: int, qb: int,
+def _cell_bits(element: Element, b: Tensor, h: Tensor, q_blocks: Tensor, kv_blocks: Tensor, n: int, qb: int,
                kb: int, q_len: int, kv_len: int):
     """The packed element masks (int32 [P, qb, ceil(kb / 32)]) of the cells ``(q_blocks[p], kv_blocks[p])`` of one
     (batch entry, head), ``n`` of them, evaluated where the block ids live, ``_EVAL_CHUNK`` elements at a time
@@ -309,7 +298,7 @@ def _cell_bits(mask_mod: Callable, b: Tensor, h: Tensor, q_blocks: Tensor, kv_bl
     for c0 in range(0, n, chunk):
         qi = (q_blocks[c0:c0 + chunk, None] * qb + rows)[:, :, None]  # [P, qb, 1]
         ki = (kv_blocks[c0:c0 + chunk, None] * kb + cols)[:, None, :]  # [P, 1, kb]
-        m = eval_mask(mask_mod, b, h, qi.clamp(max=q_len - 1), ki.clamp(max=kv_len - 1))
+        m = element(b, h, qi.clamp(max=q_len - 1), ki.clamp(max=kv_len - 1))
         yield pack_bits(m & (qi < q_len) & (ki < kv_len))
 
 
@@ -393,11 +382,11 @@ class DenseBlockLists:
         return dataclasses.replace(lay, bits=pack_bits(tiles).contiguous())
 
 
-def mod_bits(dense: DenseBlockLists, mask_mod: Callable, mask_heads: int) -> BlockLists:
-    """``dense`` with the bit tiles of ``mask_mod`` (a BlockMask's mask_mod over this call's buffers) evaluated on the
-    block lists' device over its PARTIAL cells, pattern by pattern (pattern ``u`` is batch entry ``u // mask_heads``,
-    head ``u % mask_heads`` of the kinds it was built from): what a run-time BlockMask costs per call at world size
-    1, no host work. Padded positions are evaluated clamped and come out 0."""
+def mod_bits(dense: DenseBlockLists, element: Element, mask_heads: int) -> BlockLists:
+    """``dense`` with the bit tiles of ``element`` (a BlockMask's element test over this call's buffers) evaluated on
+    the block lists' device over its PARTIAL cells, pattern by pattern (pattern ``u`` is batch entry
+    ``u // mask_heads``, head ``u % mask_heads`` of the kinds it was built from): what a run-time BlockMask costs per
+    call at world size 1, no host work. Padded positions are evaluated clamped and come out 0."""
     lay, cells = dense.lists, dense.cells
     if not len(cells):
         return lay
@@ -405,7 +394,7 @@ def mod_bits(dense: DenseBlockLists, mask_mod: Callable, mask_heads: int) -> Blo
     bits = torch.empty(len(cells), qb, (kb + 31) // 32, dtype=torch.int32, device=dev)
     for u, at, n in dense.by_pattern:
         b, h = torch.tensor(u // mask_heads, device=dev), torch.tensor(u % mask_heads, device=dev)
-        bits[at] = torch.cat(list(_cell_bits(mask_mod, b, h, cells[at, 1], cells[at, 2], n, qb, kb, lay.q_len,
+        bits[at] = torch.cat(list(_cell_bits(element, b, h, cells[at, 1], cells[at, 2], n, qb, kb, lay.q_len,
                                              lay.kv_len)))
     return dataclasses.replace(lay, bits=bits.contiguous())
 

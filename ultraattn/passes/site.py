@@ -28,9 +28,10 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from ultraattn.cache import LRU
 from ultraattn.kernels import BlockLists, make_block_lists
-from ultraattn.kernels.block_lists import MASK_DEPENDS, dense_block_kinds, dense_block_lists, mod_bits
+from ultraattn.kernels.block_lists import dense_block_kinds, dense_block_lists, mod_bits
 from ultraattn.masks.convert import block_table_kinds, pattern_from_mask_mod, to_block_pattern
 from ultraattn.masks.pattern import FULL, PARTIAL
+from ultraattn.masks.read import MASK_DEPENDS, ElementMask
 from ultraattn.passes.fx_util import module_digest
 from ultraattn.passes.records import NullObserver, Observer, PlanEvent, SiteForm, SiteStats
 from ultraattn.planner.api import PlanResult, choose_planner, method_summaries, plan
@@ -381,7 +382,7 @@ def _flex_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence[
         state.plans.store(key, dense, seconds)
         state.observer.plan_made(plan_event(state, dense.lists, seconds))
     anchor = buffers[0] if buffers else kvi
-    return state.memo.get(anchor, ("bits", key), lambda: mod_bits(dense, mask_mod, hm))
+    return state.memo.get(anchor, ("bits", key), lambda: mod_bits(dense, ElementMask(mask_mod), hm))
 
 
 def plan_event(state: SiteState, runner: Runner, seconds: float) -> PlanEvent:

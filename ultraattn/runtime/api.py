@@ -28,10 +28,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from ..masks.cells import BlockCells, cells_from_pattern
-from ..masks.convert import pattern_from_block_mask, pattern_from_mask_mod
-from ..masks.factories import generate_causal, generate_full
-from ..masks.pattern import PARTIAL, BlockPattern
+from ..masks.cells import BlockCells
+from ..masks.pattern import BlockPattern
+from ..masks.read import MaskRead, read_mask
 from ..planner.api import baseline_plan, choose_planner
 from ..planner.api import plan as run_planner
 from ..planner.baselines import BASELINES, METHODS, REGISTRY, HeadsIndivisible, NotApplicable
@@ -60,10 +59,9 @@ class AttentionPlan:
     """A plan bound to this rank and its process group (what dispatch/dist_attention/undispatch take)."""
 
     tile_plan: TilePlan
-    mask: BlockPattern | BlockCells
-    """The mask's block structure: a dense ``BlockPattern``, or the ``BlockCells`` the fast planner read (the
-    pattern is then made when first needed: ``pattern``)."""
-    mask_mod: Callable | None
+    mask: MaskRead
+    """The mask as read once (``masks/read.py``): its block structure (a dense ``BlockPattern``, or the ``BlockCells``
+    the fast planner read, made dense when first needed: ``pattern``) and the element test of its PARTIAL blocks."""
     rank: int
     """This process's rank in the plan (position in the mesh, row-major)."""
     global_ranks: tuple[int, ...]
@@ -96,9 +94,7 @@ class AttentionPlan:
     @property
     def pattern(self) -> BlockPattern:
         """The mask's dense ``BlockPattern`` (made from the cells on first use for a fast plan)."""
-        if isinstance(self.mask, BlockCells):
-            self.mask = self.mask.to_pattern()
-        return self.mask
+        return self.mask.pattern
 
     @property
     def world(self) -> int:
@@ -159,59 +155,11 @@ class AttentionPlan:
 
     def __repr__(self) -> str:
         return (f"AttentionPlan(rank={self.rank}/{self.world}, method={self.tile_plan.method!r}, "
-                f"planner={self.planner!r}, mask={self.mask.name!r}, seq_len={self.seq_len}, "
+                f"planner={self.planner!r}, mask={self.mask.blocks.name!r}, seq_len={self.seq_len}, "
                 f"local_len={self.local_len})")
 
 
 # ----------------------------------------------------------------------------- process group / mesh
-def _resolve_mask(mask, *, seqlen: int, batch: int, num_heads: int, block_size: int, mask_mod):
-    if isinstance(mask, BlockMask):
-        q_len, kv_len = mask.seq_lengths
-        if (q_len, kv_len) != (seqlen, seqlen):
-            raise ValueError(f"the BlockMask is for lengths ({q_len}, {kv_len}) but seqlen={seqlen}; build it with "
-                             f"Q_LEN=KV_LEN={seqlen}")
-        return pattern_from_block_mask(mask), mask.mask_mod
-    if isinstance(mask, str):
-        if mask not in ("causal", "full"):
-            raise ValueError(f"`mask` as a string must be 'causal' or 'full', got {mask!r}")
-        mm = generate_causal() if mask == "causal" else generate_full()
-        return pattern_from_mask_mod(mm, seqlen, block_size=block_size), mm
-    if isinstance(mask, BlockPattern):
-        if (mask.q_len, mask.kv_len) != (seqlen, seqlen):
-            raise ValueError(f"the BlockPattern is for lengths ({mask.q_len}, {mask.kv_len}) but seqlen={seqlen}")
-        if mask_mod is None and bool((mask.kind_BGQK == PARTIAL).any()):
-            raise ValueError(
-                "`mask` is a BlockPattern with PARTIAL blocks but no `mask_mod` to evaluate inside them; pass "
-                "mask_mod=... (or the BlockMask itself)"
-            )
-        return mask, mask_mod
-    if callable(mask):
-        return pattern_from_mask_mod(mask, seqlen, block_size=block_size, batch=batch, num_heads=num_heads), mask
-    raise TypeError(f"`mask` must be a BlockMask, a mask_mod, 'causal', 'full' or a BlockPattern, "
-                    f"got {type(mask).__name__}")
-
-
-def _resolve_cells(mask, *, seqlen: int, batch: int, num_heads: int, block_size: int, mask_mod):
-    """(BlockCells, mask_mod) for the fast planner: a BlockMask is read (or taken from ``plan_ahead``'s worker)
-    without densifying its grid; other masks go through their pattern."""
-    if isinstance(mask, BlockMask):
-        q_len, kv_len = mask.seq_lengths
-        if (q_len, kv_len) != (seqlen, seqlen):
-            raise ValueError(f"the BlockMask is for lengths ({q_len}, {kv_len}) but seqlen={seqlen}; build it with "
-                             f"Q_LEN=KV_LEN={seqlen}")
-        return ONLINE.cells(mask), mask.mask_mod
-    if isinstance(mask, BlockCells):
-        if (mask.q_len, mask.kv_len) != (seqlen, seqlen):
-            raise ValueError(f"the BlockCells are for lengths ({mask.q_len}, {mask.kv_len}) but seqlen={seqlen}")
-        if mask_mod is None and bool((mask.kind_N == PARTIAL).any()):
-            raise ValueError("`mask` is BlockCells with PARTIAL blocks but no `mask_mod` to evaluate inside them; "
-                             "pass mask_mod=... (or the BlockMask itself)")
-        return mask, mask_mod
-    pattern, mm = _resolve_mask(mask, seqlen=seqlen, batch=batch, num_heads=num_heads, block_size=block_size,
-                                mask_mod=mask_mod)
-    return cells_from_pattern(pattern), mm
-
-
 def _resolve_planner(planner: str, mask, method: str) -> str:
     """auto: the fast planner for masks whose content arrives at run time (a BlockMask, BlockCells or a
     BlockPattern: new every batch for packed documents), the ILP planner for masks known up front ("causal",
@@ -310,14 +258,20 @@ def plan_attention(
     pmesh, ranks, comm_group, me = resolve_group(mesh, group)
     _check_method(method, shape, pmesh)  # on every rank, before any communication
     cost, band = _cost_model(cost)
+    t0 = time.perf_counter()
+    # the one read of the mask: its blocks for the planner, its element test for the tiles (masks/read.py)
+    read = read_mask(mask, q_len=seqlen, batch=batch, num_heads=num_heads, block_size=block_size, mask_mod=mask_mod,
+                     sparse=which == "fast", cells=ONLINE.cells(mask) if which == "fast" and isinstance(mask, BlockMask)
+                     else None)
+    if read.blocks.num_batch_patterns not in (1, batch):
+        raise ValueError(f"the mask has {read.blocks.num_batch_patterns} batch entries but batch={batch}")
     if which == "fast":
-        ap = _plan_fast(mask, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me, dtype=dtype,
-                        block_size=block_size, mask_mod=mask_mod, options=options or PlannerOptions(), cost=cost,
-                        timeout=timeout, layout=layout, debug=debug, band=band)
+        ap = _plan_fast(read, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me, dtype=dtype,
+                        options=options or PlannerOptions(), cost=cost, timeout=timeout, layout=layout, debug=debug,
+                        band=band, t0=t0)
     else:
-        ap = _plan_ilp(mask, which=which, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me,
-                       dtype=dtype, block_size=block_size, mask_mod=mask_mod, method=method, options=options,
-                       cost=cost, timeout=timeout, layout=layout)
+        ap = _plan_ilp(read, which=which, shape=shape, pmesh=pmesh, ranks=ranks, comm_group=comm_group, me=me,
+                       dtype=dtype, method=method, options=options, cost=cost, timeout=timeout, layout=layout, t0=t0)
     ap.score_mod = score_mod   # (the plan does not depend on it: only the tiles apply it)
     return ap
 
@@ -356,16 +310,11 @@ def _check_method(method: str, shape: AttnShape, pmesh: Mesh) -> None:
                          f"(it plans for any configuration)") from None
 
 
-def _plan_ilp(mask, *, which: str, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: int, dtype: torch.dtype,
-              block_size: int, mask_mod, method: str, options: PlannerOptions | None, cost: CostModel, timeout: float,
-              layout: TokenSharding | None) -> AttentionPlan:
+def _plan_ilp(read: MaskRead, *, which: str, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: int,
+              dtype: torch.dtype, method: str, options: PlannerOptions | None, cost: CostModel, timeout: float,
+              layout: TokenSharding | None, t0: float) -> AttentionPlan:
     """Rank 0 plans with the ILP planner (or builds the baseline ``method``) and broadcasts the plan."""
-    seqlen, batch, num_heads = shape.seq_len, shape.batch, shape.num_heads
-    pattern, mm = _resolve_mask(mask, seqlen=seqlen, batch=batch, num_heads=num_heads, block_size=block_size,
-                                mask_mod=mask_mod)
-    if pattern.num_batch_patterns not in (1, batch):
-        raise ValueError(f"the mask has {pattern.num_batch_patterns} batch entries but batch={batch}")
-    t0 = time.perf_counter()
+    pattern = read.pattern
     result = None
     tile_plan = None
     error = None
@@ -395,27 +344,23 @@ def _plan_ilp(mask, *, which: str, shape: AttnShape, pmesh: Mesh, ranks, comm_gr
     seconds = time.perf_counter() - t0
     if which == "ilp":
         tile_plan.meta.setdefault("planner", "ilp")
-    ap = AttentionPlan(tile_plan=tile_plan, mask=pattern, mask_mod=mm, rank=me, global_ranks=ranks,
+    ap = AttentionPlan(tile_plan=tile_plan, mask=read, rank=me, global_ranks=ranks,
                        group_ref=GroupRef(comm_group if pmesh.world > 1 else None), dtype=dtype, timeout=timeout,
                        planning_seconds=seconds, planner_result=result, planner=which)
     _check_chunking(ap)
     return ap
 
 
-def _plan_fast(mask, *, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: int, dtype: torch.dtype,
-               block_size: int, mask_mod, options: PlannerOptions, cost: CostModel, timeout: float,
-               layout: TokenSharding | None, debug: bool, band: Band = DEFAULT_BAND) -> AttentionPlan:
+def _plan_fast(read: MaskRead, *, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: int, dtype: torch.dtype,
+               options: PlannerOptions, cost: CostModel, timeout: float, layout: TokenSharding | None, debug: bool,
+               band: Band = DEFAULT_BAND, t0: float) -> AttentionPlan:
     """Every rank plans for itself with the fast planner (no broadcast: the plan is a pure function)."""
-    t0 = time.perf_counter()
-    cells, mm = _resolve_cells(mask, seqlen=shape.seq_len, batch=shape.batch, num_heads=shape.num_heads,
-                               block_size=block_size, mask_mod=mask_mod)
-    if cells.num_batch not in (1, shape.batch):
-        raise ValueError(f"the mask has {cells.num_batch} batch entries but batch={shape.batch}")
+    cells = read.cells
     key = planner_key(shape, pmesh, cost, layout, options.balance_tol, True, BASELINES, band)
     fp = ONLINE.planner(key, lambda: FastPlanner(shape=shape, mesh=pmesh, cost=cost, layout=layout,
                                                  balance_tol=options.balance_tol, band=band))
     tile_plan, ahead = ONLINE.plan(fp, cells)
-    ap = AttentionPlan(tile_plan=tile_plan, mask=cells, mask_mod=mm, rank=me, global_ranks=ranks,
+    ap = AttentionPlan(tile_plan=tile_plan, mask=read, rank=me, global_ranks=ranks,
                        group_ref=GroupRef(comm_group if pmesh.world > 1 else None), dtype=dtype, timeout=timeout,
                        planning_seconds=time.perf_counter() - t0, planner="fast", planned_ahead=ahead,
                        verify=debug)
@@ -424,7 +369,7 @@ def _plan_fast(mask, *, shape: AttnShape, pmesh: Mesh, ranks, comm_group, me: in
 
 
 def _check_chunking(ap: AttentionPlan) -> None:
-    tp, pat = ap.tile_plan, ap.mask
+    tp, pat = ap.tile_plan, ap.mask.blocks
     if tp.chunk_size % pat.q_block or tp.chunk_size % pat.kv_block:
         raise ValueError(
             f"chunk size {tp.chunk_size} must be a multiple of the mask's blocks ({pat.q_block}, {pat.kv_block}); "
@@ -442,7 +387,7 @@ def _make_executor(ap: AttentionPlan) -> Executor:
     kinds = [group_kind_grid(ap.pattern, range(g * hq, (g + 1) * hq), pb_q, pb_k) for g in range(g_count)]
     geo = TileGeometry(seq_len=s.seq_len, chunk=tp.chunk_size, q_block=ap.pattern.q_block,
                        kv_block=ap.pattern.kv_block, batch=s.batch, num_heads=s.num_heads, num_kv_heads=s.kv_heads,
-                       head_groups=g_count, head_dim=s.head_dim, kind_gQK=kinds, mask_mod=ap.mask_mod,
+                       head_groups=g_count, head_dim=s.head_dim, kind_gQK=kinds, element=ap.mask.element,
                        pattern=ap.pattern, score_mod=ap.score_mod)
     transport = (transport_for(rank=ap.rank, global_ranks=ap.global_ranks, group_ref=ap.group_ref,
                                timeout=ap.timeout) if ap.world > 1 else None)
@@ -456,7 +401,7 @@ _CHECK_FIELDS = ("mask pattern", "shape and dtype", "mesh and ranks", "plan")
 def _digests(ap: AttentionPlan) -> Tensor:
     s = ap.shape
     parts = [
-        ap.mask.content_hash(),
+        ap.mask.blocks.content_hash(),
         repr((s.seq_len, s.num_heads, s.head_dim, s.kv_heads, s.batch, s.dtype)),
         repr((ap.tile_plan.mesh.nodes, ap.tile_plan.mesh.devices, ap.global_ranks)),
         ap.tile_plan.content_hash(),

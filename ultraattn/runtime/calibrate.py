@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from ..kernels.reference import softmax_delta
 from ..masks.pattern import EMPTY, FULL, PARTIAL
+from ..masks.read import ElementMask
 from ..planner.api import evaluate
 from ..planner.cost import DEFAULT_COST, CostModel, block_flops
 from ..planner.plan import Mesh
@@ -205,7 +206,7 @@ def _tile_case(grid: Grid, *, heads: int, head_dim: int, kv_tokens: int, kind: i
     kinds[:nqb, nqb:nqb + nkb] = kind
     geo = TileGeometry(seq_len=seq, chunk=c, q_block=b, kv_block=b, batch=1, num_heads=heads, num_kv_heads=heads,
                        head_groups=1, head_dim=head_dim, kind_gQK=[kinds],
-                       mask_mod=_checker_mask if kind == PARTIAL else None)
+                       element=ElementMask(_checker_mask) if kind == PARTIAL else None)
     dt = _DTYPES[grid.dtype]
     g = torch.Generator(device="cpu").manual_seed(0)
 

@@ -37,7 +37,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from ..cache import LRU, process_state
-from ..masks.cells import BlockCells, cells_from_block_mask
+from ..masks.cells import BlockCells
+from ..masks.read import read_mask
 from ..planner.cost import CostModel
 from ..planner.fast import FastPlanner
 from ..planner.plan import TilePlan
@@ -138,7 +139,7 @@ class OnlinePlanner:
                 pass
         self.stats.reread += 1
         t0 = time.perf_counter()
-        cells = cells_from_block_mask(block_mask)
+        cells = read_block_cells(block_mask)
         self.stats.seconds_inline += time.perf_counter() - t0
         return cells
 
@@ -213,7 +214,7 @@ class OnlinePlanner:
 
     def _read_and_plan(self, entry: _Handed) -> None:
         try:
-            cells = cells_from_block_mask(entry.mask)
+            cells = read_block_cells(entry.mask)
         except Exception as exc:  # noqa: BLE001 - reported to whoever asks for this mask
             entry.cells.set_exception(exc)
             entry.done.set_exception(exc)
@@ -282,3 +283,8 @@ def plan_ahead(block_mask: BlockMask) -> Future:
         TypeError: ``block_mask`` is not a ``BlockMask``.
     """
     return ONLINE.hand_over(block_mask)
+
+
+def read_block_cells(block_mask: BlockMask) -> BlockCells:
+    """A BlockMask's non-empty cells, read as ``plan_attention`` reads it (``masks.read.read_mask``, sparse)."""
+    return read_mask(block_mask, q_len=None, sparse=True).cells

@@ -15,7 +15,6 @@ from torch import Tensor
 
 from ..cache import LRU, process_state
 from ..eager import eager_dispatch
-from ..masks.convert import eval_mask
 from ..masks.pattern import FULL, PARTIAL, BlockPattern
 
 Geometry = object
@@ -112,14 +111,14 @@ def row_block_lists(geo: Geometry, g: int, i: int, cols: list[int], device: torc
     touch = ((i * nqb + torch.arange(nqb) + 1) * bq > s)[:, None] | ((kv_ids + 1) * bk > s)[None, :]
     kinds[(kinds == FULL) & touch] = PARTIAL
     kv_pos = kv_positions(geo, cols)
-    mask_mod, h0 = geo.mask_mod, g * geo.hq
+    element, h0 = geo.element, g * geo.hq
 
     def row_mask(b, h, q_local, kv_local):
         gq, gk = i * c + q_local, kv_pos[kv_local]
         ok = (gq < s) & (gk < s)
-        if mask_mod is None:
+        if element is None:
             return ok
-        return ok & eval_mask(mask_mod, b, h + h0, gq.clamp(max=s - 1), gk.clamp(max=s - 1))
+        return ok & element(b, h + h0, gq.clamp(max=s - 1), gk.clamp(max=s - 1))
 
     pattern = BlockPattern(kind_BGQK=kinds.to(torch.int8), count_BGQK=torch.zeros(kinds.shape, dtype=torch.int64),
                            q_len=c, kv_len=kv_ids.numel() * bk, q_block=bq, kv_block=bk, name="row",
@@ -135,7 +134,7 @@ def flex_tiles_on(geo: Geometry) -> bool:
     need our bit tiles read per element: 0.2-0.5x flex's speed on an H200)."""
     from ..kernels.config import tile_kernel
 
-    return tile_kernel() == "flex" and geo.score_mod is None and geo.mask_mod is not None
+    return tile_kernel() == "flex" and geo.score_mod is None and geo.element is not None
 
 
 def flex_row_mask(geo: Geometry, g: int, i: int, cols: list[int], device: torch.device):
@@ -150,7 +149,7 @@ def flex_row_mask(geo: Geometry, g: int, i: int, cols: list[int], device: torch.
     from ..kernels.flex_tile import block_mask_of
 
     lists = row_block_lists(geo, g, i, cols, device)
-    s, mask_mod = geo.seq_len, geo.mask_mod
+    s, mask_mod = geo.seq_len, geo.element.mask_mod   # (as written: FlexAttention compiles it)
     kv_pos = kv_positions(geo, cols).to(torch.int32).to(device)
     q0 = torch.tensor(i * geo.chunk, dtype=torch.int32, device=device)
     h0 = torch.tensor(g * geo.hq, dtype=torch.int32, device=device)

@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from ..eager import eager_dispatch
-from ..masks.convert import eval_mask
 from ..masks.pattern import EMPTY, FULL, PARTIAL, BlockPattern
+from ..masks.read import ElementMask
 from .tile_kernels import (
     _kernels_on,
     _score_args,
@@ -139,7 +139,8 @@ class TileGeometry:
     head_dim: int
     kind_gQK: list[Tensor]
     """Per runtime head group: kinds on the padded grid (``group_kind_grid``)."""
-    mask_mod: Callable | None
+    element: ElementMask | None
+    """The element test of PARTIAL blocks (``masks/read.py``; None: the blocks alone decide)."""
     pattern: BlockPattern | None = None
     """The mask's block kinds per (batch, head) (``_mask``: a BlockMask's blocks decide as much as its mask_mod)."""
     mask_cache: dict = field(default_factory=dict)
@@ -238,7 +239,7 @@ class TileGeometry:
         valid = (q_pos[:, None] < s) & (kv_pos[None, :] < s)
         kinds = self.kind_gQK[g][qa0:qa0 + nq][:, blocks]
         if bool(((kinds != FULL) & (kinds != EMPTY)).any()) or bool((kinds == EMPTY).any()):
-            if self.mask_mod is None:
+            if self.element is None:
                 if bool((kinds == PARTIAL).any()):
                     raise ValueError(
                         "the mask has PARTIAL blocks but no mask_mod to evaluate them: pass the BlockMask or the "
@@ -250,7 +251,7 @@ class TileGeometry:
                 h = (g * self.hq + torch.arange(self.hq)).view(1, -1, 1, 1)
                 qi = q_pos.clamp(max=s - 1).view(1, 1, -1, 1)
                 ki = kv_pos.clamp(max=s - 1).view(1, 1, 1, -1)
-                m = eval_mask(self.mask_mod, b, h, qi, ki)
+                m = self.element(b, h, qi, ki)
                 per = self.kinds_bh(g, torch.arange(qa0, qa0 + nq), blocks)
                 if per is not None and not bool((per == PARTIAL).all()):  # the blocks decide outside PARTIAL ones
                     full, part = ((per == k).repeat_interleave(bq, 2).repeat_interleave(bk, 3) for k in (FULL, PARTIAL))

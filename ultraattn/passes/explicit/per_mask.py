@@ -58,6 +58,7 @@ from torch import Tensor
 
 from ultraattn.cache import LRU
 from ultraattn.masks.convert import pattern_from_kinds
+from ultraattn.masks.read import ElementMask
 from ultraattn.passes.explicit.program import ExplicitProgram, TileRow, TileSet, TracedIO, stage_of
 from ultraattn.passes.records import PlanEvent
 from ultraattn.passes.site import (
@@ -124,7 +125,7 @@ class MaskRun:
         if hit is not None and all(r() is t and v == t._version for r, v, t in zip(hit[0], hit[1], tensors)) and \
                 (run := hit[2]()) is not None:
             return run
-        geo = dataclasses.replace(self.geo, mask_mod=make_mod(), mask_cache={}, cache_bytes=0)
+        geo = dataclasses.replace(self.geo, element=ElementMask(make_mod()), mask_cache={}, cache_bytes=0)
         run = dataclasses.replace(self, geo=geo, bound={})
         self.bound = {k: v for k, v in self.bound.items() if v[2]() is not None}
         self.bound[key] = ([weakref.ref(t) for t in tensors], [t._version for t in tensors], weakref.ref(run))
@@ -323,7 +324,7 @@ class PerMaskProgram(ExplicitProgram):
         geo = TileGeometry(seq_len=S, chunk=self.chunk, q_block=pattern.q_block, kv_block=pattern.kv_block, batch=B,
                            num_heads=H, num_kv_heads=spec.kv_shape[1], head_groups=1, head_dim=D,
                            kind_gQK=[group_kind_grid(pattern, range(H), padded // pattern.q_block,
-                                                     padded // pattern.kv_block)], mask_mod=None, pattern=pattern,
+                                                     padded // pattern.kv_block)], element=None, pattern=pattern,
                            score_mod=spec.score)
         pos = torch.arange(self.chunk)
         index = torch.cat([c * self.chunk + pos for c in plan.layout.local_chunks(self.rank)])
@@ -508,7 +509,7 @@ def per_mask_program(state: SiteState, device: torch.device) -> PerMaskProgram:
     def executor(size: int, n: int) -> Executor:
         # the fixed plan's geometry: message shapes only (every tile reads its call's MaskRun.geo)
         geo = TileGeometry(seq_len=S, chunk=size, q_block=size, kv_block=size, batch=B, num_heads=H,
-                           num_kv_heads=spec.kv_shape[1], head_groups=1, head_dim=D, kind_gQK=[], mask_mod=None,
+                           num_kv_heads=spec.kv_shape[1], head_groups=1, head_dim=D, kind_gQK=[], element=None,
                            score_mod=spec.score)
         return Executor(owner_computes_plan(mesh=mesh, shape=shape, chunk=size, chunks_per_rank=n), me, geo,
                         transport, spec.dtype)
