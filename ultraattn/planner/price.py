@@ -266,24 +266,122 @@ def _stream_bound(stream: np.ndarray, release: np.ndarray, duration: np.ndarray)
     return float((rel + csum - base).max())
 
 
-def _hops(m: Messages, idx: np.ndarray, dur: np.ndarray, base_GPW: np.ndarray) -> np.ndarray:
-    """When each (group, chunk, rank) holds a unit that messages ``idx`` move hop by hop: its own ``base`` time, or
-    a message's arrival, which leaves when its source holds the unit (a fixed point: relay chains and reduction
-    trees alike; at most one round per hop)."""
-    ready = base_GPW
-    src = (m.group[idx], m.chunk[idx], m.src[idx])
-    dst = (m.group[idx], m.chunk[idx], m.dst[idx])
+@dataclass(frozen=True, slots=True)
+class _Hops:
+    """Messages ``idx`` that move units hop by hop, sorted by destination (what ``_hops`` reads, for any model)."""
+
+    idx: np.ndarray
+    src: np.ndarray
+    """Flat (group, chunk, rank) index of each message's source, in destination order."""
+    order: np.ndarray
+    """``idx`` positions in destination order."""
+    starts: np.ndarray
+    """Where each destination's messages begin."""
+    to: np.ndarray
+    """Each destination's flat index."""
+
+    @staticmethod
+    def of(m: Messages, idx: np.ndarray, shape: tuple[int, int, int]) -> _Hops:
+        g, c = m.group[idx], m.chunk[idx]
+        src = np.ravel_multi_index((g, c, m.src[idx]), shape)
+        dst = np.ravel_multi_index((g, c, m.dst[idx]), shape)
+        order = np.argsort(dst, kind="stable")
+        dst = dst[order]
+        starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]]) if idx.size else np.zeros(0, dtype=np.int64)
+        return _Hops(idx=idx, src=src[order], order=order, starts=starts, to=dst[starts])
+
+
+def _hops(h: _Hops, dur: np.ndarray, base_GPW: np.ndarray) -> np.ndarray:
+    """When each (group, chunk, rank) holds a unit that messages ``h.idx`` move hop by hop: its own ``base`` time,
+    or a message's arrival, which leaves when its source holds the unit (a fixed point: relay chains and reduction
+    trees alike; at most one round per hop). Only the messages' destinations change, so a round is one gather and
+    one segmented max over the messages sorted by destination (``np.maximum.at`` over the whole grid was most of
+    the price's time)."""
+    if not h.idx.size:
+        return base_GPW
+    d = dur[h.idx][h.order]
+    base = base_GPW.reshape(-1)
+    ready = base.copy()
+    held = ready[h.to]
     for _ in range(base_GPW.shape[2] + 1):
-        new = base_GPW.copy()
-        np.maximum.at(new, dst, ready[src] + dur[idx])
-        if np.array_equal(new, ready):
+        new = np.maximum(base[h.to], np.maximum.reduceat(ready[h.src] + d, h.starts))
+        if np.array_equal(new, held):
             break
-        ready = new
-    return ready
+        ready[h.to] = held = new
+    return ready.reshape(base_GPW.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """What ``replay_bound`` reads of one phase of a plan that no cost model changes (which message carries what
+    where, which kernel needs which message, where merges happen): made once per plan and phase, priced under any
+    model (``robust.band_prices`` prices each finalist under 9 to 17 models)."""
+
+    phase: int
+    shape: tuple[int, int, int]
+    """(head groups, chunks, ranks)."""
+    m: Messages
+    """The phase's messages."""
+    link: np.ndarray
+    """1 where a message crosses nodes."""
+    n_k: int
+    inputs: tuple
+    """Per input axis: (axis, its hops, its messages' source index, the deliver grid [G, P, W] of message ids)."""
+    pairs: tuple[np.ndarray, np.ndarray] | None
+    """Each (kernel, input message) pair once: (kernel, message)."""
+    results: tuple
+    """Per result axis: (flat (g, unit, rank) key per cell, unique (key, kernel) pairs, hops of its partials, final
+    messages, merge positions (g, c, r), the bytes merged there, whether it is the output)."""
+    stream: np.ndarray
+    """The stream of every task in ``replay_bound``'s order (kernels, merges, sends, receives)."""
+
+    @staticmethod
+    def of(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: int, mesh: Mesh, phase: int) -> Replay:
+        shape = (num_groups, owner.size, mesh.world)
+        g_count, p, w = shape
+        m = msgs.select(msgs.phase == phase)
+        link = ((m.src // mesh.devices) != (m.dst // mesh.devices)).astype(np.int64)
+        n_k = kern.seconds[phase].size
+        r_N = kern.rank_K[kern.k_N]
+        unit_N = {"row": kern.i_N, "col": kern.j_N}
+        inputs, deliver = [], {}
+        for axis, names in _INPUTS[phase].items():
+            idx = np.flatnonzero(np.isin(m.tensor, _codes(names)))
+            d = np.full(shape, -1, dtype=np.int64)
+            d[m.group[idx], m.chunk[idx], m.dst[idx]] = idx
+            inputs.append((axis, _Hops.of(m, idx, shape), (m.group[idx], m.chunk[idx], m.src[idx])))
+            deliver[axis] = d
+        msg_N = np.concatenate([deliver[a][kern.g_N, unit_N[a], r_N] for a in ("row", "col")])
+        k2 = np.concatenate([kern.k_N, kern.k_N])
+        ok = msg_N >= 0
+        pairs = None
+        if ok.any():   # each (kernel, message) pair once (one int64 key: np.unique over axis=1 sorts rows, ~5x slower)
+            u = np.unique(k2[ok] * m.tensor.size + msg_N[ok])
+            pairs = (u // m.tensor.size, u % m.tensor.size)
+        results, merge_rank = [], []
+        for axis, part, final in _RESULTS[phase]:
+            key = (kern.g_N * p + unit_N[axis]) * w + r_N
+            uk = np.unique(key * n_k + kern.k_N)
+            idx = np.flatnonzero(m.tensor == _CODE[part])
+            fin = np.flatnonzero(m.tensor == _CODE[final])
+            # merges where a partial's reduction ends (it receives partials and sends none on)
+            inbytes = np.zeros(shape)
+            np.add.at(inbytes, (m.group[idx], m.chunk[idx], m.dst[idx]), m.nbytes[idx])
+            inbytes[m.group[idx], m.chunk[idx], m.src[idx]] = 0.0
+            # (a rank that sends the final result on folds its add into that message too, as the simulator does)
+            inbytes[m.group[fin], m.chunk[fin], m.src[fin]] = 0.0
+            at = np.nonzero(inbytes)
+            results.append((key, (uk // n_k, uk % n_k), _Hops.of(m, idx, shape), fin, at, inbytes[at], part == "o"))
+            merge_rank.append(at[2])
+        # streams: 5 per rank (compute, send intra/inter, recv intra/inter)
+        stream = np.concatenate([kern.rank_K * 5, *[r * 5 for r in merge_rank], m.src * 5 + 1 + link,
+                                 m.dst * 5 + 3 + link])
+        return Replay(phase=phase, shape=shape, m=m, link=link, n_k=n_k, inputs=tuple(inputs), pairs=pairs,
+                      results=tuple(results), stream=stream)
 
 
 def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: int, mesh: Mesh, cost: CostModel,
-                 phase: int) -> float:
+                 phase: int, replay: Replay | None = None) -> float:
     """A lower bound of the simulator's makespan of one phase (``schedule.build_graph`` + ``simulate``).
 
     Every task gets a release time, a bound on when it can start: an input message when its sender holds
@@ -292,80 +390,55 @@ def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: i
     when the kernels that produce it can have run (their chain, and their sum on the compute stream) and
     the partials it reduces arrived, a merge when its partials arrived. Each stream (a rank's compute
     engine, its send and receive engine per link) then needs at least ``max_i (release_i + work released at
-    or after release_i)``; the bound is the largest over streams.
+    or after release_i)``; the bound is the largest over streams. ``replay``: the plan's ``Replay`` of this
+    phase, where the caller prices it under several models.
     """
-    g_count, p, w = num_groups, owner.size, mesh.world
-    m = msgs.select(msgs.phase == phase)
+    rp = replay if replay is not None else Replay.of(kern, msgs, owner, num_groups, mesh, phase)
+    m, link, shape = rp.m, rp.link, rp.shape
     dur = message_seconds(m, mesh, cost)
-    link = ((m.src // mesh.devices) != (m.dst // mesh.devices)).astype(np.int64)
     sec_K = kern.seconds[phase]
     share = shared_speedup(mesh, cost)
     if share > 1:   # a task of a shared node may run up to `share` times faster than its all-busy duration
         node_work = (sec_K, dur)
         sec_K = sec_K / share
         dur = np.where(link == 0, dur / share, dur)
-    n_k = sec_K.size
     r_N = kern.rank_K[kern.k_N]
     unit_N = {"row": kern.i_N, "col": kern.j_N}
     release = np.zeros(m.tensor.size)
 
-    # inputs: arrival of each (group, chunk, rank), hop by hop; which message delivers it
-    arrive = {}
-    deliver = {}
-    for axis, names in _INPUTS[phase].items():
-        idx = np.flatnonzero(np.isin(m.tensor, _codes(names)))
-        arr = _hops(m, idx, dur, np.zeros((g_count, p, w)))
-        release[idx] = arr[m.group[idx], m.chunk[idx], m.src[idx]]
-        d = np.full((g_count, p, w), -1, dtype=np.int64)
-        d[m.group[idx], m.chunk[idx], m.dst[idx]] = idx
-        arrive[axis], deliver[axis] = arr, d
-    # kernels: each input's path, and the inputs through one receive engine in a row
-    start = np.zeros(n_k)
-    for axis in ("row", "col"):
-        np.maximum.at(start, kern.k_N, arrive[axis][kern.g_N, unit_N[axis], r_N])
-    msg_N = np.concatenate([deliver[a][kern.g_N, unit_N[a], r_N] for a in ("row", "col")])
-    k2 = np.concatenate([kern.k_N, kern.k_N])
-    ok = msg_N >= 0
-    if ok.any():   # each (kernel, message) pair once (as one int64 key: np.unique over axis=1 sorts rows, ~5x slower)
-        pairs = np.unique(k2[ok] * m.tensor.size + msg_N[ok])
-        pk, pm = pairs // m.tensor.size, pairs % m.tensor.size
-        through = np.bincount(pk * 2 + link[pm], dur[pm], minlength=2 * n_k).reshape(n_k, 2)
+    # inputs: arrival of each (group, chunk, rank), hop by hop
+    start = np.zeros(rp.n_k)
+    for axis, hops, src in rp.inputs:
+        arr = _hops(hops, dur, np.zeros(shape))
+        release[hops.idx] = arr[src]
+        # kernels: each input's path
+        np.maximum.at(start, kern.k_N, arr[kern.g_N, unit_N[axis], r_N])
+    if rp.pairs is not None:   # and the inputs through one receive engine in a row
+        pk, pm = rp.pairs
+        through = np.bincount(pk * 2 + link[pm], dur[pm], minlength=2 * rp.n_k).reshape(rp.n_k, 2)
         start = np.maximum(start, through.max(1))
     end = start + sec_K
     # results: ready on a rank when its kernels for the unit ran and the partials it reduces arrived
-    merge_rank, merge_rel, merge_dur = [], [], []
-    for axis, part, final in _RESULTS[phase]:
-        key = (kern.g_N * p + unit_N[axis]) * w + r_N
-        own_end = np.zeros(g_count * p * w)
+    merge_rel, merge_dur = [], []
+    size = shape[0] * shape[1] * shape[2]
+    for key, (uk_key, uk_k), hops, fin, at, inbytes, lse in rp.results:
+        own_end = np.zeros(size)
         np.maximum.at(own_end, key, end[kern.k_N])
-        uk = np.unique(key * n_k + kern.k_N)
-        own_sum = np.bincount(uk // n_k, sec_K[uk % n_k], minlength=g_count * p * w)
-        ready = np.maximum(own_end, own_sum).reshape(g_count, p, w)
-        idx = np.flatnonzero(m.tensor == _CODE[part])
-        ready = _hops(m, idx, dur, ready)
+        own_sum = np.bincount(uk_key, sec_K[uk_k], minlength=size)
+        ready = _hops(hops, dur, np.maximum(own_end, own_sum).reshape(shape))
+        idx = hops.idx
         release[idx] = ready[m.group[idx], m.chunk[idx], m.src[idx]]
-        fin = np.flatnonzero(m.tensor == _CODE[final])
         release[fin] = ready[m.group[fin], m.chunk[fin], m.src[fin]]
-        # merges where a partial's reduction ends (it receives partials and sends none on)
-        inbytes = np.zeros((g_count, p, w))
-        np.add.at(inbytes, (m.group[idx], m.chunk[idx], m.dst[idx]), m.nbytes[idx])
-        inbytes[m.group[idx], m.chunk[idx], m.src[idx]] = 0.0
-        # (a rank that sends the final result on folds its add into that message too, as the simulator does)
-        inbytes[m.group[fin], m.chunk[fin], m.src[fin]] = 0.0
-        gg, cc, rr = np.nonzero(inbytes)
-        merge_rank.append(rr)
-        merge_rel.append(ready[gg, cc, rr])
+        merge_rel.append(ready[at])
         # (divided by what a shared node allows at most)
-        merge_dur.append(cost.merge_seconds(2 * inbytes[gg, cc, rr], lse=part == "o") / share)
-    # streams: 5 per rank (compute, send intra/inter, recv intra/inter)
-    stream = np.concatenate([kern.rank_K * 5, *[r * 5 for r in merge_rank], m.src * 5 + 1 + link,
-                             m.dst * 5 + 3 + link])
+        merge_dur.append(cost.merge_seconds(2 * inbytes, lse=lse) / share)
     rel = np.concatenate([start, *merge_rel, release, release])
     du = np.concatenate([sec_K, *merge_dur, dur, dur])
-    bound = max(_stream_bound(stream, rel, du), float(end.max(initial=0.0)))
+    bound = max(_stream_bound(rp.stream, rel, du), float(end.max(initial=0.0)))
     if share > 1:   # the node's kernels, merges and inner messages at their all-busy durations
         secs = np.concatenate([node_work[0], *(d * share for d in merge_dur)])
-        bound = max(bound, _node_bound(mesh, np.concatenate([kern.rank_K, *merge_rank]), secs, m, node_work[1]))
+        ranks = np.concatenate([kern.rank_K, *(at[2] for _, _, _, _, at, _, _ in rp.results)])
+        bound = max(bound, _node_bound(mesh, ranks, secs, m, node_work[1]))
     return bound
 
 
@@ -392,9 +465,12 @@ def busy_bound(kern: Kernels, msgs: Messages, mesh: Mesh, cost: CostModel) -> fl
     return total
 
 
-def price(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: int, mesh: Mesh, cost: CostModel) -> float:
-    """Closed-form fwd (+ bwd) seconds of a plan: the sum over its phases of ``replay_bound``."""
-    return sum(replay_bound(kern, msgs, owner, num_groups, mesh, cost, ph) for ph in kern.seconds)
+def price(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: int, mesh: Mesh, cost: CostModel,
+          replays: dict[int, Replay] | None = None) -> float:
+    """Closed-form fwd (+ bwd) seconds of a plan: the sum over its phases of ``replay_bound`` (``replays``: the plan's
+    ``Replay`` per phase, where the caller prices it under several models)."""
+    return sum(replay_bound(kern, msgs, owner, num_groups, mesh, cost, ph, None if replays is None else replays[ph])
+               for ph in kern.seconds)
 
 
 

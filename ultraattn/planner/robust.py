@@ -31,7 +31,7 @@ import numpy as np
 
 from .cost import CostModel
 from .plan import Mesh
-from .price import Draft, price
+from .price import Draft, Replay, price
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +100,15 @@ def band_prices(drafts: dict[str, Draft], mesh: Mesh, cost: CostModel, band: Ban
     out = {}
     for name, d in drafts.items():
         groups = d.assign_GPP.shape[0]
+        # what no model changes, made once for all of them
+        replays = {ph: Replay.of(d.kernels, d.messages, d.owner, groups, mesh, ph) for ph in d.kernels.seconds}
         prices = []
         for n, (c, model) in enumerate(models):
             if n == 0 and nominal is not None and name in nominal:
                 prices.append(nominal[name])
                 continue
             kern = dataclasses.replace(d.kernels, seconds={ph: s / c for ph, s in d.kernels.seconds.items()})
-            prices.append(price(kern, d.messages, d.owner, groups, mesh, model))
+            prices.append(price(kern, d.messages, d.owner, groups, mesh, model, replays))
         out[name] = np.array(prices)
     return out
 
