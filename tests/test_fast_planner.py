@@ -624,3 +624,48 @@ def test_small_plans_are_priced_in_kernel_batches_before_the_choice():
             assert chosen.seconds < chosen.unbatched[1] and "kernel_batch" in chosen.get().meta, name
     assert ratios["causal"] < 0.8, ratios
     assert math.prod(ratios.values()) ** (1 / len(ratios)) < 1.0, ratios
+
+
+# ----------------------------------------------------------------------------- the garbage collector while planning
+def test_planning_holds_off_the_garbage_collector_and_restores_it(monkeypatch):
+    """``FastPlanner.plan`` runs with Python's cyclic collector paused (``cache.gc_paused``: a third of a 128K 8x8 plan
+    went to collections) and leaves it as it found it: enabled, disabled, after an error, and when two threads'
+    pauses overlap (the online worker plans while the step's thread does)."""
+    import gc
+    import threading
+
+    from ultraattn.cache import gc_paused
+
+    fp = FastPlanner(shape=AttnShape(seq_len=512, num_heads=2, head_dim=16), mesh=Mesh(nodes=1, devices=4))
+    cells = cells_from_block_mask(block_mask_of("causal", (), 512, 64))
+    seen = []
+    candidates = FastPlanner.candidates
+    monkeypatch.setattr(FastPlanner, "candidates", lambda self, c: seen.append(gc.isenabled()) or candidates(self, c))
+    assert gc.isenabled()
+    fp.plan(cells)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        fp.plan(cells)
+        assert not gc.isenabled()   # (a caller's own pause stays)
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError, match="lengths"):
+        FastPlanner(shape=AttnShape(seq_len=1024, num_heads=2, head_dim=16), mesh=Mesh(nodes=1, devices=4)).plan(cells)
+    assert gc.isenabled()
+    # overlapping pauses: the collector returns when the last one ends, whichever thread opened the first
+    entered, release = threading.Event(), threading.Event()
+
+    def worker():
+        with gc_paused():
+            entered.set()
+            release.wait(timeout=30)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    assert entered.wait(timeout=30)
+    with gc_paused():
+        release.set()
+        t.join(timeout=30)
+        assert not t.is_alive() and not gc.isenabled()
+    assert gc.isenabled()

@@ -8,6 +8,13 @@ Every module-level object that holds state across calls is declared here by name
 
 ``LRU``: a bounded mapping that evicts the least recently used entry.
 
+``gc_paused``: Python's cyclic garbage collector held off while the fast planner plans (a per-step path). A plan
+allocates tens of thousands of small objects (the replayed schedule's tasks), and every collection they trigger
+walks the whole heap, which in a training process holds the model, its compiled graphs and Dynamo's caches: on a
+128K document mask at 8x8 ranks, a third of the planning time went to collections (docs/planner.md). PyTorch's
+``torch.distributed.checkpoint.state_dict`` pauses the collector the same way. Counted, so that planning on the
+online worker thread and on the step's thread at once leaves the collector as it found it.
+
 Plans keyed by mask content, kernel block lists keyed by mask identity, and the forward state that
 waits for its backward are all bounded this way, because a training loop that meets a new mask
 every step must not grow memory without limit. Thread-safe: a plan may be made on a worker
@@ -16,6 +23,8 @@ thread while the step that uses it runs.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
@@ -56,6 +65,30 @@ def clear_process_state() -> None:
     """Clear every piece of process state (``ultraattn.reset``)."""
     for holder in held_state().values():
         holder.clear()
+
+
+_GC_LOCK = threading.Lock()
+_GC_PAUSES = [0, False]
+"""[how many ``gc_paused`` blocks are open, whether the collector was enabled when the first one opened]: process-wide
+on purpose (it mirrors ``gc``'s own switch, which is), and zero outside planning, so ``reset`` has nothing to clear."""
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Hold off the cyclic garbage collector inside the block (module docstring); the last block to close restores
+    it as the first found it. Reference counting still frees everything that is not in a cycle."""
+    with _GC_LOCK:
+        if _GC_PAUSES[0] == 0:
+            _GC_PAUSES[1] = gc.isenabled()
+            gc.disable()
+        _GC_PAUSES[0] += 1
+    try:
+        yield
+    finally:
+        with _GC_LOCK:
+            _GC_PAUSES[0] -= 1
+            if _GC_PAUSES[0] == 0 and _GC_PAUSES[1]:
+                gc.enable()
 
 
 class LRU(Generic[K, V]):

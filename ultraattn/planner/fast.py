@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cache import gc_paused
 from ..masks.cells import BlockCells, cells_from_pattern
 from ..masks.pattern import BlockPattern
 from .balance import balanced_ownership, ownership, place, place_flat
@@ -247,7 +248,12 @@ class FastPlanner:
     def plan(self, mask: BlockCells | BlockPattern) -> TilePlan:
         """The most robust finalist's ``TilePlan`` (``ROBUST_WINDOW``); ``meta`` says planner ("fast"), structure,
         estimate_ms, planning_ms, every candidate's price (None: skipped), the finalists' worst-case regrets over
-        the band (``regrets``; ``regret``: the chosen plan's) and the band."""
+        the band (``regrets``; ``regret``: the chosen plan's) and the band. Python's cyclic garbage collector waits
+        meanwhile (``cache.gc_paused``)."""
+        with gc_paused():
+            return self._plan(mask)
+
+    def _plan(self, mask: BlockCells | BlockPattern) -> TilePlan:
         t0 = time.perf_counter()
         cells = self._check(mask)
         cands = self.candidates(cells)
