@@ -8,17 +8,17 @@ Every module-level object that holds state across calls is declared here by name
 
 ``LRU``: a bounded mapping that evicts the least recently used entry.
 
+Plans keyed by mask content, kernel block lists keyed by mask identity, and the forward state that
+waits for its backward are all bounded this way, because a training loop that meets a new mask
+every step must not grow memory without limit. Thread-safe: a plan may be made on a worker
+thread while the step that uses it runs.
+
 ``gc_paused``: Python's cyclic garbage collector held off while the fast planner plans (a per-step path). A plan
 allocates tens of thousands of small objects (the replayed schedule's tasks), and every collection they trigger
 walks the whole heap, which in a training process holds the model, its compiled graphs and Dynamo's caches: on a
 128K document mask at 8x8 ranks, a third of the planning time went to collections (docs/planner.md). PyTorch's
 ``torch.distributed.checkpoint.state_dict`` pauses the collector the same way. Counted, so that planning on the
 online worker thread and on the step's thread at once leaves the collector as it found it.
-
-Plans keyed by mask content, kernel block lists keyed by mask identity, and the forward state that
-waits for its backward are all bounded this way, because a training loop that meets a new mask
-every step must not grow memory without limit. Thread-safe: a plan may be made on a worker
-thread while the step that uses it runs.
 """
 
 from __future__ import annotations

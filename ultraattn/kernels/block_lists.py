@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from ultraattn.masks.pattern import FULL, PARTIAL, BlockPattern
-from ultraattn.masks.read import MASK_DEPENDS, read_mask
+from ultraattn.masks.read import read_mask
 
 Element = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """An element test: (b, h, q, kv) broadcastable index tensors -> bool of their broadcast shape (a mask's
@@ -228,8 +228,9 @@ def block_lists_from_pattern(pattern: BlockPattern, element: Element | None, *, 
             "the mask has PARTIAL blocks but no mask_mod to evaluate them: pass the BlockMask, or "
             "mask_mod=... together with the BlockPattern"
         )
-    # a mask that declares it ignores b or h (``MASK_DEPENDS``) is evaluated once for all of them
-    dep_b, dep_h = _depends(element)
+    # a mask that declares it ignores b or h (``ElementMask.depends``) is evaluated once for all of them; a function
+    # built on one (a tile row's) is evaluated for every (b, h)
+    dep_b, dep_h = getattr(element, "depends", (True, True))
     kinds, bit_sets, seen = [], [], {}
     for b in range(batch):
         for h in range(num_heads):
@@ -267,12 +268,6 @@ def _assemble(kind_u: Tensor, tile_grid: Tensor, bits: Tensor, pattern_of: Tenso
         full_q_cnt=full_q_cnt, full_q_idx=full_q_idx, part_q_cnt=part_q_cnt, part_q_idx=part_q_idx,
         part_q_tile=part_q_tile, bits=bits.contiguous(),
     )
-
-
-def _depends(element: Element | None) -> tuple[bool, bool]:
-    """(depends on b, depends on h) of an element test: an ``ElementMask``'s, else a function's ``MASK_DEPENDS``."""
-    depends = getattr(element, "depends", None)
-    return depends if depends is not None else getattr(element, MASK_DEPENDS, (True, True))
 
 
 def _partial_bits(element: Element | None, kind: Tensor, b: int, h: int, qb: int, kb: int, q_len: int,

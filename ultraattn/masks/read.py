@@ -97,7 +97,7 @@ def read_mask(
     block_size: int | tuple[int, int] = 128,
     mask_mod: Callable | ElementMask | None = None,
     sparse: bool = False,
-    cells: BlockCells | None = None,
+    read_cells: Callable[[BlockMask], BlockCells] = cells_from_block_mask,
 ) -> MaskRead:
     """Read ``mask`` once (module docstring).
 
@@ -110,7 +110,8 @@ def read_mask(
         mask_mod: the element test of a ``BlockPattern``'s or ``BlockCells``' PARTIAL blocks (a ``BlockMask``'s own
             mask_mod otherwise; this one wins when both are given).
         sparse: a ``BlockMask`` is read as ``BlockCells`` without densifying its grid (the fast planner's form).
-        cells: those cells, already read from this ``BlockMask`` (``plan_ahead``'s worker).
+        read_cells: how a ``BlockMask``'s cells are read once its lengths are checked (the runtime's
+            ``ONLINE.cells`` takes them from ``plan_ahead``'s worker where it read them already).
 
     Raises:
         ValueError: lengths that disagree with the mask's, PARTIAL blocks without a mask_mod, an unknown string.
@@ -121,7 +122,7 @@ def read_mask(
         if q_len is not None and tuple(mask.seq_lengths) != (q_len, kv_len):
             raise ValueError(f"ultraattn: the BlockMask is for lengths {tuple(mask.seq_lengths)} but "
                              f"{_lengths(q_len, kv_len)}; build it with Q_LEN={q_len}, KV_LEN={kv_len}")
-        blocks = (cells if cells is not None else cells_from_block_mask(mask)) if sparse else to_block_pattern(mask)
+        blocks = read_cells(mask) if sparse else to_block_pattern(mask)
         return MaskRead(blocks, element_mask(mask_mod if mask_mod is not None else mask.mask_mod))
     if isinstance(mask, str):
         if mask not in ("causal", "full"):

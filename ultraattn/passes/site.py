@@ -357,8 +357,8 @@ def _flex_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence[
     info = state.spec.flex
     (_, kvi, *_), buffers = flex_tables(info, tensors)
     B, H = q_shape[0], q_shape[1]
-    mask_mod = flex_mask_mod(info, buffers)
-    dep_b, dep_h = getattr(mask_mod, MASK_DEPENDS, (True, True))
+    element = ElementMask(flex_mask_mod(info, buffers))
+    dep_b, dep_h = element.depends
     table = call_block_kinds(state, tensors)
     bm = B if dep_b or table.shape[0] > 1 else 1
     hm = H if dep_h or table.shape[1] > 1 else 1
@@ -382,7 +382,7 @@ def _flex_runner(state: SiteState, q_shape, kv_shape, device, tensors: Sequence[
         state.plans.store(key, dense, seconds)
         state.observer.plan_made(plan_event(state, dense.lists, seconds))
     anchor = buffers[0] if buffers else kvi
-    return state.memo.get(anchor, ("bits", key), lambda: mod_bits(dense, ElementMask(mask_mod), hm))
+    return state.memo.get(anchor, ("bits", key), lambda: mod_bits(dense, element, hm))
 
 
 def plan_event(state: SiteState, runner: Runner, seconds: float) -> PlanEvent:

@@ -261,8 +261,7 @@ def plan_attention(
     t0 = time.perf_counter()
     # the one read of the mask: its blocks for the planner, its element test for the tiles (masks/read.py)
     read = read_mask(mask, q_len=seqlen, batch=batch, num_heads=num_heads, block_size=block_size, mask_mod=mask_mod,
-                     sparse=which == "fast", cells=ONLINE.cells(mask) if which == "fast" and isinstance(mask, BlockMask)
-                     else None)
+                     sparse=which == "fast", read_cells=ONLINE.cells)
     if read.blocks.num_batch_patterns not in (1, batch):
         raise ValueError(f"the mask has {read.blocks.num_batch_patterns} batch entries but batch={batch}")
     if which == "fast":
