@@ -268,115 +268,135 @@ def _stream_bound(stream: np.ndarray, release: np.ndarray, duration: np.ndarray)
 
 @dataclass(frozen=True, slots=True)
 class _Hops:
-    """Messages ``idx`` that move units hop by hop, sorted by destination (what ``_hops`` reads, for any model)."""
+    """Messages ``idx`` that move units hop by hop (what ``_hops`` reads, for any model), sorted by destination
+    (``order``): their flat (group, chunk, rank) sources in that order, where each destination's messages begin
+    (``starts``) and that destination (``to``)."""
 
     idx: np.ndarray
     src: np.ndarray
-    """Flat (group, chunk, rank) index of each message's source, in destination order."""
     order: np.ndarray
-    """``idx`` positions in destination order."""
     starts: np.ndarray
-    """Where each destination's messages begin."""
     to: np.ndarray
-    """Each destination's flat index."""
 
     @staticmethod
-    def of(m: Messages, idx: np.ndarray, shape: tuple[int, int, int]) -> _Hops:
-        g, c = m.group[idx], m.chunk[idx]
-        src = np.ravel_multi_index((g, c, m.src[idx]), shape)
-        dst = np.ravel_multi_index((g, c, m.dst[idx]), shape)
+    def of(idx: np.ndarray, src: np.ndarray, dst: np.ndarray) -> _Hops:
+        """From the messages' flat sources and destinations."""
         order = np.argsort(dst, kind="stable")
         dst = dst[order]
         starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]]) if idx.size else np.zeros(0, dtype=np.int64)
         return _Hops(idx=idx, src=src[order], order=order, starts=starts, to=dst[starts])
 
 
-def _hops(h: _Hops, dur: np.ndarray, base_GPW: np.ndarray) -> np.ndarray:
-    """When each (group, chunk, rank) holds a unit that messages ``h.idx`` move hop by hop: its own ``base`` time,
-    or a message's arrival, which leaves when its source holds the unit (a fixed point: relay chains and reduction
-    trees alike; at most one round per hop). Only the messages' destinations change, so a round is one gather and
-    one segmented max over the messages sorted by destination (``np.maximum.at`` over the whole grid was most of
-    the price's time)."""
+def _hops(h: _Hops, dur: np.ndarray, base: np.ndarray, ranks: int) -> np.ndarray:
+    """When each (group, chunk, rank) (flat) holds a unit that messages ``h.idx`` move hop by hop: its own ``base``
+    time, or a message's arrival, which leaves when its source holds the unit (a fixed point: relay chains and
+    reduction trees alike; at most one round per hop, ``ranks + 1`` rounds). Only the messages' destinations change,
+    so a round is one gather and one segmented max over the messages sorted by destination (``np.maximum.at`` over
+    the whole grid was most of the price's time)."""
     if not h.idx.size:
-        return base_GPW
+        return base
     d = dur[h.idx][h.order]
-    base = base_GPW.reshape(-1)
     ready = base.copy()
     held = ready[h.to]
-    for _ in range(base_GPW.shape[2] + 1):
+    for _ in range(ranks + 1):
         new = np.maximum(base[h.to], np.maximum.reduceat(ready[h.src] + d, h.starts))
         if np.array_equal(new, held):
             break
         ready[h.to] = held = new
-    return ready.reshape(base_GPW.shape)
+    return ready
+
+
+@dataclass(frozen=True, slots=True)
+class _Input:
+    """One input axis of a phase, flat (group, chunk, rank) indices: its messages' hops and sources (a message leaves
+    when its unit is there), and every cell's (group, unit, computing rank) (its kernel waits for the unit)."""
+
+    hops: _Hops
+    src: np.ndarray
+    cell: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class _Result:
+    """One result axis of a phase (o, dq or dkv), flat indices: every cell's unit on its rank, each (unit, kernel)
+    pair once, the partials' hops and sources, the final messages and their sources, where merges happen (a
+    partial's reduction ends) and their bytes, and whether it is the output (merged with its LSE)."""
+
+    cell: np.ndarray
+    own: tuple[np.ndarray, np.ndarray]
+    hops: _Hops
+    part_src: np.ndarray
+    fin: np.ndarray
+    fin_src: np.ndarray
+    merge_at: np.ndarray
+    merge_bytes: np.ndarray
+    lse: bool
 
 
 @dataclass(frozen=True, slots=True)
 class Replay:
     """What ``replay_bound`` reads of one phase of a plan that no cost model changes (which message carries what
     where, which kernel needs which message, where merges happen): made once per plan and phase, priced under any
-    model (``robust.band_prices`` prices each finalist under 9 to 17 models)."""
+    model (``robust.band_prices`` prices each finalist under 9 to 17 models). ``shape``: (head groups, chunks,
+    ranks); ``m``: the phase's messages, ``link`` 1 where one crosses nodes; ``pairs``: each (kernel, input message)
+    pair once; ``stream``: every task's stream in ``replay_bound``'s order (kernels, merges, sends, receives)."""
 
-    phase: int
     shape: tuple[int, int, int]
-    """(head groups, chunks, ranks)."""
     m: Messages
-    """The phase's messages."""
     link: np.ndarray
-    """1 where a message crosses nodes."""
     n_k: int
-    inputs: tuple
-    """Per input axis: (axis, its hops, its messages' source index, the deliver grid [G, P, W] of message ids)."""
+    inputs: tuple[_Input, ...]
     pairs: tuple[np.ndarray, np.ndarray] | None
-    """Each (kernel, input message) pair once: (kernel, message)."""
-    results: tuple
-    """Per result axis: (flat (g, unit, rank) key per cell, unique (key, kernel) pairs, hops of its partials, final
-    messages, merge positions (g, c, r), the bytes merged there, whether it is the output)."""
+    results: tuple[_Result, ...]
     stream: np.ndarray
-    """The stream of every task in ``replay_bound``'s order (kernels, merges, sends, receives)."""
 
     @staticmethod
     def of(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: int, mesh: Mesh, phase: int) -> Replay:
         shape = (num_groups, owner.size, mesh.world)
         g_count, p, w = shape
         m = msgs.select(msgs.phase == phase)
+        flat = lambda sel, at: np.ravel_multi_index((m.group[sel], m.chunk[sel], at[sel]), shape)  # noqa: E731
         link = ((m.src // mesh.devices) != (m.dst // mesh.devices)).astype(np.int64)
         n_k = kern.seconds[phase].size
         r_N = kern.rank_K[kern.k_N]
-        unit_N = {"row": kern.i_N, "col": kern.j_N}
+        cell_N = {axis: np.ravel_multi_index((kern.g_N, unit, r_N), shape)
+                  for axis, unit in (("row", kern.i_N), ("col", kern.j_N))}
         inputs, deliver = [], {}
         for axis, names in _INPUTS[phase].items():
             idx = np.flatnonzero(np.isin(m.tensor, _codes(names)))
-            d = np.full(shape, -1, dtype=np.int64)
-            d[m.group[idx], m.chunk[idx], m.dst[idx]] = idx
-            inputs.append((axis, _Hops.of(m, idx, shape), (m.group[idx], m.chunk[idx], m.src[idx])))
+            d = np.full(g_count * p * w, -1, dtype=np.int64)
+            d[flat(idx, m.dst)] = idx
+            src = flat(idx, m.src)
+            inputs.append(_Input(hops=_Hops.of(idx, src, flat(idx, m.dst)), src=src, cell=cell_N[axis]))
             deliver[axis] = d
-        msg_N = np.concatenate([deliver[a][kern.g_N, unit_N[a], r_N] for a in ("row", "col")])
+        msg_N = np.concatenate([deliver[a][cell_N[a]] for a in ("row", "col")])
         k2 = np.concatenate([kern.k_N, kern.k_N])
         ok = msg_N >= 0
         pairs = None
         if ok.any():   # each (kernel, message) pair once (one int64 key: np.unique over axis=1 sorts rows, ~5x slower)
             u = np.unique(k2[ok] * m.tensor.size + msg_N[ok])
             pairs = (u // m.tensor.size, u % m.tensor.size)
-        results, merge_rank = [], []
+        results = []
         for axis, part, final in _RESULTS[phase]:
-            key = (kern.g_N * p + unit_N[axis]) * w + r_N
+            key = cell_N[axis]
             uk = np.unique(key * n_k + kern.k_N)
             idx = np.flatnonzero(m.tensor == _CODE[part])
             fin = np.flatnonzero(m.tensor == _CODE[final])
+            src = flat(idx, m.src)
             # merges where a partial's reduction ends (it receives partials and sends none on)
-            inbytes = np.zeros(shape)
-            np.add.at(inbytes, (m.group[idx], m.chunk[idx], m.dst[idx]), m.nbytes[idx])
-            inbytes[m.group[idx], m.chunk[idx], m.src[idx]] = 0.0
+            inbytes = np.zeros(g_count * p * w)
+            np.add.at(inbytes, flat(idx, m.dst), m.nbytes[idx])
+            inbytes[src] = 0.0
             # (a rank that sends the final result on folds its add into that message too, as the simulator does)
-            inbytes[m.group[fin], m.chunk[fin], m.src[fin]] = 0.0
-            at = np.nonzero(inbytes)
-            results.append((key, (uk // n_k, uk % n_k), _Hops.of(m, idx, shape), fin, at, inbytes[at], part == "o"))
-            merge_rank.append(at[2])
+            inbytes[flat(fin, m.src)] = 0.0
+            at = np.flatnonzero(inbytes)
+            results.append(_Result(cell=key, own=(uk // n_k, uk % n_k), hops=_Hops.of(idx, src, flat(idx, m.dst)),
+                                   part_src=src, fin=fin, fin_src=flat(fin, m.src), merge_at=at,
+                                   merge_bytes=inbytes[at], lse=part == "o"))
         # streams: 5 per rank (compute, send intra/inter, recv intra/inter)
-        stream = np.concatenate([kern.rank_K * 5, *[r * 5 for r in merge_rank], m.src * 5 + 1 + link,
+        stream = np.concatenate([kern.rank_K * 5, *[r.merge_at % w * 5 for r in results], m.src * 5 + 1 + link,
                                  m.dst * 5 + 3 + link])
-        return Replay(phase=phase, shape=shape, m=m, link=link, n_k=n_k, inputs=tuple(inputs), pairs=pairs,
+        return Replay(shape=shape, m=m, link=link, n_k=n_k, inputs=tuple(inputs), pairs=pairs,
                       results=tuple(results), stream=stream)
 
 
@@ -402,17 +422,15 @@ def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: i
         node_work = (sec_K, dur)
         sec_K = sec_K / share
         dur = np.where(link == 0, dur / share, dur)
-    r_N = kern.rank_K[kern.k_N]
-    unit_N = {"row": kern.i_N, "col": kern.j_N}
     release = np.zeros(m.tensor.size)
+    size = shape[0] * shape[1] * shape[2]
 
-    # inputs: arrival of each (group, chunk, rank), hop by hop
+    # inputs: arrival of each (group, chunk, rank), hop by hop; a kernel after each input's path
     start = np.zeros(rp.n_k)
-    for axis, hops, src in rp.inputs:
-        arr = _hops(hops, dur, np.zeros(shape))
-        release[hops.idx] = arr[src]
-        # kernels: each input's path
-        np.maximum.at(start, kern.k_N, arr[kern.g_N, unit_N[axis], r_N])
+    for inp in rp.inputs:
+        arr = _hops(inp.hops, dur, np.zeros(size), shape[2])
+        release[inp.hops.idx] = arr[inp.src]
+        np.maximum.at(start, kern.k_N, arr[inp.cell])
     if rp.pairs is not None:   # and the inputs through one receive engine in a row
         pk, pm = rp.pairs
         through = np.bincount(pk * 2 + link[pm], dur[pm], minlength=2 * rp.n_k).reshape(rp.n_k, 2)
@@ -420,24 +438,22 @@ def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: i
     end = start + sec_K
     # results: ready on a rank when its kernels for the unit ran and the partials it reduces arrived
     merge_rel, merge_dur = [], []
-    size = shape[0] * shape[1] * shape[2]
-    for key, (uk_key, uk_k), hops, fin, at, inbytes, lse in rp.results:
+    for res in rp.results:
         own_end = np.zeros(size)
-        np.maximum.at(own_end, key, end[kern.k_N])
-        own_sum = np.bincount(uk_key, sec_K[uk_k], minlength=size)
-        ready = _hops(hops, dur, np.maximum(own_end, own_sum).reshape(shape))
-        idx = hops.idx
-        release[idx] = ready[m.group[idx], m.chunk[idx], m.src[idx]]
-        release[fin] = ready[m.group[fin], m.chunk[fin], m.src[fin]]
-        merge_rel.append(ready[at])
+        np.maximum.at(own_end, res.cell, end[kern.k_N])
+        own_sum = np.bincount(res.own[0], sec_K[res.own[1]], minlength=size)
+        ready = _hops(res.hops, dur, np.maximum(own_end, own_sum), shape[2])
+        release[res.hops.idx] = ready[res.part_src]
+        release[res.fin] = ready[res.fin_src]
+        merge_rel.append(ready[res.merge_at])
         # (divided by what a shared node allows at most)
-        merge_dur.append(cost.merge_seconds(2 * inbytes, lse=lse) / share)
+        merge_dur.append(cost.merge_seconds(2 * res.merge_bytes, lse=res.lse) / share)
     rel = np.concatenate([start, *merge_rel, release, release])
     du = np.concatenate([sec_K, *merge_dur, dur, dur])
     bound = max(_stream_bound(rp.stream, rel, du), float(end.max(initial=0.0)))
     if share > 1:   # the node's kernels, merges and inner messages at their all-busy durations
         secs = np.concatenate([node_work[0], *(d * share for d in merge_dur)])
-        ranks = np.concatenate([kern.rank_K, *(at[2] for _, _, _, _, at, _, _ in rp.results)])
+        ranks = np.concatenate([kern.rank_K, *(r.merge_at % shape[2] for r in rp.results)])
         bound = max(bound, _node_bound(mesh, ranks, secs, m, node_work[1]))
     return bound
 
