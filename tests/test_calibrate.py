@@ -150,6 +150,19 @@ def test_profile_round_trips(tmp_path):
     assert "test" in repr(back) and "kernel" in repr(back)
 
 
+def test_a_profile_without_async_kernels_reads_it_from_its_device():
+    """Profiles written before ``CostModel.async_kernels`` existed: a CPU machine's runs its kernels on the host
+    thread (0), any other keeps the default (1); a value other than 0 or 1 is refused, naming the field."""
+    data = profile_of(TRUE).to_json()
+    data["cost"].pop("async_kernels")
+    for device, want in (("cpu", 0.0), ("cuda", 1.0), (None, 1.0)):
+        data["machine"] = {"key": "test"} | ({"device_type": device} if device else {})
+        assert CostProfile.from_json(data).cost.async_kernels == want
+    data["cost"]["async_kernels"] = 0.5
+    with pytest.raises(ProfileError, match="async_kernels must be 0 .* or 1 .*, got 0.5"):
+        CostProfile.from_json(data)
+
+
 @pytest.mark.parametrize(("edit", "match"), [
     (lambda d: d.update(format="something"), "field 'format' must be 'ultraattn-cost-profile'"),
     (lambda d: d.update(version=99), "field 'version' must be 1, got 99"),
@@ -257,7 +270,8 @@ def test_calibrate_on_two_ranks(tmp_path):
     prof = CostProfile.from_json(a["profile"])
     for name in CostModel.field_names():
         v = getattr(prof.cost, name)
-        assert math.isfinite(v) and (v > 0 or name == "partial_block_overhead"), (name, v)
+        assert math.isfinite(v) and (v > 0 or name in ("partial_block_overhead", "async_kernels")), (name, v)
+    assert prof.cost.async_kernels == 0.0   # CPU ranks: the host thread runs each kernel
     samples = prof.samples
     assert {s["phase"] for s in samples["kernel"]} == {"fwd", "bwd"}
     assert all(s["seconds"] > 0 and math.isfinite(s["seconds"]) for k in ("kernel", "message", "merge")

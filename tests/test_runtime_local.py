@@ -104,14 +104,24 @@ def test_ring_program_relays_on_arrival_and_waits_only_for_what_it_needs():
     assert send_at == wait_at + 1
 
 
+@pytest.mark.parametrize("async_kernels", [0.0, 1.0])
 @pytest.mark.parametrize("method", ["ultraattn", "ring", "usp"])
-def test_executed_replay_runs_each_ranks_program(method):
+def test_executed_replay_runs_each_ranks_program(method, async_kernels):
     """``evaluate(executed=True)`` replays the executor's own programs: launches in program order, each after every
-    wait before it; a send after the launches and waits before it in its rank's program; a partial after its row's
-    launches; and the programs post every message of the plan exactly once, on both ends."""
+    wait before it; a partial after its row's launches; and the programs post every message of the plan exactly
+    once, on both ends. A send leaves after the launches and waits before it in its rank's program where the host
+    runs the kernels (``async_kernels=0``, CPU ranks); on a GPU's communication stream a post that only relays
+    leaves after the waits before it alone, and on the ring some relay does leave before its rank's earlier
+    launches end (``runtime/streams.py``)."""
+    import dataclasses
+
     from ultraattn.planner.api import evaluate, plan
-    from ultraattn.planner.program import Launch, Post, Wait, rank_program
+    from ultraattn.planner.cost import DEFAULT_COST
+    from ultraattn.planner.program import Launch, Post, Wait, rank_program, relays
     from ultraattn.planner.tiling import PlannerOptions
+
+    # slow kernels, so that a relayed unit lands while its rank still runs an earlier launch
+    cost = dataclasses.replace(DEFAULT_COST, async_kernels=async_kernels, fwd_tflops=0.5, bwd_tflops=0.5)
 
     s = 512
     pat = pattern_from_mask_mod(generate_sliding_window(160, causal=True), s, block_size=32)
@@ -122,8 +132,9 @@ def test_executed_replay_runs_each_ranks_program(method):
                                                              time_budget=3.0, schedule_ilp=False)).plan
     else:
         tp = baseline_plan(method, pat, shape, mesh)
+    early_relays = 0
     for phase in ("fwd", "bwd"):
-        ev = evaluate(tp, pat, backward=True, executed=True)
+        ev = evaluate(tp, pat, cost=cost, backward=True, executed=True)
         sched = ev.fwd if phase == "fwd" else ev.bwd
         sched.check()
         first = sched.graph.kernels
@@ -131,18 +142,23 @@ def test_executed_replay_runs_each_ranks_program(method):
         sent, got = [], []
         for r in range(tp.world):
             done = 0.0          # when the rank's host is past its last launch and waits
+            waited = 0.0        # when the messages the rank waited for so far have landed
             last_launch = -1.0
             posted = {}
             for n, step in enumerate(rank_program(tp, r, phase, tp.order.get(phase) or
-                                                  _plain_order(tp, pat, phase))):
+                                                  _plain_order(tp, pat, phase, cost))):
                 if isinstance(step, Post):
                     posted[n] = step.recvs
+                    relay_only = async_kernels and all(relays(tp, t) for _idx, t in step.sends)
                     for idx, _t in step.sends:
-                        assert sched.start[msg_task[idx]] >= done - 1e-12
+                        assert sched.start[msg_task[idx]] >= (waited if relay_only else done) - 1e-12
+                        early_relays += bool(relay_only and sched.start[msg_task[idx]] < done - 1e-12)
                     sent += [idx for idx, _ in step.sends]
                     got += [idx for idx, _ in step.recvs]
                 elif isinstance(step, Wait):
-                    done = max([done] + [sched.end[msg_task[idx]] for idx, _ in posted[step.post]])
+                    ends = [sched.end[msg_task[idx]] for idx, _ in posted[step.post]]
+                    done = max([done, *ends])
+                    waited = max([waited, *ends])
                 else:
                     assert isinstance(step, Launch)
                     for k in step.kernels:
@@ -155,13 +171,15 @@ def test_executed_replay_runs_each_ranks_program(method):
                 row_launches = [k for k, kern in enumerate(tp.kernels)
                                 if kern.rank == t.src and any(c[0] == t.chunk for c in kern.cells)]
                 assert all(sched.start[first + n] >= sched.end[k] - 1e-12 for k in row_launches)
+    if method == "ring":
+        assert (early_relays > 0) == bool(async_kernels)
 
 
-def _plain_order(tp, pat, phase):
+def _plain_order(tp, pat, phase, cost):
     from ultraattn.planner.api import evaluate
     from ultraattn.planner.program import run_order
 
-    ev = evaluate(tp, pat, backward=True)
+    ev = evaluate(tp, pat, cost=cost, backward=True)
     return run_order(ev.fwd if phase == "fwd" else ev.bwd)
 
 
@@ -245,3 +263,73 @@ def test_dispatch_undispatch_roundtrip_and_errors():
         ultraattn.dist_attention(q.half(), q, q, plan)
     with pytest.raises(ValueError, match="`k_local` has shape"):
         ultraattn.dist_attention(q, q[:, :1, :5], q, plan)
+
+
+class _RecordingStreams:
+    """The stream operations of ``runtime.streams.CudaStreams``, recorded instead of run (no GPU here)."""
+
+    def __init__(self):
+        self.log: list = []
+        self.where = "compute"
+
+    def on_comm(self):
+        import contextlib
+
+        rec = self
+
+        @contextlib.contextmanager
+        def ctx():
+            rec.where = "comm"
+            try:
+                yield
+            finally:
+                rec.where = "compute"
+        return ctx()
+
+    def comm_waits_compute(self):
+        self.log.append("comm waits compute")
+
+    def compute_waits_comm(self):
+        self.log.append("compute waits comm")
+
+    def read_by_comm(self, t):
+        self.log.append(("read by comm", id(t)))
+
+    def read_by_compute(self, t):
+        self.log.append(("read by compute", id(t)))
+
+
+def test_comm_stream_relays_received_bytes_without_waiting_for_compute():
+    """On a GPU (``runtime/streams.py``, recorded here): receives are taken on the communication stream and the
+    compute stream waits for them; a post whose pieces were all taken there (a relay) waits for nothing on the
+    compute stream; a post with a piece a kernel made (or a copy of a received piece) waits for the compute stream
+    first, and every such piece is kept alive for the communication stream; the work itself runs on that stream."""
+    from ultraattn.runtime.streams import CommStreams
+
+    api = _RecordingStreams()
+    cs = CommStreams(torch.device("cpu"), api=api)
+    assert cs.active and CommStreams(torch.device("cpu")).active is False   # on CPU by default: the host order
+    ran = []
+    got = cs.take(lambda: ran.append(api.where) or [("kv", [torch.ones(2), torch.zeros(2)])])
+    assert ran == ["comm"] and api.where == "compute"
+    pieces = got[0][1]
+    assert api.log == ["compute waits comm", ("read by compute", id(pieces[0])), ("read by compute", id(pieces[1]))]
+    assert all(cs.made_here(p) for p in pieces)
+    api.log.clear()
+    assert cs.post(pieces, lambda: api.where) == "comm"
+    assert api.log == []                                   # a relay: nothing to wait for
+    partial = torch.full((2,), 3.0)
+    copy = pieces[0] * 1                                   # a kernel's copy of a received piece is the kernel's
+    assert not cs.made_here(copy)
+    assert cs.post([pieces[0], partial, copy], lambda: api.where) == "comm"
+    assert api.log == ["comm waits compute", ("read by comm", id(partial)), ("read by comm", id(copy))]
+
+
+def test_comm_stream_switch_names_its_values(monkeypatch):
+    from ultraattn.runtime.streams import comm_stream_enabled
+
+    monkeypatch.setenv("ULTRAATTN_COMM_STREAM", "0")
+    assert comm_stream_enabled() is False
+    monkeypatch.setenv("ULTRAATTN_COMM_STREAM", "yes")
+    with pytest.raises(ValueError, match="ultraattn: ULTRAATTN_COMM_STREAM='yes' must be '0'"):
+        comm_stream_enabled()

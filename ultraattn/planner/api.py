@@ -106,7 +106,8 @@ def evaluate(plan: TilePlan, pattern: BlockPattern, *, cost: CostModel = DEFAULT
             if not executed:
                 return sched
             order = run_order(sched)
-        return simulate(executed_graph(plan, graph, order), order_priority(graph, order))
+        return simulate(executed_graph(plan, graph, order, streams=cost.async_kernels > 0),
+                        order_priority(graph, order))
 
     fwd = replay("fwd", fwd_priority)
     g_f = fwd.graph

@@ -67,14 +67,22 @@ class CostModel:
     rank has its own device (GPUs); about ranks / cores where ranks share CPU cores (4 gloo ranks on 2 cores: 2).
     Kernel rates are the all-busy rates; the simulator shares a node's compute among the ranks computing at the
     time (``schedule.SharedCompute``). Measured by ``ultraattn calibrate``."""
+    async_kernels: float = 1.0
+    """1 where the host thread only enqueues a kernel and goes on (CUDA): the executor posts a relayed unit on a
+    communication stream that does not wait for the compute stream (``runtime/streams.py``). 0 where the host thread
+    runs each kernel to its end (CPU ranks): whatever the host posts after a launch leaves after that launch. Only
+    the replay as executed reads it (``program.executed_graph``); ``ultraattn calibrate`` sets it by device."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if not v > 0 and f.name != "partial_block_overhead":
+            if not v > 0 and f.name not in ("partial_block_overhead", "async_kernels"):
                 raise ValueError(f"cost model field {f.name} must be positive, got {v}")
         if self.partial_block_overhead < 0:
             raise ValueError(f"partial_block_overhead must be >= 0, got {self.partial_block_overhead}")
+        if self.async_kernels not in (0, 1):
+            raise ValueError(f"async_kernels must be 0 (CPU ranks: the host runs each kernel) or 1 (GPUs), got "
+                             f"{self.async_kernels}")
         if self.alone_speedup < 1:
             raise ValueError(f"alone_speedup must be >= 1 (a rank is never slower alone), got {self.alone_speedup}")
 

@@ -295,6 +295,8 @@ class CostProfile:
             model = CostModel(**{k: float(v) for k, v in cost.items()})
         except ValueError as exc:
             raise ProfileError(f"{source}: field 'cost': {exc}") from None
+        if "async_kernels" not in cost and dict(data.get("machine") or {}).get("device_type") == "cpu":
+            model = dataclasses.replace(model, async_kernels=0.0)   # a profile written before the field existed
         for k, typ, what in (("machine", Mapping, "an object"), ("fit", Mapping, "an object"), ("samples", Mapping,
                              "an object"), ("notes", list, "a list"), ("created", str, "a string")):
             if k in data and not isinstance(data[k], typ):

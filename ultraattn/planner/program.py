@@ -16,10 +16,11 @@ ready before the step's own key in the replay (a message takes time), so the sen
 by induction over the keys every wait ends. Every rank posts in the same key order, so per pair of ranks the
 sends and receives come in one order (what NCCL's matching needs).
 
-The planner prices exactly this program (``executed_graph``): the replay's graph, plus what a rank's one host
-thread adds. A send cannot leave before the launches and waits before it in the program have ended (on CPU the
-host runs them; on a GPU NCCL's stream waits for the compute stream's earlier work when a message is posted), and
-launches run in program order.
+The planner prices exactly this program (``executed_graph``): the replay's graph, plus what the rank adds.
+Launches run in program order, each after the waits before it. On CPU ranks a send cannot leave before the
+launches and waits before it in the program have ended (the host runs them). On a GPU the executor posts on a
+communication stream (``runtime/streams.py``): a post that only relays (``relays``) leaves once the receives waited
+for before it have landed, any other post after the compute stream's work before it too.
 """
 
 from __future__ import annotations
@@ -300,10 +301,19 @@ def order_priority(graph: Graph, order: RunOrder) -> list[float]:
     return pri
 
 
-def executed_graph(plan: TilePlan, graph: Graph, order: RunOrder) -> Graph:
-    """``graph`` (``build_graph`` of ``plan``'s phase) with each rank's program (``rank_program``) added: a send
-    waits for the launches and waits before it in its rank's program, a launch for those before it; a merge
-    runs when its last partial is taken (module docstring)."""
+def relays(plan: TilePlan, t: Transfer) -> bool:
+    """Whether ``t`` forwards an input unit its sender did not make in this phase (a unit it received, or in the
+    backward kept from the forward): no kernel of the sender writes its bytes."""
+    return t.tensor in INPUT_TENSORS[t.phase] and plan.owner[t.chunk] != t.src
+
+
+def executed_graph(plan: TilePlan, graph: Graph, order: RunOrder, *, streams: bool = False) -> Graph:
+    """``graph`` (``build_graph`` of ``plan``'s phase) with each rank's program (``rank_program``) added: a launch
+    waits for the launches and waits before it; a merge runs when its last partial is taken (module docstring).
+    A send waits for the launches and waits before it in its rank's program (the host posts it after them), except
+    with ``streams`` (GPUs: ``runtime/streams.py``): a post whose sends all relay (``relays``) waits only for the
+    communication stream's earlier work (the receives waited for, and what earlier posts waited for), another post
+    for the compute stream's work before it too."""
     tasks = [dataclasses.replace(t, deps=list(t.deps)) for t in graph.tasks]
     first_msg = graph.kernels
     msg_task = {}
@@ -314,7 +324,8 @@ def executed_graph(plan: TilePlan, graph: Graph, order: RunOrder) -> Graph:
             n += 1
     merge_of = {(t.rank, *t.unit): t.id for t in tasks if t.kind == "merge"}
     for r in range(plan.world):
-        barrier: list[int] = []    # tasks the rank's host has waited for since its last launch
+        barrier: list[int] = []    # tasks the rank's host (its compute stream) has waited for since its last launch
+        comm: list[int] = []       # what the communication stream has waited for so far (``streams``)
         posted: dict[int, list[Message]] = {}
         steps = rank_program(plan, r, graph.phase, order)
         last_wait = {}   # merge task -> the wait that takes its last partial here
@@ -326,13 +337,23 @@ def executed_graph(plan: TilePlan, graph: Graph, order: RunOrder) -> Graph:
                         last_wait[m] = i
         for i, s in enumerate(steps):
             if isinstance(s, Post):
+                if streams:
+                    if not all(relays(plan, t) for _idx, t in s.sends):
+                        comm.extend(barrier)
+                    for idx, _t in s.sends:
+                        comm.extend(tasks[msg_task[idx]].deps)
+                    after = list(comm)
+                else:
+                    after = barrier
                 for idx, _t in s.sends:
-                    tasks[msg_task[idx]].deps.extend(barrier)
+                    tasks[msg_task[idx]].deps.extend(after)
                 posted[i] = list(s.recvs)
             elif isinstance(s, Wait):
-                barrier.extend(msg_task[idx] for idx, _t in posted[s.post])
+                got = [msg_task[idx] for idx, _t in posted[s.post]]
+                barrier.extend(got)
+                comm.extend(got)
                 merges = sorted(m for m, at in last_wait.items() if at == i)
-                for m in merges:   # partials are merged as they are taken, by the host, in program order
+                for m in merges:   # partials are merged as they are taken, on the compute stream, in program order
                     tasks[m].deps = list(barrier)
                 barrier.extend(merges)
             else:

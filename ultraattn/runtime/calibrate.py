@@ -27,6 +27,8 @@ else ``$XDG_CACHE_HOME/ultraattn``, else ``~/.cache/ultraattn``); later calls (i
 
 from __future__ import annotations
 
+import dataclasses
+
 import datetime
 import hashlib
 import json
@@ -457,6 +459,7 @@ def calibrate(group=None, device=None, *, mesh=None, quick: bool = False, dtype:
                    "message": measure_messages(r, grid, device, advance),
                    "merge": measure_merges(r, grid, device, advance), "sharing": sharing}
         cost, fit, notes = fit_cost(samples, base=base)
+        cost = dataclasses.replace(cost, async_kernels=1.0 if device.type == "cuda" else 0.0)
         probes, plans = measure_steps(r, grid, device, cost, mesh, advance)
     if probes:
         samples["step"] = probes

@@ -24,6 +24,7 @@ from ..planner.plan import TilePlan, Transfer, input_levels, kernel_rows, partia
 from ..planner.program import Launch, Post, ProgramError, Step, Wait, kept_from_forward, order_of, rank_program
 from .comm import CommLog, pack, spec_bytes, unpack
 from .tiles import TileGeometry, merge_partial, row_backward, row_forward
+from .streams import CommStreams
 from .transport import Recv, Send, Transport
 
 INPUT_TENSORS = {"fwd": ("q", "kv"), "bwd": ("qdo", "do", "kv")}
@@ -190,39 +191,56 @@ class EagerIO(TileSets):
     def __init__(self, ex: Executor):
         self.ex = ex
         self.posted: list = []
+        self.streams: CommStreams | None = None
+        """This rank's communication stream (``streams.CommStreams``), made at the first post on its device."""
 
     def begin(self, phase: str) -> None:
         if self.ex.transport is not None:
             self.ex.transport.log = CommLog()
 
     def start(self, phase: str, sends: list[tuple[int, Transfer, list[Tensor]]], recvs: list[Step], device):
-        """Post this stage's sends and receives through the transport (nothing waits)."""
+        """Post this stage's sends and receives through the transport (nothing waits), on the communication stream
+        where there is one (``streams.CommStreams.post``)."""
         ex = self.ex
-        out = []
-        for idx, t, pieces in sends:
-            buf = pack(pieces)
-            if buf.numel() != t.nbytes:
-                raise PlanExecutionError(
-                    f"{t.phase} {t.tensor} chunk {t.chunk}: the message holds {buf.numel()} bytes, the plan says "
-                    f"{t.nbytes}; plan and runtime disagree on the byte table"
-                )
-            out.append(Send(buf, t.dst, idx, _record(t), f"{t.phase} {t.tensor} message for chunk {t.chunk}"))
+        if self.streams is None:
+            self.streams = CommStreams(torch.device(device))
         specs = [(t, message_pieces(t.tensor, ex.geo, ex.dtype)) for _idx, t in recvs]
-        expect = [Recv(spec_bytes(spec), t.src, idx, device, _record(t),
-                       f"{t.phase} {t.tensor} message for chunk {t.chunk} group {t.head_group}")
-                  for (idx, t), (_t, spec) in zip(recvs, specs, strict=True)]
         if ex.transport is None:  # one rank: a plan with no messages
-            assert not out and not expect, "a one-rank plan with messages"
+            assert not sends and not recvs, "a one-rank plan with messages"
             return None, []
-        handle = ex.transport.post(out, expect)
+
+        def post():
+            out = []
+            for idx, t, pieces in sends:
+                buf = pack(pieces)
+                if buf.numel() != t.nbytes:
+                    raise PlanExecutionError(
+                        f"{t.phase} {t.tensor} chunk {t.chunk}: the message holds {buf.numel()} bytes, the plan says "
+                        f"{t.nbytes}; plan and runtime disagree on the byte table"
+                    )
+                out.append(Send(buf, t.dst, idx, _record(t), f"{t.phase} {t.tensor} message for chunk {t.chunk}"))
+            expect = [Recv(spec_bytes(spec), t.src, idx, device, _record(t),
+                           f"{t.phase} {t.tensor} message for chunk {t.chunk} group {t.head_group}")
+                      for (idx, t), (_t, spec) in zip(recvs, specs, strict=True)]
+            return ex.transport.post(out, expect)
+
+        handle = self.streams.post([p for _idx, _t, pieces in sends for p in pieces], post)
         self.posted.append(handle)
         return handle, specs
 
-    def wait(self, handle) -> list[tuple[Transfer, list[Tensor]]]:
-        """Wait for a stage's receives: (transfer, pieces) in posting order."""
+    def wait(self, handle, copy: bool = False) -> list[tuple[Transfer, list[Tensor]]]:
+        """Wait for a stage's receives: (transfer, pieces) in posting order, taken on the communication stream where
+        there is one (``streams.CommStreams.take``). ``copy``: each piece its own tensor (an op's outputs)."""
         posted, specs = handle
-        bufs = self.ex.transport.wait(posted) if posted is not None else []
-        return [(t, unpack(buf, spec)) for (t, spec), buf in zip(specs, bufs, strict=True)]
+        if posted is None:
+            return []
+
+        def take():
+            bufs = self.ex.transport.wait(posted)
+            got = [(t, unpack(buf, spec)) for (t, spec), buf in zip(specs, bufs, strict=True)]
+            return [(t, [p.clone() for p in pieces]) for t, pieces in got] if copy else got
+
+        return self.streams.take(take)
 
     def finish(self, phase: str) -> None:
         """Wait for every send of the phase, then keep its message log."""

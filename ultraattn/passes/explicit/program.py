@@ -125,7 +125,7 @@ class ExplicitProgram:
 
     def wait(self, hid: int, stage: int, plan: Tensor | None = None) -> list[Tensor]:
         """The stage's received tensors, in order (a ``PerMaskProgram`` assembles them from the messages it posted)."""
-        return [p.clone() for _t, pieces in self.executor.io.wait(self.handles.pop(hid)) for p in pieces]
+        return [p for _t, pieces in self.executor.io.wait(self.handles.pop(hid), copy=True) for p in pieces]
 
     def received(self, stage: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of what ``wait`` returns for ``stage`` (fake kernels)."""
