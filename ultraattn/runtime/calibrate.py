@@ -28,7 +28,6 @@ else ``$XDG_CACHE_HOME/ultraattn``, else ``~/.cache/ultraattn``); later calls (i
 from __future__ import annotations
 
 import dataclasses
-
 import datetime
 import hashlib
 import json

@@ -23,8 +23,8 @@ from ..kernels.reference import softmax_delta
 from ..planner.plan import TilePlan, Transfer, input_levels, kernel_rows, partial_levels
 from ..planner.program import Launch, Post, ProgramError, Step, Wait, kept_from_forward, order_of, rank_program
 from .comm import CommLog, pack, spec_bytes, unpack
-from .tiles import TileGeometry, merge_partial, row_backward, row_forward
 from .streams import CommStreams
+from .tiles import TileGeometry, merge_partial, row_backward, row_forward
 from .transport import Recv, Send, Transport
 
 INPUT_TENSORS = {"fwd": ("q", "kv"), "bwd": ("qdo", "do", "kv")}
