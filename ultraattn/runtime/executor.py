@@ -8,7 +8,8 @@ exchange cannot deadlock (``planner/program.py``).
 
 Dynamic part: ``forward`` / ``backward`` walk the steps and move real data through the IO (``EagerIO`` here; the
 graph-building IO of ``ultraattn.passes.explicit``), count the bytes of every message (``CommLog``) and check each
-against the planner's prediction.
+against the planner's prediction. On a GPU the messages move on a communication stream (``streams.CommStreams``),
+so a relay leaves when its unit lands, not behind the launches enqueued before its post.
 """
 
 from __future__ import annotations
