@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -272,19 +273,13 @@ class _RecordingStreams:
         self.log: list = []
         self.where = "compute"
 
+    @contextlib.contextmanager
     def on_comm(self):
-        import contextlib
-
-        rec = self
-
-        @contextlib.contextmanager
-        def ctx():
-            rec.where = "comm"
-            try:
-                yield
-            finally:
-                rec.where = "compute"
-        return ctx()
+        self.where = "comm"
+        try:
+            yield
+        finally:
+            self.where = "compute"
 
     def comm_waits_compute(self):
         self.log.append("comm waits compute")

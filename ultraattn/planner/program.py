@@ -325,7 +325,7 @@ def executed_graph(plan: TilePlan, graph: Graph, order: RunOrder, *, streams: bo
     merge_of = {(t.rank, *t.unit): t.id for t in tasks if t.kind == "merge"}
     for r in range(plan.world):
         barrier: list[int] = []    # tasks the rank's host (its compute stream) has waited for since its last launch
-        comm: list[int] = []       # what the communication stream has waited for so far (``streams``)
+        comm: set[int] = set()     # what the communication stream has waited for so far (``streams``)
         posted: dict[int, list[Message]] = {}
         steps = rank_program(plan, r, graph.phase, order)
         last_wait = {}   # merge task -> the wait that takes its last partial here
@@ -339,19 +339,16 @@ def executed_graph(plan: TilePlan, graph: Graph, order: RunOrder, *, streams: bo
             if isinstance(s, Post):
                 if streams:
                     if not all(relays(plan, t) for _idx, t in s.sends):
-                        comm.extend(barrier)
+                        comm.update(barrier)
                     for idx, _t in s.sends:
-                        comm.extend(tasks[msg_task[idx]].deps)
-                    after = list(comm)
-                else:
-                    after = barrier
+                        comm.update(tasks[msg_task[idx]].deps)
                 for idx, _t in s.sends:
-                    tasks[msg_task[idx]].deps.extend(after)
+                    tasks[msg_task[idx]].deps.extend(comm if streams else barrier)
                 posted[i] = list(s.recvs)
             elif isinstance(s, Wait):
                 got = [msg_task[idx] for idx, _t in posted[s.post]]
                 barrier.extend(got)
-                comm.extend(got)
+                comm.update(got)
                 merges = sorted(m for m, at in last_wait.items() if at == i)
                 for m in merges:   # partials are merged as they are taken, on the compute stream, in program order
                     tasks[m].deps = list(barrier)
