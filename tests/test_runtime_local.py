@@ -281,11 +281,11 @@ class _RecordingStreams:
         finally:
             self.where = "compute"
 
-    def comm_waits_compute(self):
-        self.log.append("comm waits compute")
+    def comm_waits_compute(self):   # (CudaStreams reads the compute stream as the current one: off on_comm)
+        self.log.append("comm waits compute" if self.where == "compute" else "comm waits itself")
 
     def compute_waits_comm(self):
-        self.log.append("compute waits comm")
+        self.log.append("compute waits comm" if self.where == "compute" else "comm waits itself")
 
     def read_by_comm(self, t):
         self.log.append(("read by comm", id(t)))

@@ -53,6 +53,7 @@ class CudaStreams:
         self.comm = torch.cuda.Stream(device=device)
 
     def compute(self):
+        """The compute stream: the current one (so call it outside ``on_comm``)."""
         return torch.cuda.current_stream(self.device)
 
     @contextmanager
@@ -96,11 +97,11 @@ class CommStreams:
         if self.api is None:
             return fn()
         foreign = [p for p in pieces if not self.made_here(p)]
+        if foreign:   # (before switching: inside ``on_comm`` the current stream is the communication one)
+            self.api.comm_waits_compute()
+            for p in foreign:
+                self.api.read_by_comm(p)
         with self.api.on_comm():
-            if foreign:
-                self.api.comm_waits_compute()
-                for p in foreign:
-                    self.api.read_by_comm(p)
             return fn()
 
     def take(self, fn: Callable[[], list[tuple[object, list[Tensor]]]]) -> list[tuple[object, list[Tensor]]]:
