@@ -30,10 +30,13 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    Skipped where it equals a tiled candidate (one node: the same LPT, no cells moved).
 4. Every registered baseline (``baselines.REGISTRY``: ring, zigzag, all-gather, Ulysses, USP) in its array form
    (``Baseline.fixed``, ``assign``, ``draft``).
-5. Every candidate gets cheap bounds (its busiest rank's work at peak rate, its busiest stream); in
+5. Every candidate gets cheap bounds, each tighter and costlier than the one before: its busiest rank's work at
+   peak rate, its kernels' busiest compute stream (ours: before routing), its busiest stream (once routed). In
    increasing bound order, candidates are priced in closed form (``price.replay_bound``: a lower bound
    of the simulator's replay, from release times of every task on every stream), skipping those whose
-   bound exceeds the best price so far. Our structure must meet the balance tolerance when one of its
+   bound exceeds the best price so far; a bound is made only when the candidate could still win with the one
+   before (best first: the same prices as making every bound first, and the 8-chunks-per-rank candidates of a
+   128K 8x8 document mask are never routed). Our structure must meet the balance tolerance when one of its
    granularities does (the ILP planner's rule); a baseline is taken on its price alone.
 6. Kernel batches before the choice: a small plan (``REPLAY_TASKS``) is priced again with its cells in launches of
    2, 4 or 8 chunks (``price.batches``, ``price.cheapest``) and takes that grouping and price when cheaper; its
@@ -67,6 +70,7 @@ the price is a lower bound of the replay, so near-ties between structures can go
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -132,6 +136,9 @@ class Candidate:
     """Max over mean of per-rank work (``planner.api.work_imbalance``)."""
     draft: Callable[[], Draft]
     """Builds the array-form plan (routing, kernel grouping)."""
+    kernels: Callable[[], Kernels] | None = None
+    """The draft's kernels alone, before its messages are routed (the same object ``draft`` then uses), where the
+    structure can make them first (ours; a baseline drafts in one step)."""
     seconds: float | None = None
     """Closed-form fwd (+ bwd) seconds; None when skipped (its bound exceeds the best price)."""
     eligible: bool = True
@@ -408,20 +415,33 @@ class FastPlanner:
         for c in cands:
             c.eligible = not (strict and c.name.startswith("tiled") and c.imbalance > tol)
         eligible = [c for c in cands if c.eligible]
-        # bounds below the price, cheap to costly: compute at peak rate, then the busiest stream (needs the draft). A
-        # small plan is priced in its best kernel batch too (step 6), whose launches the busiest-stream bound of its
-        # own launches does not bound: it keeps the compute bound alone
-        for c in eligible:
-            d = c.get()
-            if not self._batchable(d):
-                c.bound = max(c.bound, busy_bound(d.kernels, d.messages, self.mesh, self.cost))
+        # bounds below the price, cheap to costly: compute at peak rate, then the busiest compute stream (needs the
+        # kernels), then the busiest stream (needs the messages: routing), then the price. [Note] best first, lazily:
+        # the candidate with the least bound known so far goes one step further (a bound raised is put back, a full
+        # bound is priced), so candidates are priced in the order of their full bounds and pruned against the same
+        # cheapest price so far as when every bound is made first (the same prices, the same plan), and a candidate
+        # whose kernels alone cannot win is never routed. A small plan is priced in its best kernel batch too (step
+        # 6), whose launches the bounds of its own launches do not bound: it keeps the compute bound alone (the
+        # kernel step only where the kernels alone make the plan too big for that)
         best = math.inf
         reach = ROBUST_WINDOW if self.band is not None else 1.0   # a finalist may cost up to ROBUST_WINDOW x the best
         batched: dict[str, Candidate] = {}
-        for c in sorted(eligible, key=lambda c: (c.bound, c.name)):
-            if c.bound > best * reach:
-                continue
+        heap = [(c.bound, c.name, 0, n) for n, c in enumerate(eligible)]   # (bound, name, steps taken, index)
+        heapq.heapify(heap)
+        while heap and heap[0][0] <= best * reach:
+            _, name, step, n = heapq.heappop(heap)
+            c = eligible[n]
+            if step == 0 and c.kernels is not None:
+                kern = c.kernels()
+                if kern.rank_K.size * len(kern.seconds) > REPLAY_TASKS:
+                    c.bound = max(c.bound, busy_bound(kern, None, self.mesh, self.cost))
+                    heapq.heappush(heap, (c.bound, name, 1, n))
+                    continue
             d = c.get()
+            if step < 2 and not self._batchable(d):
+                c.bound = max(c.bound, busy_bound(d.kernels, d.messages, self.mesh, self.cost))
+                heapq.heappush(heap, (c.bound, name, 2, n))
+                continue
             c.seconds = price(d.kernels, d.messages, d.owner, d.assign_GPP.shape[0], self.mesh, self.cost)
             if self._batchable(d):
                 c = batched[c.name] = self.batched_candidate(cells, c)
@@ -469,14 +489,20 @@ class FastPlanner:
         assign = assign[None]
         per_rank = _work_per_rank(grid.blocks_GPP[0], assign, self.mesh.world)
 
-        def draft() -> Draft:
-            kern = Kernels.of_groups(grid, kernel_groups(owner, assign), head_dim=self.shape.head_dim,
-                                     cost=self.cost, phases=self._phases)
-            msgs = route(owner, assign, self.mesh, self.shape, grid.chunk, self.backward)
-            return Draft(owner=owner, assign_GPP=assign, kernels=kern, messages=msgs, chunk=grid.chunk, meta=meta)
+        made: list[Kernels] = []
 
-        return Candidate(name=name, draft=draft, bound=self._bound(per_rank, grid), imbalance=_ratio(per_rank),
-                         same_as=(grid.chunk, owner.tobytes(), assign.tobytes()))
+        def kernels() -> Kernels:
+            if not made:
+                made.append(Kernels.of_groups(grid, kernel_groups(owner, assign), head_dim=self.shape.head_dim,
+                                              cost=self.cost, phases=self._phases))
+            return made[0]
+
+        def draft() -> Draft:
+            msgs = route(owner, assign, self.mesh, self.shape, grid.chunk, self.backward)
+            return Draft(owner=owner, assign_GPP=assign, kernels=kernels(), messages=msgs, chunk=grid.chunk, meta=meta)
+
+        return Candidate(name=name, draft=draft, kernels=kernels, bound=self._bound(per_rank, grid),
+                         imbalance=_ratio(per_rank), same_as=(grid.chunk, owner.tobytes(), assign.tobytes()))
 
     def _block_seconds(self, grid: Grid) -> float:
         """Seconds of one cost-weighted block at the peak rates (fwd + bwd when planned)."""

@@ -458,9 +458,10 @@ def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: i
     return bound
 
 
-def busy_bound(kern: Kernels, msgs: Messages, mesh: Mesh, cost: CostModel) -> float:
+def busy_bound(kern: Kernels, msgs: Messages | None, mesh: Mesh, cost: CostModel) -> float:
     """A cheaper bound below ``price``: per phase, the busiest stream of any rank (its compute engine, its send and
-    receive engines per link), no dependency counted."""
+    receive engines per link), no dependency counted. ``msgs`` None: before routing, the compute engines alone."""
+    msgs = msgs if msgs is not None else Messages.concat([])
     total = 0.0
     w = mesh.world
     share = shared_speedup(mesh, cost)
@@ -487,7 +488,6 @@ def price(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: int, mes
     ``Replay`` per phase, where the caller prices it under several models)."""
     return sum(replay_bound(kern, msgs, owner, num_groups, mesh, cost, ph, None if replays is None else replays[ph])
                for ph in kern.seconds)
-
 
 
 def ring_messages(owner: np.ndarray, assign_PP: np.ndarray, *, ring: np.ndarray, start_of: np.ndarray,
