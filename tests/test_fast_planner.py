@@ -63,7 +63,7 @@ LIB_MASKS = [(m, a) for m, a in LIB if m != "random"]
 @pytest.mark.parametrize("name,kwargs", LIB_MASKS + [("random", ())], ids=[m for m, _ in LIB_MASKS] + ["random"])
 def test_cells_read_every_listed_block(name, kwargs):
     """Cells equal the BlockMask's lists read by loops (kinds as listed); their chunk statistics equal the dense
-    pattern's, exactly."""
+    pattern's, exactly, also when only some of them are asked for (one planner head group included)."""
     s, block = 232, 32  # not a multiple of the block
     bm = block_mask_of(name, kwargs, s, block)
     cells = cells_from_block_mask(bm)
@@ -79,6 +79,11 @@ def test_cells_read_every_listed_block(name, kwargs):
         a = cells.chunk_stats(chunk, p, heads, num_heads=4)
         b = pattern.chunk_stats(chunk, p, heads, num_heads=4)
         assert np.array_equal(a["full"], b["full"].numpy()) and np.array_equal(a["partial"], b["partial"].numpy())
+        assert np.array_equal(a["pairs"], b["pairs"].numpy())
+        for stats in (("full", "partial"), ("pairs",)):   # only those asked for, the same numbers
+            some = cells.chunk_stats(chunk, p, [[0, 1, 2, 3]] if chunk == 64 else heads, num_heads=4, stats=stats)
+            whole = cells.chunk_stats(chunk, p, [[0, 1, 2, 3]] if chunk == 64 else heads, num_heads=4)
+            assert set(some) == set(stats) and all(np.array_equal(some[k], whole[k]) for k in stats)
     assert cells_from_pattern(pattern).content_hash() == cells_from_pattern(cells.to_pattern()).content_hash()
 
 

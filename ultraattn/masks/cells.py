@@ -117,10 +117,11 @@ class BlockCells:
         return np.bincount(np.asarray(self.head_group_of, dtype=np.int64), minlength=self.num_groups)
 
     def chunk_stats(self, chunk: int, num_chunks: int, heads_in_groups: list[list[int]] | None = None,
-                    num_heads: int = 1) -> dict[str, np.ndarray]:
+                    num_heads: int = 1, stats: tuple[str, ...] = ("full", "partial", "pairs")
+                    ) -> dict[str, np.ndarray]:
         """``BlockPattern.chunk_stats`` from the cell lists: float64 [Hg, P, P] ``full`` and ``partial`` block
         counts and ``pairs`` summed over batch entries and heads (same arguments, same numbers; O(cells), no dense
-        grid)."""
+        grid but the result). ``stats``: those of the three wanted (at 512 chunks each is a 2 MiB grid)."""
         check_chunk_grid(self, chunk, num_chunks)
         if heads_in_groups is None:
             heads_in_groups = [list(range(num_heads))]
@@ -136,9 +137,15 @@ class BlockCells:
         out = {}
         for name, sel, w in (("full", self.kind_N == FULL, None), ("partial", self.kind_N == PARTIAL, None),
                              ("pairs", slice(None), self.count_N)):
+            if name not in stats:
+                continue
             per_group = np.bincount(flat[sel], None if w is None else w.astype(np.float64),
-                                    minlength=g_count * p * p).astype(np.float64).reshape(g_count, p * p)
-            out[name] = (weight_HG @ per_group).reshape(len(heads_in_groups), p, p)
+                                    minlength=g_count * p * p).astype(np.float64, copy=False).reshape(g_count, p * p)
+            if weight_HG.shape == (1, 1):   # (one group: the product in place, the same numbers as the matmul)
+                per_group *= weight_HG[0, 0]
+                out[name] = per_group.reshape(1, p, p)
+            else:
+                out[name] = (weight_HG @ per_group).reshape(len(heads_in_groups), p, p)
         return out
 
     def to_pattern(self) -> BlockPattern:

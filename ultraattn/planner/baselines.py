@@ -42,7 +42,41 @@ from ..masks.pattern import BlockPattern
 from .build import kernel_groups
 from .cost import DEFAULT_COST, CostModel
 from .plan import AttnShape, Mesh, TilePlan, Transfer
-from .price import Draft, Grid, Kernels, Messages, assemble, grid_of, ring_messages
+from .price import Draft, Grid, Kernels, Messages, assemble, grid_of
+
+
+def ring_messages(owner: np.ndarray, assign_PP: np.ndarray, *, ring: np.ndarray, start_of: np.ndarray,
+                  shape: AttnShape, chunk: int, backward: bool, group: int = 0, groups: int = 1) -> Messages:
+    """``_ring_transfers`` as arrays (vectorised): K/V of column j travel along ``ring`` from
+    ``start_of[j]`` to the farthest rank that needs them; dK/dV ride back along the same hops."""
+    n = ring.size
+    pos = np.full(int(max(ring.max(), assign_PP.max(initial=0), start_of.max())) + 1, -1, dtype=np.int64)
+    pos[ring] = np.arange(n)
+    ii, jj = np.nonzero(assign_PP >= 0)
+    r = assign_PP[ii, jj]
+    origin = start_of[jj]
+    dist = (pos[r] - pos[origin]) % n
+    dist = np.where(r == origin, 0, dist)
+    last = np.zeros(assign_PP.shape[1], dtype=np.int64)
+    np.maximum.at(last, jj, dist)
+    cols = np.flatnonzero(last > 0)
+    hops = last[cols]
+    col_h = np.repeat(cols, hops)
+    t = np.arange(hops.sum()) - np.repeat(np.cumsum(hops) - hops, hops)
+    o = pos[start_of[col_h]]
+    src, dst = ring[(o + t) % n], ring[(o + t + 1) % n]
+    kv, dkv = shape.unit_bytes("kv", chunk, groups), shape.unit_bytes("dkv", chunk, groups)
+    parts = [Messages.make("kv", "fwd", col_h, group, src, dst, kv)]
+    if backward:
+        parts.append(Messages.make("kv", "bwd", col_h, group, src, dst, kv))
+        # dK/dV: along the chain of receivers, then the last holder returns the sum to the origin
+        last_hop = np.r_[col_h[1:] != col_h[:-1], True]
+        d_dst = np.where(last_hop, start_of[col_h], np.r_[dst[1:], 0])
+        parts.append(Messages.make("dkv", "bwd", col_h, group, dst, d_dst, dkv))
+    # plan order: per column, forward K/V hops, backward K/V hops, then dK/dV
+    msgs = Messages.concat(parts)
+    order = np.lexsort((np.arange(msgs.chunk.size), msgs.chunk))
+    return msgs.select(order)
 
 
 class NotApplicable(ValueError):

@@ -247,9 +247,16 @@ class FastPlanner:
             sc = self._scales[key] = _Scale(chunk=chunk, num_chunks=num_chunks, row_cost=row / bw, col_cost=col / bw)
         return sc
 
-    def _grid(self, cells: BlockCells, sc: _Scale, head_groups: int = 1) -> Grid:
-        return grid_of(cells, self.shape, self.cost, chunk=sc.chunk, num_chunks=sc.num_chunks,
-                       head_groups=head_groups)
+    def _grid(self, cells: BlockCells, sc: _Scale, head_groups: int = 1, made: dict | None = None) -> Grid:
+        """The mask's ``Grid`` at this scale; ``made``: the grids made so far for this mask (one ``candidates`` call:
+        structures on the same chunks share one, read only)."""
+        key = (sc.chunk, sc.num_chunks, head_groups)
+        if made is not None and key in made:
+            return made[key]
+        grid = grid_of(cells, self.shape, self.cost, chunk=sc.chunk, num_chunks=sc.num_chunks, head_groups=head_groups)
+        if made is not None:
+            made[key] = grid
+        return grid
 
     # ------------------------------------------------------------------ plan
     def plan(self, mask: BlockCells | BlockPattern) -> TilePlan:
@@ -402,13 +409,14 @@ class FastPlanner:
             ks = [(1, None)]
         else:
             ks = [(k, None) for k in CHUNKS_PER_RANK if k <= 2 or w * k * block <= self.shape.seq_len]
-        cands = [c for k, chunk in ks for c in self._tiled(cells, k, chunk)]
+        grids: dict = {}
+        cands = [c for k, chunk in ks for c in self._tiled(cells, k, chunk, grids)]
         if w > 1 and self.layout is None:
-            fine = self._balanced(cells, max(k for k, _ in ks))
+            fine = self._balanced(cells, max(k for k, _ in ks), grids)
             if fine.same_as not in {c.same_as for c in cands}:
                 cands.append(fine)
         if w > 1:
-            cands += [c for c in (self._baseline(cells, name) for name in self.baselines) if c is not None]
+            cands += [c for c in (self._baseline(cells, name, grids) for name in self.baselines) if c is not None]
         # our structure must balance when one of its granularities can
         tol = 1 + self.balance_tol + 1e-9
         strict = any(c.imbalance <= tol for c in cands if c.name.startswith("tiled"))
@@ -453,9 +461,9 @@ class FastPlanner:
         return self.mesh.world > 1 and _tasks(d) <= REPLAY_TASKS
 
     # ------------------------------------------------------------------ our structure
-    def _tiled(self, cells: BlockCells, k: int, chunk: int | None) -> list[Candidate]:
+    def _tiled(self, cells: BlockCells, k: int, chunk: int | None, grids: dict | None = None) -> list[Candidate]:
         sc = self._scale(self.mesh.world * k, cells.q_block, chunk)
-        grid = self._grid(cells, sc)
+        grid = self._grid(cells, sc, made=grids)
         weight = grid.blocks_GPP[0]
         if self.layout is not None:
             owner = np.asarray(self.layout.owner, dtype=np.int64)
@@ -472,12 +480,12 @@ class FastPlanner:
                 out.append(self._at(grid, owner, flat, name=f"{name}-flat", meta={**meta, "placement": "flat"}))
         return out
 
-    def _balanced(self, cells: BlockCells, k: int) -> Candidate:
+    def _balanced(self, cells: BlockCells, k: int, grids: dict | None = None) -> Candidate:
         """The balanced fine-chunk candidate (``balance.balanced_ownership``): ``k`` chunks per rank dealt by
         longest processing time first over the whole mesh, every cell computed where its query rows live; only
         the K/V a rank needs move, crossing a node link once (``route``)."""
         sc = self._scale(self.mesh.world * k, cells.q_block)
-        grid = self._grid(cells, sc)
+        grid = self._grid(cells, sc, made=grids)
         weight = grid.blocks_GPP[0]
         owner = balanced_ownership(weight, self.mesh, k)
         assign = np.where(weight > 0, owner[:, None], -1)
@@ -512,7 +520,7 @@ class FastPlanner:
         return compute_bound(per_rank, grid, head_dim=self.shape.head_dim, cost=self.cost, phases=self._phases)
 
     # ------------------------------------------------------------------ baselines
-    def _baseline(self, cells: BlockCells, name: str) -> Candidate | None:
+    def _baseline(self, cells: BlockCells, name: str, grids: dict | None = None) -> Candidate | None:
         """A registered baseline (``planner.baselines.REGISTRY``) in its array form: the same ownership, placement,
         kernels and transfers as ``api.baseline_plan`` (one form: ``Baseline.tile_plan``). None where it cannot
         run, or (given a layout) holds tokens in another layout."""
@@ -527,7 +535,7 @@ class FastPlanner:
         if self.layout is not None and (sc.chunk, tuple(owner.tolist())) != (self.layout.chunk_size,
                                                                              self.layout.owner):
             return None  # a baseline keeps its own layout
-        grid = self._grid(cells, sc, head_groups=u)
+        grid = self._grid(cells, sc, head_groups=u, made=grids)
         assign = base.assign(fixed, grid.nonempty_GPP > 0)
 
         def draft() -> Draft:

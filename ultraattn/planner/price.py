@@ -164,12 +164,21 @@ def grid_of(mask: BlockCells | BlockPattern, shape: AttnShape, cost: CostModel, 
     entries and heads summed in, PARTIAL blocks at their overhead)."""
     h = shape.num_heads
     hg = [list(range(g * h // head_groups, (g + 1) * h // head_groups)) for g in range(head_groups)]
-    st = mask.chunk_stats(chunk, num_chunks, hg, num_heads=h)
-    entries = mask.num_batch if isinstance(mask, BlockCells) else mask.num_batch_patterns
+    if isinstance(mask, BlockCells):
+        entries, st = mask.num_batch, mask.chunk_stats(chunk, num_chunks, hg, num_heads=h, stats=("full", "partial"))
+    else:
+        entries, st = mask.num_batch_patterns, mask.chunk_stats(chunk, num_chunks, hg, num_heads=h)
     bmul = shape.batch if entries == 1 else 1
-    full, part = (np.asarray(st[k], dtype=np.float64) * bmul for k in ("full", "partial"))
-    return Grid(chunk=chunk, num_chunks=num_chunks, block=mask.q_block,
-                blocks_GPP=full + part * (1.0 + cost.partial_block_overhead), nonempty_GPP=full + part,
+    # (in place where the arrays are ours: at 512 chunks each is 2 MiB, and fresh ones cost page faults)
+    copy = None if isinstance(mask, BlockCells) else True
+    full, part = (np.array(st[k], dtype=np.float64, copy=copy) for k in ("full", "partial"))
+    if bmul != 1:
+        full *= bmul
+        part *= bmul
+    blocks = part * (1.0 + cost.partial_block_overhead)
+    blocks += full
+    full += part
+    return Grid(chunk=chunk, num_chunks=num_chunks, block=mask.q_block, blocks_GPP=blocks, nonempty_GPP=full,
                 rows_per_chunk=(chunk // mask.q_block) * (h // head_groups) * shape.batch)
 
 
@@ -488,40 +497,6 @@ def price(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: int, mes
     ``Replay`` per phase, where the caller prices it under several models)."""
     return sum(replay_bound(kern, msgs, owner, num_groups, mesh, cost, ph, None if replays is None else replays[ph])
                for ph in kern.seconds)
-
-
-def ring_messages(owner: np.ndarray, assign_PP: np.ndarray, *, ring: np.ndarray, start_of: np.ndarray,
-                  shape: AttnShape, chunk: int, backward: bool, group: int = 0, groups: int = 1) -> Messages:
-    """``baselines._ring_transfers`` as arrays (vectorised): K/V of column j travel along ``ring`` from
-    ``start_of[j]`` to the farthest rank that needs them; dK/dV ride back along the same hops."""
-    n = ring.size
-    pos = np.full(int(max(ring.max(), assign_PP.max(initial=0), start_of.max())) + 1, -1, dtype=np.int64)
-    pos[ring] = np.arange(n)
-    ii, jj = np.nonzero(assign_PP >= 0)
-    r = assign_PP[ii, jj]
-    origin = start_of[jj]
-    dist = (pos[r] - pos[origin]) % n
-    dist = np.where(r == origin, 0, dist)
-    last = np.zeros(assign_PP.shape[1], dtype=np.int64)
-    np.maximum.at(last, jj, dist)
-    cols = np.flatnonzero(last > 0)
-    hops = last[cols]
-    col_h = np.repeat(cols, hops)
-    t = np.arange(hops.sum()) - np.repeat(np.cumsum(hops) - hops, hops)
-    o = pos[start_of[col_h]]
-    src, dst = ring[(o + t) % n], ring[(o + t + 1) % n]
-    kv, dkv = shape.unit_bytes("kv", chunk, groups), shape.unit_bytes("dkv", chunk, groups)
-    parts = [Messages.make("kv", "fwd", col_h, group, src, dst, kv)]
-    if backward:
-        parts.append(Messages.make("kv", "bwd", col_h, group, src, dst, kv))
-        # dK/dV: along the chain of receivers, then the last holder returns the sum to the origin
-        last_hop = np.r_[col_h[1:] != col_h[:-1], True]
-        d_dst = np.where(last_hop, start_of[col_h], np.r_[dst[1:], 0])
-        parts.append(Messages.make("dkv", "bwd", col_h, group, dst, d_dst, dkv))
-    # plan order: per column, forward K/V hops, backward K/V hops, then dK/dV
-    msgs = Messages.concat(parts)
-    order = np.lexsort((np.arange(msgs.chunk.size), msgs.chunk))
-    return msgs.select(order)
 
 
 def compute_bound(blocks_W: np.ndarray, grid: Grid, *, head_dim: int, cost: CostModel, phases: tuple[int, ...]
