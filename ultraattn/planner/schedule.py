@@ -321,9 +321,12 @@ def bottom_levels(graph: Graph) -> list[float]:
     bl = [0.0] * n
     stack = [i for i in range(n) if indeg[i] == 0]
     pred = [t.deps for t in graph.tasks]
+    succ = graph.succ
+    dur = [t.duration for t in graph.tasks]
     while stack:
         v = stack.pop()
-        bl[v] = graph.tasks[v].duration + max((bl[s] for s in graph.succ[v]), default=0.0)
+        after = succ[v]
+        bl[v] = dur[v] + (max([bl[s] for s in after]) if after else 0.0)
         for p in pred[v]:
             indeg[p] -= 1
             if indeg[p] == 0:
@@ -397,12 +400,21 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
     n = len(tasks)
     if priority is None:
         priority = [-b for b in bottom_levels(graph)]
+    # streams as integers in the order of their (rank, name) tuples: sets, heaps and the sort below hash and
+    # compare ints, not tuples; the second stream of a one-stream task is -1
+    names = sorted({x for t in tasks for x in t.streams})
+    sid = {x: k for k, x in enumerate(names)}
+    first = [sid[t.streams[0]] for t in tasks]
+    second = [sid[t.streams[1]] if len(t.streams) > 1 else -1 for t in tasks]
+    dur = [t.duration for t in tasks]
+    succ = graph.succ
+    stride = len(names) + 1
     missing = [len(t.deps) for t in tasks]
     ready_time = [0.0] * n
     start = [0.0] * n
     end = [0.0] * n
     busy: set = set()
-    heaps: dict[tuple, list] = {}  # (first stream, second stream or None) -> heap of (priority, id)
+    heaps: dict[int, list] = {}  # first stream * stride + second stream + 1 -> heap of (priority, id)
     pending: dict = defaultdict(set)  # first stream -> second streams with a non-empty heap
     waiting_on: dict = defaultdict(set)  # second stream -> first streams with tasks for it
     events: list = []
@@ -412,15 +424,14 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
     pool = _Pool(graph, end, events) if graph.shared is not None else None
 
     def make_ready(i: int) -> None:
-        st = tasks[i].streams
-        s0 = st[0]
-        s1 = st[1] if len(st) > 1 else None
-        h = heaps.get((s0, s1))
+        s0, s1 = first[i], second[i]
+        key = s0 * stride + s1 + 1
+        h = heaps.get(key)
         if h is None:
-            h = heaps[(s0, s1)] = []
+            h = heaps[key] = []
         heapq.heappush(h, (priority[i], i))
         pending[s0].add(s1)
-        if s1 is not None:
+        if s1 >= 0:
             waiting_on[s1].add(s0)
         dirty.add(s0)
 
@@ -428,33 +439,33 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
         if missing[i] == 0:
             make_ready(i)
     while done < n:
-        # [Note] freed streams are served in a fixed order (not a set's, which follows string hashes and so
-        # changes between processes): the same plan replays to the same makespan in every process
+        # [Note] freed streams are served in a fixed order (the streams' order, not a set's, which follows string
+        # hashes and so changes between processes): the same plan replays to the same makespan in every process
         for s0 in sorted(dirty):
             if s0 in busy or not pending[s0]:
                 continue
             best = None
             for s1 in pending[s0]:
-                if s1 is not None and s1 in busy:
+                if s1 >= 0 and s1 in busy:
                     continue
-                head = heaps[(s0, s1)][0]
+                head = heaps[s0 * stride + s1 + 1][0]
                 if best is None or head < best[0]:
                     best = (head, s1)
             if best is None:
                 continue
             (_, i), s1 = best
-            h = heaps[(s0, s1)]
+            h = heaps[s0 * stride + s1 + 1]
             heapq.heappop(h)
             if not h:
                 pending[s0].discard(s1)
-                if s1 is not None:
+                if s1 >= 0:
                     waiting_on[s1].discard(s0)
-            t = tasks[i]
             st = max(now, ready_time[i])
             start[i] = st
-            end[i] = st + t.duration
-            for s in t.streams:
-                busy.add(s)
+            end[i] = st + dur[i]
+            busy.add(s0)
+            if s1 >= 0:
+                busy.add(s1)
             if pool is not None and pool[i] >= 0:
                 pool.start(i, st)
             else:
@@ -474,13 +485,16 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
                     pool.finish(i, now)
         for i in batch:
             done += 1
-            for s in tasks[i].streams:
-                busy.discard(s)
-                dirty.add(s)
-                dirty.update(waiting_on.get(s, ()))
-            for j in graph.succ[i]:
+            for x in (first[i], second[i]):
+                if x >= 0:
+                    busy.discard(x)
+                    dirty.add(x)
+                    if x in waiting_on:
+                        dirty.update(waiting_on[x])
+            for j in succ[i]:
                 missing[j] -= 1
-                ready_time[j] = max(ready_time[j], now)
+                if ready_time[j] < now:
+                    ready_time[j] = now
                 if missing[j] == 0:
                     make_ready(j)
     return Schedule(graph=graph, start=start, end=end)
