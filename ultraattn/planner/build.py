@@ -229,9 +229,10 @@ def kernel_groups(owner, assign_GPP, *, batch: int = 1, devices: int = 1) -> tup
     stage_K = np.maximum.reduceat(stage_N[first], starts) if starts.size else stage_N[f]
     order = np.lexsort((j[f], i[f], stage_K, g[f], r[f]))
     bounds = np.append(starts, first.size)
-    idx = np.concatenate([first[bounds[k]:bounds[k + 1]] for k in order]) if order.size else first
     sizes = np.diff(bounds)[order]
     start_K = np.concatenate([[0], np.cumsum(sizes)])
+    # the groups' cells in kernel order: each kernel's run of ``first``, gathered at once
+    idx = first[np.repeat(bounds[order] - start_K[:-1], sizes) + np.arange(first.size)]
     f = f[order]
     return g[idx], i[idx], j[idx], start_K, r[f], g[f], stage_K[order], ki[f] < 0
 
