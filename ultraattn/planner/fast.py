@@ -12,7 +12,8 @@ computes the identical plan from the identical mask (no rank-0 planning, no broa
 Algorithm (every statistic is vectorised over cells; loops run over chunks, ranks or moves):
 
 1. Chunk statistics: cost-weighted work of every (q chunk, kv chunk) cell at k = 1, 2, 4, 8 chunks per
-   rank, one ``bincount`` over the mask's non-empty blocks each (``BlockCells.chunk_stats``).
+   rank (4 and 8 only where a chunk holds ``FINE_CHUNK_BLOCKS`` mask blocks), one ``bincount`` over the mask's
+   non-empty blocks each (``BlockCells.chunk_stats``).
 2. Our structure, per k (MagiAttention's dispatch, made hierarchical): chunks go to nodes by a greedy
    over decreasing row work that keeps chunks sharing cells on one node while the node has room
    (compute within half the balance tolerance), then to the node's devices by a min-heap balancer
@@ -106,6 +107,11 @@ from .schedule import Schedule, build_graph, simulate, workload
 
 #: chunks per rank tried for our own structure (the ILP planner starts at 2 and refines to 8)
 CHUNKS_PER_RANK = (1, 2, 4, 8)
+#: more than two chunks per rank only where a chunk holds this many mask blocks: finer chunks make many short launches
+#: (on ``replan.py``'s 128K 8x8 and 32K 2x8 document masks ``tiled-k8``, 2-block chunks, was never a finalist, only
+#: placed, at a fifth of the planning time; plans unchanged on 240 masks: docs/planner_results.md). The balanced
+#: candidate keeps the finest chunks of a block or more.
+FINE_CHUNK_BLOCKS = 4
 #: candidates priced within this factor of the cheapest are the finalists (at most ``FINALISTS`` of them, cheapest
 #: first): the plan is the finalist whose worst-case regret over the cost-model band is smallest
 #: (``planner.robust``), priced under the band's corners only for them (the planning budget). A candidate dearer
@@ -402,17 +408,17 @@ class FastPlanner:
     def candidates(self, cells: BlockCells) -> list[Candidate]:
         """Every structure with its bound, priced in increasing bound order while it can still win (be a finalist:
         within ``ROBUST_WINDOW`` of the cheapest price, with a band)."""
-        w, block = self.mesh.world, cells.q_block
+        w, block, seq = self.mesh.world, cells.q_block, self.shape.seq_len
         if self.layout is not None:
             ks = [(self.layout.chunks_per_rank, self.layout.chunk_size)]
         elif w == 1:  # one rank: every structure computes everything there
             ks = [(1, None)]
         else:
-            ks = [(k, None) for k in CHUNKS_PER_RANK if k <= 2 or w * k * block <= self.shape.seq_len]
+            ks = [(k, None) for k in CHUNKS_PER_RANK if k <= 2 or w * k * block * FINE_CHUNK_BLOCKS <= seq]
         grids: dict = {}
         cands = [c for k, chunk in ks for c in self._tiled(cells, k, chunk, grids)]
-        if w > 1 and self.layout is None:
-            fine = self._balanced(cells, max(k for k, _ in ks), grids)
+        if w > 1 and self.layout is None:   # (at the finest chunks of a block or more)
+            fine = self._balanced(cells, max(k for k in CHUNKS_PER_RANK if k <= 2 or w * k * block <= seq), grids)
             if fine.same_as not in {c.same_as for c in cands}:
                 cands.append(fine)
         if w > 1:
