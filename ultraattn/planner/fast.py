@@ -456,7 +456,8 @@ class FastPlanner:
                 c.bound = max(c.bound, busy_bound(d.kernels, d.messages, self.mesh, self.cost))
                 heapq.heappush(heap, (c.bound, name, 2, n))
                 continue
-            c.seconds = price(d.kernels, d.messages, d.owner, d.assign_GPP.shape[0], self.mesh, self.cost)
+            c.seconds = price(d.kernels, d.messages, d.owner, d.assign_GPP.shape[0], self.mesh, self.cost,
+                              d.replays(self.mesh))
             if self._batchable(d):
                 c = batched[c.name] = self.batched_candidate(cells, c)
             best = min(best, c.seconds)

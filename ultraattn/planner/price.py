@@ -11,7 +11,7 @@ Legend: N cells, K kernels, M messages, G head groups, P chunks, W ranks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -525,6 +525,16 @@ class Draft:
     """``TilePlan.meta`` of the built plan."""
     transfers: Callable[[], tuple[Transfer, ...]] | None = None
     """``messages`` as ``Transfer`` objects, from cached mask-independent parts (None: made from the arrays)."""
+    _replays: tuple[Mesh, dict[int, Replay]] | None = field(default=None, init=False, repr=False)
+    """Its ``Replay`` per phase on a mesh once made (``replays``; not carried over by ``dataclasses.replace``)."""
+
+    def replays(self, mesh: Mesh) -> dict[int, Replay]:
+        """Its ``Replay`` of each phase on ``mesh``, made once: its price and the band's prices read the same ones."""
+        if self._replays is None or self._replays[0] != mesh:
+            groups = self.assign_GPP.shape[0]
+            self._replays = (mesh, {ph: Replay.of(self.kernels, self.messages, self.owner, groups, mesh, ph)
+                                    for ph in self.kernels.seconds})
+        return self._replays[1]
 
 
 def assemble(d: Draft, *, mesh: Mesh, shape: AttnShape, meta: dict, kernels: Kernels | None = None,

@@ -31,7 +31,7 @@ import numpy as np
 
 from .cost import CostModel
 from .plan import Mesh
-from .price import Draft, Replay, price
+from .price import Draft, price
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +101,7 @@ def band_prices(drafts: dict[str, Draft], mesh: Mesh, cost: CostModel, band: Ban
     for name, d in drafts.items():
         groups = d.assign_GPP.shape[0]
         # what no model changes, made once for all of them
-        replays = {ph: Replay.of(d.kernels, d.messages, d.owner, groups, mesh, ph) for ph in d.kernels.seconds}
+        replays = d.replays(mesh)
         prices = []
         for n, (c, model) in enumerate(models):
             if n == 0 and nominal is not None and name in nominal:
