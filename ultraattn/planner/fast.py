@@ -71,6 +71,7 @@ the price is a lower bound of the replay, so near-ties between structures can go
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 import time
@@ -409,16 +410,20 @@ class FastPlanner:
         """Every structure with its bound, priced in increasing bound order while it can still win (be a finalist:
         within ``ROBUST_WINDOW`` of the cheapest price, with a band)."""
         w, block, seq = self.mesh.world, cells.q_block, self.shape.seq_len
+
+        def tried(blocks: int) -> list[int]:   # chunks per rank: more than two only where a chunk holds ``blocks``
+            return [k for k in CHUNKS_PER_RANK if k <= 2 or w * k * block * blocks <= seq]
+
         if self.layout is not None:
             ks = [(self.layout.chunks_per_rank, self.layout.chunk_size)]
         elif w == 1:  # one rank: every structure computes everything there
             ks = [(1, None)]
         else:
-            ks = [(k, None) for k in CHUNKS_PER_RANK if k <= 2 or w * k * block * FINE_CHUNK_BLOCKS <= seq]
+            ks = [(k, None) for k in tried(FINE_CHUNK_BLOCKS)]
         grids: dict = {}
         cands = [c for k, chunk in ks for c in self._tiled(cells, k, chunk, grids)]
         if w > 1 and self.layout is None:   # (at the finest chunks of a block or more)
-            fine = self._balanced(cells, max(k for k in CHUNKS_PER_RANK if k <= 2 or w * k * block <= seq), grids)
+            fine = self._balanced(cells, max(tried(1)), grids)
             if fine.same_as not in {c.same_as for c in cands}:
                 cands.append(fine)
         if w > 1:
@@ -504,13 +509,10 @@ class FastPlanner:
         assign = assign[None]
         per_rank = _work_per_rank(grid.blocks_GPP[0], assign, self.mesh.world)
 
-        made: list[Kernels] = []
-
+        @functools.cache   # (made once: the kernel step's bound and the draft share them)
         def kernels() -> Kernels:
-            if not made:
-                made.append(Kernels.of_groups(grid, kernel_groups(owner, assign), head_dim=self.shape.head_dim,
-                                              cost=self.cost, phases=self._phases))
-            return made[0]
+            return Kernels.of_groups(grid, kernel_groups(owner, assign), head_dim=self.shape.head_dim,
+                                     cost=self.cost, phases=self._phases)
 
         def draft() -> Draft:
             msgs = route(owner, assign, self.mesh, self.shape, grid.chunk, self.backward)
