@@ -13,6 +13,7 @@ import heapq
 
 import numpy as np
 
+from .arrays import run_starts
 from .plan import Mesh
 
 
@@ -175,9 +176,9 @@ def place(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float, row_
         key = ii[moved] * mesh.nodes + dest[moved]
         order = np.lexsort((moved, key))
         moved, key = moved[order], key[order]
-        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        starts = run_starts(key)
         sums = np.add.reduceat(wt[moved], starts)
-        bounds = np.r_[starts, moved.size].tolist()
+        bounds = [*starts.tolist(), moved.size]
         for g in np.lexsort((key[starts], -sums)).tolist():
             devs = int(key[starts[g]]) % mesh.nodes * d + np.arange(d)
             t = int(devs[np.argmin(load[devs])])
@@ -213,6 +214,8 @@ def place_flat(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float,
     has_col[np.arange(p), owner] = True
     has_col[jj, at] = True
     stuck = np.zeros(w, dtype=bool)
+    reach = node[:, None] == node[None, :] if local else np.ones((w, w), dtype=bool)   # [from rank, to rank]
+    np.fill_diagonal(reach, False)
     for _ in range(8 * w + 4 * p):
         over = np.where(stuck, -np.inf, load)
         r = int(np.argmax(over))
@@ -220,19 +223,17 @@ def place_flat(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float,
             break
         need = load[r] - cap
         room = cap - load
-        targets = np.flatnonzero((room > 0) & (np.arange(w) != r) & (~local | (node == node[r])))
+        targets = np.flatnonzero((room > 0) & reach[r])
         on = np.flatnonzero(at == r)
         if not targets.size or not on.size:
             stuck[r] = True
             continue
-        # every (cell on r, target) pair: its K/V price, grouped by (row, target)
-        c_ = np.repeat(on, targets.size)
-        t_ = np.tile(targets, on.size)
-        fits = wt[c_] <= room[t_]
-        c_, t_ = c_[fits], t_[fits]
-        if not c_.size:
+        # every (cell on r, target) pair that fits, cells major: its K/V price, grouped by (row, target)
+        ci, ti = np.nonzero(wt[on][:, None] <= room[targets][None, :])
+        if not ci.size:
             stuck[r] = True
             continue
+        c_, t_ = on[ci], targets[ti]
         far = (node[t_] != node[r]).astype(np.int64)
         col_price = np.where(has_col[jj[c_], t_], 0.0, col_cost[far])
         # per (row, target): cells whose K/V the target holds first, then by weight; the price is the row's Q
@@ -240,21 +241,27 @@ def place_flat(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float,
         key = ii[c_] * w + t_
         order = np.lexsort((jj[c_], -wt[c_], col_price, key))
         c_, t_, key, col_price = c_[order], t_[order], key[order], col_price[order]
-        first = np.r_[True, key[1:] != key[:-1]]
+        first = np.empty(key.size, dtype=bool)
+        first[0] = True
+        np.not_equal(key[1:], key[:-1], out=first[1:])
         grp = np.cumsum(first) - 1
         starts = np.flatnonzero(first)
-        cum = np.cumsum(wt[c_])
-        before = cum - wt[c_] - (cum[starts] - wt[c_][starts])[grp]
+        w_c = wt[c_]
+        cum = np.cumsum(w_c)
+        before = cum - w_c - (cum[starts] - w_c[starts])[grp]
         t_u, rows_u = t_[starts], ii[c_[starts]]
-        amount = np.minimum(np.minimum(np.bincount(grp, wt[c_]), room[t_u]), need)
+        amount = np.minimum(np.minimum(np.add.reduceat(w_c, starts), room[t_u]), need)
         taken = before < amount[grp]
         price = (np.where(has_row[rows_u, t_u], 0.0, row_cost[(node[t_u] != node[r]).astype(np.int64)])
-                 + np.bincount(grp, np.where(taken, col_price, 0.0)))
+                 + np.add.reduceat(np.where(taken, col_price, 0.0), starts))
         moved = 0.0
         for n in np.lexsort((key[starts], -(amount / (price + 1e-12)))).tolist():
             t = int(t_u[n])
-            for c in c_[grp == n].tolist():
-                if moved >= need or load[t] + wt[c] > cap:
+            end = int(starts[n + 1]) if n + 1 < starts.size else key.size
+            for c in c_[starts[n]:end].tolist():   # (a group's cells are contiguous: sorted by key)
+                if moved >= need:
+                    break
+                if load[t] + wt[c] > cap:
                     continue
                 at[c] = t
                 load[r] -= wt[c]

@@ -39,6 +39,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from .arrays import run_ends, run_starts
 from .plan import AttnShape, Kernel, Mesh, TilePlan, Transfer
 
 
@@ -212,8 +213,8 @@ def kernel_groups(owner, assign_GPP, *, batch: int = 1, devices: int = 1) -> tup
         # column), ``batch`` to a launch
         order = np.lexsort((j, stage_N, i, g, r))
         key = np.stack([r, g, i])[:, order]
-        row_start = np.flatnonzero(np.r_[True, (key[:, 1:] != key[:, :-1]).any(0)])
-        seg = np.repeat(np.arange(row_start.size), np.diff(np.r_[row_start, order.size]))
+        row_start = run_starts(key)
+        seg = np.repeat(np.arange(row_start.size), run_ends(row_start, order.size) - row_start)
         local = np.bincount(seg, stage_N[order] == 0, minlength=row_start.size).astype(np.int64)
         pos = np.arange(order.size) - row_start[seg] - local[seg]   # place among the row's remote cells
         nth = np.empty(order.size, dtype=np.int64)

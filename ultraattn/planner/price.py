@@ -18,6 +18,7 @@ import torch
 
 from ..masks.cells import BlockCells
 from ..masks.pattern import BlockPattern
+from .arrays import run_ends, run_starts
 from .build import BATCHES, NodeLinks, kernel_groups
 from .cost import CostModel, block_flops
 from .plan import AttnShape, Kernel, Mesh, TilePlan, Transfer
@@ -101,8 +102,8 @@ def route(owner: np.ndarray, assign_GPP: np.ndarray, mesh: Mesh, shape: AttnShap
         src = owner[cc]
         dnode = dd // dev
         grp = (gg * p + cc) * mesh.nodes + dnode  # consumers of a (unit, node) are contiguous
-        starts = np.flatnonzero(np.r_[grp.size > 0, grp[1:] != grp[:-1]])
-        ends = np.r_[starts[1:], grp.size]
+        starts = run_starts(grp)
+        ends = run_ends(starts, grp.size)
         links.unit(flows[axis], shape, chunk, g_count)
         prio = np.full(grp.size, 2, dtype=np.int64)   # 0 owner -> sender, 1 sender -> landing rank, 2 inside a node
         hop_src = src.copy()
@@ -125,8 +126,8 @@ def route(owner: np.ndarray, assign_GPP: np.ndarray, mesh: Mesh, shape: AttnShap
                 extra.append((u, snd, land, int(grp[a]), 1))
         if extra:
             eu, es, ed, eg, ep = (np.asarray(x, dtype=np.int64) for x in zip(*extra))
-            gg, cc, dd, hop_src = np.r_[gg, eu // p], np.r_[cc, eu % p], np.r_[dd, ed], np.r_[hop_src, es]
-            grp, prio = np.r_[grp, eg], np.r_[prio, ep]
+            gg, cc, dd = np.concatenate((gg, eu // p)), np.concatenate((cc, eu % p)), np.concatenate((dd, ed))
+            hop_src, grp, prio = np.concatenate((hop_src, es)), np.concatenate((grp, eg)), np.concatenate((prio, ep))
         # per (unit, node): the owner -> sender hop first, then the landing hop, then the relays inside the node
         order = np.lexsort((dd, prio, grp))
         gg, cc, dd, hop_src = gg[order], cc[order], dd[order], hop_src[order]
@@ -269,9 +270,9 @@ def _stream_bound(stream: np.ndarray, release: np.ndarray, duration: np.ndarray)
         return 0.0
     order = np.lexsort((-release, stream))
     s, rel, dur = stream[order], release[order], duration[order]
-    first = np.r_[True, s[1:] != s[:-1]]
+    starts = run_starts(s)
     csum = np.cumsum(dur)
-    base = np.repeat(csum[first] - dur[first], np.diff(np.r_[np.flatnonzero(first), s.size]))
+    base = np.repeat(csum[starts] - dur[starts], run_ends(starts, s.size) - starts)
     return float((rel + csum - base).max())
 
 
@@ -292,7 +293,7 @@ class _Hops:
         """From the messages' flat sources and destinations."""
         order = np.argsort(dst, kind="stable")
         dst = dst[order]
-        starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]]) if idx.size else np.zeros(0, dtype=np.int64)
+        starts = run_starts(dst)
         return _Hops(idx=idx, src=src[order], order=order, starts=starts, to=dst[starts])
 
 
