@@ -129,9 +129,22 @@ class Task:
     deps: list[int] = field(default_factory=list)
     dst: int = -1
     nbytes: int = 0
-    label: str = ""
+    where: tuple = ()
+    """What ``label`` names besides kind and ranks: a kernel's (head group, stage, cells), a message's (chunk, head
+    group). (Formatted only when read: a replay makes thousands of tasks and reads no label.)"""
     unit: tuple = ()
     """A merge's (partial tensor, chunk, head group)."""
+
+    @property
+    def label(self) -> str:
+        if self.kind == "attn":
+            g, stage, cells = self.where
+            return f"attn r{self.rank} g{g} s{stage} n{cells}"
+        if self.kind == "merge":
+            tensor, chunk, g = self.unit
+            return f"merge {tensor} c{chunk} g{g} @{self.rank}"
+        chunk, g = self.where
+        return f"{self.kind} c{chunk} g{g} {self.rank}->{self.dst}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,8 +230,9 @@ class Schedule:
                     raise AssertionError(f"tasks {ia} and {ib} overlap on stream {s}")
 
 
-def _link(plan: TilePlan, a: int, b: int) -> str:
-    return "intra" if plan.mesh.same_node(a, b) else "inter"
+#: a message's streams at its sender and receiver, by whether it crosses nodes
+_SEND = ("send_intra", "send_inter")
+_RECV = ("recv_intra", "recv_inter")
 
 
 def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, phase: str, *,
@@ -238,13 +252,16 @@ def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, p
         durations = [float(len(k.cells)) for k in kernels]
     else:
         durations = work.kernels_seconds([(k.head_group, k.cells) for k in kernels], cost, phase).tolist()
+    axes = []   # each kernel's (rows, columns)
     for k, dur in zip(kernels, durations):
         t = Task(id=len(tasks), kind="attn", rank=k.rank, streams=((k.rank, "compute"),), duration=dur,
-                 label=f"attn r{k.rank} g{k.head_group} s{k.stage} n{len(k.cells)}")
+                 where=(k.head_group, k.stage, len(k.cells)))
         tasks.append(t)
-        for i in {c[0] for c in k.cells}:
+        rows, cols = {c[0] for c in k.cells}, {c[1] for c in k.cells}
+        axes.append((rows, cols))
+        for i in rows:
             kern_by_row[(k.rank, k.head_group, i)].append(t.id)
-        for j in {c[1] for c in k.cells}:
+        for j in cols:
             kern_by_col[(k.rank, k.head_group, j)].append(t.id)
     kernel_ids = list(range(len(tasks)))
 
@@ -252,12 +269,16 @@ def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, p
     arrive: dict[tuple[str, int, int, int], int] = {}  # (tensor, chunk, g, dst) -> task id
     incoming: dict[tuple[str, int, int, int], list[int]] = defaultdict(list)
     msg_ids = []
+    devices = plan.mesh.devices
+    seconds: dict[tuple[int, bool], float] = {}   # (bytes, across nodes) -> duration: few sizes, many messages
     for m in msgs:
-        link = _link(plan, m.src, m.dst)
+        inter = m.src // devices != m.dst // devices
+        dur = seconds.get((m.nbytes, inter))
+        if dur is None:
+            dur = seconds[(m.nbytes, inter)] = 1.0 if cost is None else cost.message_seconds(m.nbytes,
+                                                                                              inter_node=inter)
         t = Task(id=len(tasks), kind=m.tensor, rank=m.src, dst=m.dst, nbytes=m.nbytes,
-                 streams=((m.src, f"send_{link}"), (m.dst, f"recv_{link}")),
-                 duration=1.0 if cost is None else cost.message_seconds(m.nbytes, inter_node=link == "inter"),
-                 label=f"{m.tensor} c{m.chunk} g{m.head_group} {m.src}->{m.dst}")
+                 streams=((m.src, _SEND[inter]), (m.dst, _RECV[inter])), duration=dur, where=(m.chunk, m.head_group))
         tasks.append(t)
         msg_ids.append(t.id)
         key = (m.tensor, m.chunk, m.head_group, m.dst)
@@ -283,10 +304,8 @@ def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, p
             if prev is not None:
                 t.deps.append(prev)
     # kernels wait for their remote inputs
-    for k, tid in zip(kernels, kernel_ids):
+    for k, tid, (rows, cols) in zip(kernels, kernel_ids, axes):
         deps = tasks[tid].deps
-        rows = {c[0] for c in k.cells}
-        cols = {c[1] for c in k.cells}
         for tensor in INPUT_TENSORS[phase]:
             idx = rows if tensor in ROW_TENSORS else cols
             for c in idx:
@@ -303,7 +322,7 @@ def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, p
         nbytes = sum(tasks[i].nbytes for i in ids)
         t = Task(id=len(tasks), kind="merge", rank=dst, streams=((dst, "compute"),),
                  duration=0.5 if cost is None else cost.merge_seconds(2 * nbytes, lse=tensor == "o"),
-                 label=f"merge {tensor} c{chunk} g{g} @{dst}", unit=(tensor, chunk, g))
+                 unit=(tensor, chunk, g))
         t.deps.extend(ids)
         t.deps.extend(contributors(tensor, chunk, g, dst))
         tasks.append(t)
