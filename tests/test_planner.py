@@ -18,7 +18,7 @@ from ultraattn.planner.build import group_kernels, kernel_groups
 from ultraattn.planner.partition import Level, heuristic, solve_ilp
 from ultraattn.planner.partition import evaluate as level_eval
 from ultraattn.planner.plan import AttnShape, Mesh, TilePlan, TokenSharding
-from ultraattn.planner.schedule import Graph, Task, simulate
+from ultraattn.planner.schedule import Graph, Task, build_graph, simulate
 from ultraattn.planner.tiling import PlannerOptions
 
 FAST = PlannerOptions(ilp_time_limit=2.0, heuristic_seconds=0.1, time_budget=6.0, schedule_time_limit=1.0)
@@ -245,6 +245,25 @@ def test_simulator_chain_and_streams():
     # critical path first: 0 (bottom level 6) before 3 (4); then 1 at 1.0, 2 at 3.0 -> ends 6.0; 3 ends 5.0
     assert s.makespan == pytest.approx(6.0)
     assert s.start[3] == pytest.approx(1.0)
+
+
+def test_replay_tasks_name_what_they_run():
+    """A task's label (formatted when read) names its kernel, message or merge; a broken schedule's error names it."""
+    pat = grid_pattern(mask_grid("causal", 32), block=64)
+    p = baseline_plan("ring", pat, AttnShape(seq_len=pat.q_len, **SHAPE), Mesh(nodes=1, devices=4))
+    graph = build_graph(p, None, None, "bwd")
+    labels = {t.kind: t.label for t in graph.tasks}
+    k = p.kernels[0]
+    assert graph.tasks[0].label == f"attn r{k.rank} g{k.head_group} s{k.stage} n{len(k.cells)}"
+    m = p.transfers_for("bwd")[0]
+    assert graph.tasks[graph.kernels].label == f"{m.tensor} c{m.chunk} g{m.head_group} {m.src}->{m.dst}"
+    assert labels["merge"].startswith("merge dq c") or labels["merge"].startswith("merge dkv c")
+    s = simulate(graph)
+    s.check()
+    late = next(t for t in graph.tasks if t.deps)
+    s.start[late.id] = s.end[late.deps[0]] - 1.0
+    with pytest.raises(AssertionError, match=f"task {late.id} \\({late.label}\\) starts before"):
+        s.check()
 
 
 def test_tileplan_rejects_unequal_shards():
