@@ -268,7 +268,10 @@ def _stream_bound(stream: np.ndarray, release: np.ndarray, duration: np.ndarray)
     order of the items on one stream finishes earlier (one machine with release times)."""
     if not stream.size:
         return 0.0
-    order = np.lexsort((-release, stream))
+    # by stream, then latest release first: two stable sorts, the same order as ``np.lexsort((-release, stream))``,
+    # and the second a radix sort where streams fit in 16 bits (``Replay.stream``): ~1.5x faster
+    order = np.argsort(-release, kind="stable")
+    order = order[np.argsort(stream[order], kind="stable")]
     s, rel, dur = stream[order], release[order], duration[order]
     starts = run_starts(s)
     csum = np.cumsum(dur)
@@ -406,6 +409,8 @@ class Replay:
         # streams: 5 per rank (compute, send intra/inter, recv intra/inter)
         stream = np.concatenate([kern.rank_K * 5, *[r.merge_at % w * 5 for r in results], m.src * 5 + 1 + link,
                                  m.dst * 5 + 3 + link])
+        if 5 * w <= np.iinfo(np.int16).max:   # (``_stream_bound`` sorts 16-bit integers by radix)
+            stream = stream.astype(np.int16)
         return Replay(shape=shape, m=m, link=link, n_k=n_k, inputs=tuple(inputs), pairs=pairs,
                       results=tuple(results), stream=stream)
 
