@@ -128,6 +128,12 @@ NEAR_TIE = 0.10
 #: ... and both are replayed by the simulator when they have at most this many tasks together (kernels x phases
 #: + messages: replays cost ~10 us a task here)
 REPLAY_TASKS = 2500
+#: a larger plan and a finalist priced within this fraction of it, whatever its regret, are replayed and the faster
+#: replay wins: the price is a lower bound 5-30 % below the replay on ``replan.py``'s 128K 8x8 masks, so within 2 % it
+#: cannot tell two plans apart (on one of them the choice replayed 7 % slower than Ulysses-style USP priced 1 % above
+#: it, and less robust by the band's prices). The chosen plan is replayed for its run order anyway, so a tie costs one
+#: more replay (~30 ms at 128K on 8x8), on few masks
+PRICE_TIE = 0.02
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -304,6 +310,16 @@ class FastPlanner:
         if len(close) > 1 and sum(_tasks(c.get()) for c in close) <= REPLAY_TASKS:
             plans = {c.name: self.build(c) for c in close}
             replayed = {n: replay(p) for n, p in plans.items()}
+        elif _tasks(best.get()) > REPLAY_TASKS:
+            # [Note] a large plan: a finalist priced within PRICE_TIE of it, its regret aside (the regrets come from the
+            # same prices). The chosen plan is replayed for its run order anyway, so this costs one more replay (from
+            # the price's kernel seconds: the same replay as above), and the faster replay wins
+            rival = next((c for c in finalists if c is not best and c.seconds <= best.seconds * (1 + PRICE_TIE)), None)
+            if rival is not None:
+                close = [best, rival]
+                plans = {c.name: self.build(c) for c in close}
+                replayed = {c.name: self._replay_from_draft(plans[c.name], c.get(), schedules) for c in close}
+        if replayed:
             best = min(close, key=lambda c: (replayed[c.name], c.name))
             tp = plans[best.name]
         if tp is None:
@@ -338,15 +354,19 @@ class FastPlanner:
                        band=None if self.band is None else {"rate": self.band.rate, "latency": self.band.latency})
         # the run order every rank follows: the chosen plan's replay (made above on most small plans; else now, from
         # the kernels' seconds the price has, without the mask's workload: ~35 ms a phase at 64 ranks)
-        if id(tp) in schedules:
-            tp = with_order(tp, schedules[id(tp)][1])
-        else:
-            d = best.get()
-            tp = with_order(tp, {PHASES[ph]: simulate(build_graph(tp, None, self.cost, PHASES[ph],
-                                                                  kernel_seconds=d.kernels.seconds[ph]))
-                                 for ph in d.kernels.seconds})
+        if id(tp) not in schedules:
+            self._replay_from_draft(tp, best.get(), schedules)
+        tp = with_order(tp, schedules[id(tp)][1])
         tp.meta["planning_ms"] = (time.perf_counter() - t0) * 1e3
         return tp
+
+    def _replay_from_draft(self, tp: TilePlan, d: Draft, schedules: dict) -> float:
+        """The simulator's fwd (+ bwd) makespan of ``tp`` (built from draft ``d``) from the kernels' seconds the price
+        has, without the mask's workload (~15 ms a phase at 64 ranks); its schedules go to ``schedules[id(tp)]``."""
+        sched = {PHASES[ph]: simulate(build_graph(tp, None, self.cost, PHASES[ph], kernel_seconds=sec))
+                 for ph, sec in d.kernels.seconds.items()}
+        schedules[id(tp)] = (tp, sched)
+        return sum(s.makespan for s in sched.values())
 
     def batched_candidate(self, cells: BlockCells, c: Candidate) -> Candidate:
         """``c`` with its cells in the kernel batch that prices cheapest (``price.cheapest``), when that is cheaper
