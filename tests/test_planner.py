@@ -266,6 +266,16 @@ def test_replay_tasks_name_what_they_run():
         s.check()
 
 
+def test_a_task_copy_with_new_deps_keeps_every_other_field():
+    """``Task.with_deps`` (the executed replay's copy of each task) equals ``dataclasses.replace``: every field set."""
+    t = Task(id=3, kind="dq", rank=1, streams=((1, "send_inter"), (9, "recv_inter")), duration=2.5, deps=[0, 1],
+             dst=9, nbytes=4096, where=(7, 1), unit=("dq", 7, 1))
+    assert {f.name for f in dataclasses.fields(Task)} == {"id", "kind", "rank", "streams", "duration", "deps", "dst",
+                                                          "nbytes", "where", "unit"}   # (a new field: copy it too)
+    c = t.with_deps([2])
+    assert c == dataclasses.replace(t, deps=[2]) and t.deps == [0, 1]
+
+
 def test_tileplan_rejects_unequal_shards():
     shape = AttnShape(seq_len=256, num_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="same number of chunks"):

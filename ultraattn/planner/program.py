@@ -140,18 +140,21 @@ def kept_from_forward(plan: TilePlan) -> list[tuple[set[tuple[int, int]], set[tu
     return out
 
 
-def held_units(plan: TilePlan, rank: int, phase: str) -> set[tuple[str, int, int]]:
+def held_units(plan: TilePlan, rank: int, phase: str, kept: list | None = None) -> set[tuple[str, int, int]]:
     """The (tensor, chunk, group) input units ``rank`` holds before any message of ``phase``: its own chunks', and
-    in the backward the columns it kept from the forward (``kept_from_forward``; a kept row also needs its dO)."""
+    in the backward the columns it kept from the forward (``kept``: ``kept_from_forward(plan)``, made here if not
+    given; a kept row also needs its dO)."""
     mine = plan.local_chunks(rank)
     held = {(tn, c, g) for tn in INPUT_TENSORS[phase] for c in mine for g in range(plan.num_head_groups)}
     if phase == "bwd":
-        held |= {("kv", c, g) for c, g in kept_from_forward(plan)[rank][1]}
+        held |= {("kv", c, g) for c, g in (kept if kept is not None else kept_from_forward(plan))[rank][1]}
     return held
 
 
-def rank_program(plan: TilePlan, rank: int, phase: str, order: RunOrder | None = None) -> list[Step]:
-    """The steps of ``rank`` in ``phase`` (module docstring), in ``order`` (default: ``order_of``)."""
+def rank_program(plan: TilePlan, rank: int, phase: str, order: RunOrder | None = None, *,
+                 kept: list | None = None) -> list[Step]:
+    """The steps of ``rank`` in ``phase`` (module docstring), in ``order`` (default: ``order_of``). ``kept``:
+    ``kept_from_forward(plan)`` where the caller makes every rank's program (made once, not per rank)."""
     order = order or order_of(plan, phase)
     msgs = [(idx, t) for idx, t in enumerate(plan.transfers) if t.phase == phase]
     leaves = order.leaves or order.transfers
@@ -198,7 +201,7 @@ def rank_program(plan: TilePlan, rank: int, phase: str, order: RunOrder | None =
                 contrib[("row", i, kern.head_group)] += 1
             for j in {c[1] for c in kern.cells}:
                 contrib[("col", j, kern.head_group)] += 1
-    have = held_units(plan, rank, phase)
+    have = held_units(plan, rank, phase, kept)
 
     steps: list[Step] = []
     pending_sends: list[Message] = []
@@ -314,7 +317,7 @@ def executed_graph(plan: TilePlan, graph: Graph, order: RunOrder, *, streams: bo
     with ``streams`` (GPUs: ``runtime/streams.py``): a post whose sends all relay (``relays``) waits only for the
     communication stream's earlier work (the receives waited for, and what earlier posts waited for), another post
     for the compute stream's work before it too."""
-    tasks = [dataclasses.replace(t, deps=list(t.deps)) for t in graph.tasks]
+    tasks = [t.with_deps(list(t.deps)) for t in graph.tasks]
     first_msg = graph.kernels
     msg_task = {}
     n = 0
@@ -323,11 +326,12 @@ def executed_graph(plan: TilePlan, graph: Graph, order: RunOrder, *, streams: bo
             msg_task[idx] = first_msg + n
             n += 1
     merge_of = {(t.rank, *t.unit): t.id for t in tasks if t.kind == "merge"}
+    kept = kept_from_forward(plan) if graph.phase == "bwd" else None
     for r in range(plan.world):
         barrier: list[int] = []    # tasks the rank's host (its compute stream) has waited for since its last launch
         comm: set[int] = set()     # what the communication stream has waited for so far (``streams``)
         posted: dict[int, list[Message]] = {}
-        steps = rank_program(plan, r, graph.phase, order)
+        steps = rank_program(plan, r, graph.phase, order, kept=kept)
         last_wait = {}   # merge task -> the wait that takes its last partial here
         for i, s in enumerate(steps):
             if isinstance(s, Wait):
