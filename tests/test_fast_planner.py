@@ -292,7 +292,7 @@ def test_placement_nodes_first_and_landing():
     from ultraattn.masks.factories import generate_document
     from ultraattn.planner.balance import place, place_flat
     from ultraattn.planner.build import route_transfers
-    from ultraattn.planner.fast import evaluate_plan
+    from ultraattn.planner.schedule import evaluate_plan
 
     rng, lengths, s = np.random.default_rng(32768), [], 32768
     while sum(lengths) < s:   # replan.py's document lengths: lognormal, median 1024, sigma 1.2
@@ -579,8 +579,8 @@ def test_the_plan_is_the_most_robust_finalist():
 def test_on_several_nodes_the_fastest_replayed_batch_is_kept():
     """On a two-node mesh every batch size of the chosen plan's launches is replayed and the fastest replay kept
     (the cheapest-priced batch replayed up to 1.10x slower than another on 128K 2x8 document masks)."""
-    from ultraattn.planner.fast import evaluate_plan
     from ultraattn.planner.price import batches, grid_of
+    from ultraattn.planner.schedule import evaluate_plan
 
     s, mesh = 4096, Mesh(nodes=2, devices=4)
     fp = FastPlanner(shape=shape_for(s), mesh=mesh)
@@ -610,7 +610,7 @@ def test_small_plans_are_priced_in_kernel_batches_before_the_choice():
     slower on the geometric mean."""
     import math
 
-    from ultraattn.planner.fast import evaluate_plan
+    from ultraattn.planner.schedule import evaluate_plan
 
     class Unbatched(FastPlanner):   # the planner without step 6
         def _batchable(self, d):

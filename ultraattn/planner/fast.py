@@ -46,13 +46,12 @@ Algorithm (every statistic is vectorised over cells; loops run over chunks, rank
    4-10 % faster than the tiled plan chosen without this step on 32K 1x4 document masks. (On several nodes step 8
    also tries the winner's own launches: ``Candidate.unbatched``; every step-8 grouping was priced here already:
    ``Candidate.batch_tries``.)
-7. The robust choice: the candidates priced within ``ROBUST_WINDOW`` of the cheapest (at most
-   ``FINALISTS``) are priced again under the corners of the cost-model band (``planner.robust``; half of
-   them on several nodes, ``Band.corners``), and
-   the one with the smallest worst-case regret among them is built as the ``TilePlan`` (the cheapest of
-   those within ``REGRET_TIE``). When the runner-up of those is priced within ``NEAR_TIE`` and both plans
-   are small (``REPLAY_TASKS``), the simulator replays both and the faster replay wins (a size bound, not
-   a time limit: still deterministic).
+7. The robust choice: the candidates priced within ``ROBUST_WINDOW`` of the cheapest (at most ``FINALISTS``) are
+   priced again under the corners of the cost-model band (``planner.robust``; half of them on several nodes,
+   ``Band.corners``), and the one with the smallest worst-case regret is built (the cheapest of those within
+   ``REGRET_TIE``). The simulator replays two plans and the faster wins (a size bound, not a time limit: still
+   deterministic) when the runner-up of those is priced within ``NEAR_TIE`` and both are small (``REPLAY_TASKS``),
+   or when the choice is large and another finalist is priced within ``PRICE_TIE`` of it, whatever its regret.
 8. The kernel level, on small plans (``REPLAY_TASKS``): the chosen plan's remote cells regrouped in per-row launches
    of 2, 4 or 8 chunks (``build.kernel_groups(batch=)``), the cheaper-priced (``price.cheapest``) kept when it also
    replays faster (on one node, not again when step 6 batched it already); on several nodes each of the three, and
@@ -62,10 +61,8 @@ Determinism: integer and float64 arithmetic in a fixed order (bincounts and sort
 a decision), ties broken by index; pruning only skips candidates that cannot win.
 
 Reused between masks (``FastPlanner``): unit bytes and message costs per granularity, the baselines'
-ownerships and their mask-independent messages (all-gather, the Ulysses all-to-all).
-
-Caution: the yardstick is the simulator's replay of the ILP planner's plan (``benchmarks/replan.py``);
-the price is a lower bound of the replay, so near-ties between structures can go either way.
+ownerships and their mask-independent messages (all-gather, the Ulysses all-to-all). The price is a lower bound
+of the simulator's replay (the yardstick: ``benchmarks/replan.py``), so near-ties can go either way.
 """
 
 from __future__ import annotations
@@ -104,7 +101,7 @@ from .price import (
 )
 from .program import with_order
 from .robust import DEFAULT_BAND, Band, band_prices, regrets
-from .schedule import Schedule, build_graph, simulate, workload
+from .schedule import Schedule, replay_phases
 
 #: chunks per rank tried for our own structure (the ILP planner starts at 2 and refines to 8)
 CHUNKS_PER_RANK = (1, 2, 4, 8)
@@ -129,10 +126,8 @@ NEAR_TIE = 0.10
 #: + messages: replays cost ~10 us a task here)
 REPLAY_TASKS = 2500
 #: a larger plan and a finalist priced within this fraction of it, whatever its regret, are replayed and the faster
-#: replay wins: the price is a lower bound 5-30 % below the replay on ``replan.py``'s 128K 8x8 masks, so within 2 % it
-#: cannot tell two plans apart (on one of them the choice replayed 7 % slower than Ulysses-style USP priced 1 % above
-#: it, and less robust by the band's prices). The chosen plan is replayed for its run order anyway, so a tie costs one
-#: more replay (~30 ms at 128K on 8x8), on few masks
+#: wins: the price is 5-30 % below the replay on ``replan.py``'s 128K 8x8 masks and cannot tell them apart (one choice
+#: replayed 7 % slower than USP priced 1 % above it). A tie costs one more replay (~30 ms at 128K on 8x8)
 PRICE_TIE = 0.02
 
 
@@ -325,13 +320,10 @@ class FastPlanner:
         if tp is None:
             tp = self.build(best)
         # the kernel level (``build.kernel_groups(batch=)``): on a small plan, its remote cells in longer launches
-        # when the cheapest-priced batch also replays faster. The price alone is not trusted here: it bounds a long
-        # launch's wait for its last input loosely, so it prefers the longest launches, which replayed up to 1.36x
-        # slower on 128K 8x8 document masks.
-        # On several nodes every batch size is replayed, not only the cheapest-priced: there the price orders them
-        # least reliably (a launch waits for inputs from other nodes), and on 128K 2x8 document masks the batch it
-        # picked replayed up to 1.10x slower than another (docs/planner.md). One node keeps the one replay, within
-        # the planning-time target (128K on 1x8).
+        # when the cheapest-priced batch also replays faster (the price bounds a long launch's wait for its last input
+        # loosely: its longest launches replayed up to 1.36x slower on 128K 8x8 document masks). On several nodes every
+        # batch is replayed: there the price orders them least reliably (up to 1.10x on 128K 2x8, docs/planner.md).
+        # One node keeps the one replay, within the planning-time target (128K on 1x8).
         d = best.get()
         batched_already = "kernel_batch" in d.meta and self.mesh.nodes == 1
         if self._batchable(d) and not batched_already:
@@ -363,8 +355,8 @@ class FastPlanner:
     def _replay_from_draft(self, tp: TilePlan, d: Draft, schedules: dict) -> float:
         """The simulator's fwd (+ bwd) makespan of ``tp`` (built from draft ``d``) from the kernels' seconds the price
         has, without the mask's workload (~15 ms a phase at 64 ranks); its schedules go to ``schedules[id(tp)]``."""
-        sched = {PHASES[ph]: simulate(build_graph(tp, None, self.cost, PHASES[ph], kernel_seconds=sec))
-                 for ph, sec in d.kernels.seconds.items()}
+        sched = replay_phases(tp, None, self.cost, backward=self.backward,
+                              kernel_seconds={PHASES[ph]: sec for ph, sec in d.kernels.seconds.items()})
         schedules[id(tp)] = (tp, sched)
         return sum(s.makespan for s in sched.values())
 
@@ -587,19 +579,6 @@ class FastPlanner:
 
 def _tasks(d: Draft) -> int:
     return int(d.messages.tensor.size + d.kernels.rank_K.size * len(d.kernels.seconds))
-
-
-def replay_phases(plan: TilePlan, cells: BlockCells, cost: CostModel, *, backward: bool) -> dict[str, Schedule]:
-    """The simulator's replay of each phase of ``plan`` (``planner.api.evaluate``'s, without its reports)."""
-    work = workload(cells, plan.shape, num_chunks=plan.num_chunks, head_groups=plan.num_head_groups,
-                    chunk=plan.chunk_size)
-    phases = ("fwd", "bwd") if backward else ("fwd",)
-    return {ph: simulate(build_graph(plan, work, cost, ph)) for ph in phases}
-
-
-def evaluate_plan(plan: TilePlan, cells: BlockCells, cost: CostModel, *, backward: bool) -> float:
-    """The simulator's fwd (+ bwd) makespan of ``plan`` (``replay_phases``)."""
-    return sum(s.makespan for s in replay_phases(plan, cells, cost, backward=backward).values())
 
 
 def planner_key(shape: AttnShape, mesh: Mesh, cost: CostModel, layout: TokenSharding | None, balance_tol: float,

@@ -338,6 +338,24 @@ def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, p
     return Graph(tasks=tasks, phase=phase, shared=shared, kernels=len(kernels), messages=len(msgs))
 
 
+def replay_phases(plan: TilePlan, cells: BlockPattern | BlockCells | None, cost: CostModel, *, backward: bool,
+                  kernel_seconds: dict[str, np.ndarray] | None = None) -> dict[str, Schedule]:
+    """The simulator's replay of each phase of ``plan`` (``planner.api.evaluate``'s, without its reports): kernel
+    durations from the mask's workload (``cells``), or ``kernel_seconds`` (phase -> each kernel's seconds, as the fast
+    planner's price has them: the same replay, without the workload)."""
+    phases = ("fwd", "bwd") if backward else ("fwd",)
+    if kernel_seconds is not None:
+        return {ph: simulate(build_graph(plan, None, cost, ph, kernel_seconds=kernel_seconds[ph])) for ph in phases}
+    work = workload(cells, plan.shape, num_chunks=plan.num_chunks, head_groups=plan.num_head_groups,
+                    chunk=plan.chunk_size)
+    return {ph: simulate(build_graph(plan, work, cost, ph)) for ph in phases}
+
+
+def evaluate_plan(plan: TilePlan, cells: BlockPattern | BlockCells, cost: CostModel, *, backward: bool) -> float:
+    """The simulator's fwd (+ bwd) makespan of ``plan`` (``replay_phases``)."""
+    return sum(s.makespan for s in replay_phases(plan, cells, cost, backward=backward).values())
+
+
 def bottom_levels(graph: Graph) -> list[float]:
     """Longest duration path from each task to the end (inclusive)."""
     n = len(graph.tasks)
