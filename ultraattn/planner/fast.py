@@ -344,8 +344,8 @@ class FastPlanner:
                        candidate=best.name, regrets={n: round(r, 4) for n, r in reg.items()},
                        regret=round(reg.get(best.name, 1.0), 4),
                        band=None if self.band is None else {"rate": self.band.rate, "latency": self.band.latency})
-        # the run order every rank follows: the chosen plan's replay (made above on most small plans; else now, from
-        # the kernels' seconds the price has, without the mask's workload: ~35 ms a phase at 64 ranks)
+        # the run order every rank follows: the chosen plan's replay (made above on most small plans and on ties; else
+        # now, from the kernels' seconds the price has, without the mask's workload)
         if id(tp) not in schedules:
             self._replay_from_draft(tp, best.get(), schedules)
         tp = with_order(tp, schedules[id(tp)][1])
@@ -354,7 +354,7 @@ class FastPlanner:
 
     def _replay_from_draft(self, tp: TilePlan, d: Draft, schedules: dict) -> float:
         """The simulator's fwd (+ bwd) makespan of ``tp`` (built from draft ``d``) from the kernels' seconds the price
-        has, without the mask's workload (~15 ms a phase at 64 ranks); its schedules go to ``schedules[id(tp)]``."""
+        has, without the mask's workload (~18 ms a phase at 64 ranks); its schedules go to ``schedules[id(tp)]``."""
         sched = replay_phases(tp, None, self.cost, backward=self.backward,
                               kernel_seconds={PHASES[ph]: sec for ph, sec in d.kernels.seconds.items()})
         schedules[id(tp)] = (tp, sched)
