@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from ..cache import gc_paused
 from ..masks.pattern import BlockPattern
 from .baselines import BASELINES, NotApplicable, baseline_of
 from .build import BATCHES, group_kernels, make_plan, route_transfers
@@ -109,9 +110,10 @@ def evaluate(plan: TilePlan, pattern: BlockPattern, *, cost: CostModel = DEFAULT
         return simulate(executed_graph(plan, graph, order, streams=cost.async_kernels > 0),
                         order_priority(graph, order))
 
-    fwd = replay("fwd", fwd_priority)
+    with gc_paused():   # (as ``FastPlanner.plan``: the replays' many small objects set off collections of the heap)
+        fwd = replay("fwd", fwd_priority)
+        bwd = replay("bwd") if backward else None
     g_f = fwd.graph
-    bwd = replay("bwd") if backward else None
     phases = ("fwd", "bwd") if backward else ("fwd",)
     rb = rank_bytes(plan, phases)
     comp = defaultdict(float)  # modeled kernel seconds
