@@ -13,7 +13,7 @@ import heapq
 
 import numpy as np
 
-from .arrays import run_starts
+from .arrays import run_ends, run_starts
 from .plan import Mesh
 
 
@@ -241,11 +241,9 @@ def place_flat(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float,
         key = ii[c_] * w + t_
         order = np.lexsort((jj[c_], -wt[c_], col_price, key))
         c_, t_, key, col_price = c_[order], t_[order], key[order], col_price[order]
-        first = np.empty(key.size, dtype=bool)
-        first[0] = True
-        np.not_equal(key[1:], key[:-1], out=first[1:])
-        grp = np.cumsum(first) - 1
-        starts = np.flatnonzero(first)
+        starts = run_starts(key)
+        ends = run_ends(starts, key.size)
+        grp = np.repeat(np.arange(starts.size), ends - starts)
         w_c = wt[c_]
         cum = np.cumsum(w_c)
         before = cum - w_c - (cum[starts] - w_c[starts])[grp]
@@ -257,8 +255,7 @@ def place_flat(weight_PP: np.ndarray, owner: np.ndarray, mesh: Mesh, tol: float,
         moved = 0.0
         for n in np.lexsort((key[starts], -(amount / (price + 1e-12)))).tolist():
             t = int(t_u[n])
-            end = int(starts[n + 1]) if n + 1 < starts.size else key.size
-            for c in c_[starts[n]:end].tolist():   # (a group's cells are contiguous: sorted by key)
+            for c in c_[starts[n]:ends[n]].tolist():   # (a group's cells are contiguous: sorted by key)
                 if moved >= need:
                     break
                 if load[t] + wt[c] > cap:
