@@ -29,7 +29,7 @@ from .fast import FastPlanner
 from .ilp import SolveInfo, have_pulp, require_pulp
 from .launches import timed_kernels
 from .plan import AttnShape, Mesh, TilePlan, TokenSharding, padded_chunk
-from .program import executed_graph, order_priority, run_order, with_order
+from .program import replay_executed, run_order, with_order
 from .schedule import Schedule, Workload, build_graph, simulate, workload
 from .schedule_ilp import refine_schedule
 from .tiling import PlannerOptions, TilingResult, tile
@@ -107,8 +107,7 @@ def evaluate(plan: TilePlan, pattern: BlockPattern, *, cost: CostModel = DEFAULT
             if not executed:
                 return sched
             order = run_order(sched)
-        return simulate(executed_graph(plan, graph, order, streams=cost.async_kernels > 0),
-                        order_priority(graph, order))
+        return replay_executed(plan, graph, order, cost)
 
     with gc_paused():   # (as ``FastPlanner.plan``: the replays' many small objects set off collections of the heap)
         fwd = replay("fwd", fwd_priority)

@@ -99,7 +99,7 @@ from .price import (
     price,
     route,
 )
-from .program import with_order
+from .program import executed_makespan, with_order
 from .robust import DEFAULT_BAND, Band, band_prices, regrets
 from .schedule import Schedule, replay_phases
 
@@ -129,6 +129,12 @@ REPLAY_TASKS = 2500
 #: wins: the price is 5-30 % below the replay on ``replan.py``'s 128K 8x8 masks and cannot tell them apart (one choice
 #: replayed 7 % slower than USP priced 1 % above it). A tie costs one more replay (~30 ms at 128K on 8x8)
 PRICE_TIE = 0.02
+#: where the planner replays small plans to choose (the near-tie, the kernel level), those whose plain replay is
+#: within this fraction of the fastest are replayed again as the executor runs them (``program.executed_makespan``)
+#: and the fastest of that replay wins: the two replays differ by up to ~12 % on one plan (a row's launches fused into
+#: one waits for its last input; its partials leave later) and can order near plans differently (a 512K 2x8 document
+#: mask ran 2.4 % slower than the balanced dispatch as executed with the launches its plain replay preferred)
+EXECUTED_TIE = 0.03
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -298,6 +304,23 @@ class FastPlanner:
             schedules[id(p)] = (p, replay_phases(p, cells, self.cost, backward=self.backward))
             return sum(s.makespan for s in schedules[id(p)][1].values())
 
+        executed: dict[str, float] = {}   # label -> makespan as executed, where a choice needed it (for ``meta``)
+        executed_of: dict[int, float] = {}   # id(plan) -> the same
+
+        def fastest(tries: list[tuple[str, TilePlan, float]]) -> int:
+            """The index of the fastest of small plans (label, plan, its plain replay): by the plain replay, or where
+            others replay within ``EXECUTED_TIE`` of it, by the replay as executed (the first wins a tie)."""
+            lead = min(t[2] for t in tries)
+            near = [n for n, t in enumerate(tries) if t[2] <= lead * (1 + EXECUTED_TIE)]
+            if len(near) == 1:
+                return near[0]
+            for n in near:
+                label, p, _ = tries[n]
+                if id(p) not in executed_of:
+                    executed_of[id(p)] = executed_makespan(p, schedules[id(p)][1], self.cost)
+                executed[label] = executed_of[id(p)]
+            return min(near, key=lambda n: (executed_of[id(tries[n][1])], n))
+
         # [Note] near-ties: the price is a lower bound of the replay, closer for some structures than for others;
         # the cheapest two of the most robust, when within NEAR_TIE and small (a task count, not a time limit:
         # still deterministic), are replayed to decide
@@ -305,6 +328,9 @@ class FastPlanner:
         if len(close) > 1 and sum(_tasks(c.get()) for c in close) <= REPLAY_TASKS:
             plans = {c.name: self.build(c) for c in close}
             replayed = {n: replay(p) for n, p in plans.items()}
+            tries = sorted((n, plans[n], replayed[n]) for n in plans)   # (by name: ties as before)
+            best = next(c for c in close if c.name == tries[fastest(tries)][0])
+            tp = plans[best.name]
         elif _tasks(best.get()) > REPLAY_TASKS:
             # [Note] a large plan: a finalist priced within PRICE_TIE of it, its regret aside (the regrets come from the
             # same prices). The chosen plan is replayed for its run order anyway, so this costs one more replay (from
@@ -314,16 +340,16 @@ class FastPlanner:
                 close = [best, rival]
                 plans = {c.name: self.build(c) for c in close}
                 replayed = {c.name: self._replay_from_draft(plans[c.name], c.get(), schedules) for c in close}
-        if replayed:
-            best = min(close, key=lambda c: (replayed[c.name], c.name))
-            tp = plans[best.name]
+                best = min(close, key=lambda c: (replayed[c.name], c.name))
+                tp = plans[best.name]
         if tp is None:
             tp = self.build(best)
         # the kernel level (``build.kernel_groups(batch=)``): on a small plan, its remote cells in longer launches
         # when the cheapest-priced batch also replays faster (the price bounds a long launch's wait for its last input
         # loosely: its longest launches replayed up to 1.36x slower on 128K 8x8 document masks). On several nodes every
         # batch is replayed: there the price orders them least reliably (up to 1.10x on 128K 2x8, docs/planner.md).
-        # One node keeps the one replay, within the planning-time target (128K on 1x8).
+        # One node keeps the one replay, within the planning-time target (128K on 1x8). Replays within EXECUTED_TIE
+        # of the fastest are decided as executed (``fastest``).
         d = best.get()
         batched_already = "kernel_batch" in d.meta and self.mesh.nodes == 1
         if self._batchable(d) and not batched_already:
@@ -332,15 +358,20 @@ class FastPlanner:
                 tries = [cheapest(tries)]
             if best.unbatched is not None:   # batched before the choice: its own launches are one more try
                 tries = [(1, *best.unbatched)] + [t for t in tries if t[0] != d.meta["kernel_batch"]]
-            fastest = replayed.get(best.name) or replay(tp)
+            own = f"{best.name} batch {d.meta.get('kernel_batch', 1)}"
+            replays = [(own, tp, replayed.get(best.name) or replay(tp))]
+            seen = [d.kernels]
             for batch, kern, sec in tries:
+                if any(kern.same_launches(k) for k in seen):   # the same plan: replayed already (the first kept)
+                    continue
+                seen.append(kern)
                 batched = self.build(best, kernels=kern, kernel_batch=batch, estimate_ms=sec * 1e3)
                 if batch == 1:
                     del batched.meta["kernel_batch"]
-                t = replay(batched)
-                if t < fastest:
-                    tp, fastest = batched, t
+                replays.append((f"{best.name} batch {batch}", batched, replay(batched)))
+            tp = replays[fastest(replays)][1]
         tp.meta.update(candidates=summary, replayed={n: round(v * 1e3, 6) for n, v in replayed.items()},
+                       executed={n: round(v * 1e3, 6) for n, v in executed.items()},
                        candidate=best.name, regrets={n: round(r, 4) for n, r in reg.items()},
                        regret=round(reg.get(best.name, 1.0), 4),
                        band=None if self.band is None else {"rate": self.band.rate, "latency": self.band.latency})

@@ -224,6 +224,12 @@ class Kernels:
         return Kernels.make(grid, g_N, i_N, j_N, k_N, rank_K, stage_K, rows, head_dim=head_dim, cost=cost,
                             phases=phases)
 
+    def same_launches(self, other: Kernels) -> bool:
+        """Whether ``other`` groups the same cells into the same kernels (two batch sizes can: no row has more remote
+        chunks than the smaller batch)."""
+        return all(np.array_equal(getattr(self, f), getattr(other, f))
+                   for f in ("k_N", "rank_K", "stage_K", "g_N", "i_N", "j_N"))
+
     def to_kernels(self) -> tuple[Kernel, ...]:
         cells = list(zip(self.i_N.tolist(), self.j_N.tolist()))
         bounds = np.searchsorted(self.k_N, np.arange(self.rank_K.size + 1)).tolist()

@@ -332,6 +332,19 @@ def order_priority(graph: Graph, order: RunOrder) -> list[float]:
     return pri
 
 
+def replay_executed(plan: TilePlan, graph: Graph, order: RunOrder, cost: CostModel) -> Schedule:
+    """One phase of ``plan`` replayed as the executor runs it: ``graph`` (its ``build_graph``) with every rank's
+    program in ``order`` (``executed_graph``; a communication stream where ``cost`` models GPUs), each stream serving
+    its tasks in that order (``order_priority``)."""
+    return simulate(executed_graph(plan, graph, order, streams=cost.async_kernels > 0), order_priority(graph, order))
+
+
+def executed_makespan(plan: TilePlan, schedules: dict[str, Schedule], cost: CostModel) -> float:
+    """The fwd (+ bwd) makespan of ``plan`` as executed, in the run order of its plain replay (``schedules``: phase ->
+    that replay; the order ``with_order`` gives the plan)."""
+    return sum(replay_executed(plan, s.graph, run_order(s), cost).makespan for s in schedules.values())
+
+
 def relays(plan: TilePlan, t: Transfer) -> bool:
     """Whether ``t`` forwards an input unit its sender did not make in this phase (a unit it received, or in the
     backward kept from the forward): no kernel of the sender writes its bytes."""
