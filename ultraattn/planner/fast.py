@@ -3,66 +3,34 @@
 For masks met at run time (packed documents: a new mask every batch) the ILP planner
 (``planner.api.plan``: CBC, a scheduling ILP, every baseline simulated) takes seconds. This planner
 makes a complete ``TilePlan`` (ownership, compute placement, transfers with exact bytes, kernel
-grouping, stages) with no ILP, no simulation and no wall-clock limit in any decision, so every rank
-computes the identical plan from the identical mask (no rank-0 planning, no broadcast).
+grouping, stages) with no ILP and no wall-clock limit in any decision (replays are bounded by task counts), so every
+rank computes the identical plan from the identical mask (no rank-0 planning, no broadcast).
 
     planner = FastPlanner(shape=shape, mesh=mesh, cost=cost, layout=layout)   # once per configuration
     tile_plan = planner.plan(cells)     # per mask: BlockCells (cells_from_block_mask) or a BlockPattern
 
-Algorithm (every statistic is vectorised over cells; loops run over chunks, ranks or moves):
+Algorithm (every statistic is vectorised over cells; loops run over chunks, ranks or moves; the full account, with
+the measurements behind each rule, is docs/planner.md, "The fast planner"):
 
-1. Chunk statistics: cost-weighted work of every (q chunk, kv chunk) cell at k = 1, 2, 4, 8 chunks per
-   rank (4 and 8 only where a chunk holds ``FINE_CHUNK_BLOCKS`` mask blocks), one ``bincount`` over the mask's
-   non-empty blocks each (``BlockCells.chunk_stats``).
-2. Our structure, per k (MagiAttention's dispatch, made hierarchical): chunks go to nodes by a greedy
-   over decreasing row work that keeps chunks sharing cells on one node while the node has room
-   (compute within half the balance tolerance), then to the node's devices by a min-heap balancer
-   (longest processing time first, ``k`` chunks each). Cells are computed where their query rows live:
-   only K/V move, the cheap side with GQA. A rank still above ``(1 + tol) x mean`` hands cells of one
-   row at a time to the rank with room where they add the least traffic per unit of work. On several
-   nodes, two placements are candidates: nodes first, then devices (``place``: what crosses a node link
-   moves as whole rows' worth), and rank by rank in one level (``place_flat``, ``tiled-k<k>-flat``); on
-   ``benchmarks/replan.py``'s masks neither wins everywhere, and the price tells them apart.
-   A given token layout (a sequence-sharded model's) fixes ownership: only placement is chosen.
-3. The balanced fine-chunk candidate (``balanced``): the finest granularity tried, chunks dealt to ranks by
-   longest processing time first over the whole mesh (no node affinity: MagiAttention's dispatch), cells computed
-   where their query rows live, the K/V each rank needs routed hierarchically (a remote unit crosses a node link
-   once). Near-perfect balance for more K/V traffic: the plan for when the model's bandwidths are too kind.
-   Skipped where it equals a tiled candidate (one node: the same LPT, no cells moved).
-4. Every registered baseline (``baselines.REGISTRY``: ring, zigzag, all-gather, Ulysses, USP) in its array form
-   (``Baseline.fixed``, ``assign``, ``draft``).
-5. Every candidate gets cheap bounds, each tighter and costlier than the one before: its busiest rank's work at
-   peak rate, its kernels' busiest compute stream (ours: before routing), its busiest stream (once routed). In
-   increasing bound order, candidates are priced in closed form (``price.replay_bound``: a lower bound
-   of the simulator's replay, from release times of every task on every stream), skipping those whose
-   bound exceeds the best price so far; a bound is made only when the candidate could still win with the one
-   before (best first: the same prices as making every bound first, and the 8-chunks-per-rank candidates of a
-   128K 8x8 document mask are never routed). Our structure must meet the balance tolerance when one of its
-   granularities does (the ILP planner's rule); a baseline is taken on its price alone.
-6. Kernel batches before the choice: a small plan (``REPLAY_TASKS``) is priced again with its cells in launches of
-   2, 4 or 8 chunks (``price.batches``, ``price.cheapest``) and takes that grouping and price when cheaper; its
-   pruning bound is then the compute bound alone (the busiest-stream bound is of its own launches). A baseline's own
-   launches can be short: Ulysses on one node launches each remote column alone, and batched it (or USP) replayed
-   4-10 % faster than the tiled plan chosen without this step on 32K 1x4 document masks. (On several nodes step 8
-   also tries the winner's own launches: ``Candidate.unbatched``; every step-8 grouping was priced here already:
-   ``Candidate.batch_tries``.)
-7. The robust choice: the candidates priced within ``ROBUST_WINDOW`` of the cheapest (at most ``FINALISTS``) are
-   priced again under the corners of the cost-model band (``planner.robust``; half of them on several nodes,
-   ``Band.corners``), and the one with the smallest worst-case regret is built (the cheapest of those within
-   ``REGRET_TIE``). The simulator replays two plans and the faster wins (a size bound, not a time limit: still
-   deterministic) when the runner-up of those is priced within ``NEAR_TIE`` and both are small (``REPLAY_TASKS``),
-   or when the choice is large and another finalist is priced within ``PRICE_TIE`` of it, whatever its regret.
-8. The kernel level, on small plans (``REPLAY_TASKS``): the chosen plan's remote cells regrouped in per-row launches
-   of 2, 4 or 8 chunks (``build.kernel_groups(batch=)``), the cheaper-priced (``price.cheapest``) kept when it also
-   replays faster (on one node, not again when step 6 batched it already); on several nodes each of the three, and
-   the plan's own launches when step 6 batched it, is replayed (``price.batches``) and the fastest replay kept.
+1. Chunk statistics at 1, 2, 4, 8 chunks per rank (4 and 8 only where a chunk holds ``FINE_CHUNK_BLOCKS`` blocks).
+2. Our structure per granularity: chunks to nodes, then to devices (longest processing time first), cells where
+   their query rows live, overloaded ranks handing cells on; on several nodes two placements (``place``,
+   ``place_flat``). A given token layout fixes ownership: only placement is chosen.
+3. The balanced fine-chunk candidate (``balanced``: MagiAttention's dispatch, routed hierarchically).
+4. Every registered baseline (``baselines.REGISTRY``) in its array form.
+5. Bounds, best first, then the closed-form price (``price.replay_bound``: a lower bound of the simulator's replay)
+   of every candidate that can still win.
+6. Small plans (``REPLAY_TASKS``) priced in kernel batches of 2, 4, 8 chunks too (``price.batches``).
+7. The robust choice: the finalists (``ROBUST_WINDOW``, ``FINALISTS``) priced under the band's corners
+   (``planner.robust``), the least worst-case regret wins; near-ties in price are replayed (``NEAR_TIE`` on small
+   plans, ``PRICE_TIE`` on large ones).
+8. The kernel level on small plans: the winner's cells regrouped in longer launches, kept when its replay is faster.
+   Where small plans replay within ``EXECUTED_TIE`` of each other (7 and 8), the replay as executed decides.
 
-Determinism: integer and float64 arithmetic in a fixed order (bincounts and sorts, no threaded BLAS in
-a decision), ties broken by index; pruning only skips candidates that cannot win.
+Determinism: integer and float64 arithmetic in a fixed order (no threaded BLAS in a decision), ties broken by index.
 
-Reused between masks (``FastPlanner``): unit bytes and message costs per granularity, the baselines'
-ownerships and their mask-independent messages (all-gather, the Ulysses all-to-all). The price is a lower bound
-of the simulator's replay (the yardstick: ``benchmarks/replan.py``), so near-ties can go either way.
+Reused between masks (``FastPlanner``): unit bytes and message costs per granularity, the baselines' ownerships
+and their mask-independent messages (all-gather, the Ulysses all-to-all).
 """
 
 from __future__ import annotations
