@@ -176,6 +176,44 @@ def test_executed_replay_runs_each_ranks_program(method, async_kernels):
         assert (early_relays > 0) == bool(async_kernels)
 
 
+@pytest.mark.parametrize("method", ["ultraattn", "ring", "usp"])
+def test_a_relay_never_shares_a_post_with_what_launches_make(method):
+    """A post whose sends only relay waits for no launch on a GPU (``runtime/streams.py``), so the program posts
+    relays apart from sends of units or partials its rank makes or holds: grouped, the relay would leave after the
+    launches before the post (on 128K 8x8 USP plans a K/V unit bound for the next node waited for a 0.2 ms launch
+    that way). Every message is still posted once, in the same order per pair of ranks."""
+    from ultraattn.planner.api import plan
+    from ultraattn.planner.cost import DEFAULT_COST
+    from ultraattn.planner.program import Post, rank_program, relays
+    from ultraattn.planner.tiling import PlannerOptions
+
+    s = 512
+    pat = pattern_from_mask_mod(generate_sliding_window(160, causal=True), s, block_size=32)
+    shape = AttnShape(seq_len=s, num_heads=4, head_dim=16, num_kv_heads=2, dtype="fp32")
+    mesh = Mesh(nodes=2, devices=2)
+    if method == "ultraattn":
+        tp = plan(pat, shape, mesh, options=PlannerOptions(ilp_time_limit=1.0, heuristic_seconds=0.05,
+                                                             time_budget=3.0, schedule_ilp=False)).plan
+    else:
+        tp = baseline_plan(method, pat, shape, mesh)
+    relay_posts = 0
+    for phase in ("fwd", "bwd"):
+        order = tp.order.get(phase) or _plain_order(tp, pat, phase, DEFAULT_COST)
+        for r in range(tp.world):
+            sends = []
+            for step in rank_program(tp, r, phase, order):
+                if isinstance(step, Post) and step.sends:
+                    kinds = {relays(tp, t) for _idx, t in step.sends}
+                    assert len(kinds) == 1, (method, phase, r, step.sends)
+                    relay_posts += kinds == {True}
+                    sends += [idx for idx, _t in step.sends]
+            # the sends in the run order's order (grouping changes, order does not)
+            local = {idx: n for n, idx in enumerate(i for i, t in enumerate(tp.transfers) if t.phase == phase)}
+            keys = order.leaves or order.transfers
+            assert sends == sorted(sends, key=lambda i: (order.transfers[local[i]], keys[local[i]], local[i]))
+    assert relay_posts > 0 or method == "ultraattn", method
+
+
 def _plain_order(tp, pat, phase, cost):
     from ultraattn.planner.api import evaluate
     from ultraattn.planner.program import run_order

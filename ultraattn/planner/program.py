@@ -5,7 +5,8 @@ payload-ready time) and walks it:
 
 * ``Post``: messages whose turn has come are posted (sends with their payload, receives into new buffers); nothing
   waits. The receives of one post are grouped by the step that first needs them, so a wait never holds up work for
-  a message that lands later;
+  a message that lands later. Relays (``relays``) are posted apart from other sends, so that on a GPU a relay
+  waits for no launch (below);
 * ``Wait``: right before the first step that needs a received message (a launch, a relay's send, a partial's
   onward send; the rest at the end of the phase);
 * ``Launch``: the plan's kernels whose turn has come, consecutive ones fused per (head group, row).
@@ -308,6 +309,8 @@ def rank_program(plan: TilePlan, rank: int, phase: str, order: RunOrder | None =
                                    f"leaves rank {t.src} before its launches there (the run order does not fit the "
                                    f"plan)")
         wait_for(needs[p])
+        if pending_sends and relays(plan, t) != relays(plan, pending_sends[-1][1]):
+            flush()   # relays and sends of what launches make go in separate posts: a relay's waits for no launch
         pending_sends.append((idx, t))
     flush()
     if not any(isinstance(s, Post) for s in steps):
