@@ -105,6 +105,22 @@ def test_ring_program_relays_on_arrival_and_waits_only_for_what_it_needs():
     assert send_at == wait_at + 1
 
 
+def _two_node_plan(method: str):
+    """(plan, pattern): a causal sliding window at 512 tokens on 2x2, planned by the ILP planner ("ultraattn") or a
+    baseline's builder: relays across the node link, and partials."""
+    from ultraattn.planner.api import plan
+    from ultraattn.planner.tiling import PlannerOptions
+
+    s = 512
+    pat = pattern_from_mask_mod(generate_sliding_window(160, causal=True), s, block_size=32)
+    shape = AttnShape(seq_len=s, num_heads=4, head_dim=16, num_kv_heads=2, dtype="fp32")
+    mesh = Mesh(nodes=2, devices=2)
+    if method == "ultraattn":
+        return plan(pat, shape, mesh, options=PlannerOptions(ilp_time_limit=1.0, heuristic_seconds=0.05,
+                                                               time_budget=3.0, schedule_ilp=False)).plan, pat
+    return baseline_plan(method, pat, shape, mesh), pat
+
+
 @pytest.mark.parametrize("async_kernels", [0.0, 1.0])
 @pytest.mark.parametrize("method", ["ultraattn", "ring", "usp"])
 def test_executed_replay_runs_each_ranks_program(method, async_kernels):
@@ -116,23 +132,13 @@ def test_executed_replay_runs_each_ranks_program(method, async_kernels):
     launches end (``runtime/streams.py``)."""
     import dataclasses
 
-    from ultraattn.planner.api import evaluate, plan
+    from ultraattn.planner.api import evaluate
     from ultraattn.planner.cost import DEFAULT_COST
     from ultraattn.planner.program import Launch, Post, Wait, rank_program, relays
-    from ultraattn.planner.tiling import PlannerOptions
 
     # slow kernels, so that a relayed unit lands while its rank still runs an earlier launch
     cost = dataclasses.replace(DEFAULT_COST, async_kernels=async_kernels, fwd_tflops=0.5, bwd_tflops=0.5)
-
-    s = 512
-    pat = pattern_from_mask_mod(generate_sliding_window(160, causal=True), s, block_size=32)
-    shape = AttnShape(seq_len=s, num_heads=4, head_dim=16, num_kv_heads=2, dtype="fp32")
-    mesh = Mesh(nodes=2, devices=2)
-    if method == "ultraattn":
-        tp = plan(pat, shape, mesh, options=PlannerOptions(ilp_time_limit=1.0, heuristic_seconds=0.05,
-                                                             time_budget=3.0, schedule_ilp=False)).plan
-    else:
-        tp = baseline_plan(method, pat, shape, mesh)
+    tp, pat = _two_node_plan(method)
     early_relays = 0
     for phase in ("fwd", "bwd"):
         ev = evaluate(tp, pat, cost=cost, backward=True, executed=True)
@@ -182,23 +188,15 @@ def test_a_relay_never_shares_a_post_with_what_launches_make(method):
     relays apart from sends of units or partials its rank makes or holds: grouped, the relay would leave after the
     launches before the post (on 128K 8x8 USP plans a K/V unit bound for the next node waited for a 0.2 ms launch
     that way). Every message is still posted once, in the same order per pair of ranks."""
-    from ultraattn.planner.api import plan
     from ultraattn.planner.cost import DEFAULT_COST
     from ultraattn.planner.program import Post, rank_program, relays
-    from ultraattn.planner.tiling import PlannerOptions
 
-    s = 512
-    pat = pattern_from_mask_mod(generate_sliding_window(160, causal=True), s, block_size=32)
-    shape = AttnShape(seq_len=s, num_heads=4, head_dim=16, num_kv_heads=2, dtype="fp32")
-    mesh = Mesh(nodes=2, devices=2)
-    if method == "ultraattn":
-        tp = plan(pat, shape, mesh, options=PlannerOptions(ilp_time_limit=1.0, heuristic_seconds=0.05,
-                                                             time_budget=3.0, schedule_ilp=False)).plan
-    else:
-        tp = baseline_plan(method, pat, shape, mesh)
+    tp, pat = _two_node_plan(method)
     relay_posts = 0
     for phase in ("fwd", "bwd"):
         order = tp.order.get(phase) or _plain_order(tp, pat, phase, DEFAULT_COST)
+        local = {idx: n for n, idx in enumerate(i for i, t in enumerate(tp.transfers) if t.phase == phase)}
+        keys = order.leaves or order.transfers
         for r in range(tp.world):
             sends = []
             for step in rank_program(tp, r, phase, order):
@@ -208,8 +206,6 @@ def test_a_relay_never_shares_a_post_with_what_launches_make(method):
                     relay_posts += kinds == {True}
                     sends += [idx for idx, _t in step.sends]
             # the sends in the run order's order (grouping changes, order does not)
-            local = {idx: n for n, idx in enumerate(i for i, t in enumerate(tp.transfers) if t.phase == phase)}
-            keys = order.leaves or order.transfers
             assert sends == sorted(sends, key=lambda i: (order.transfers[local[i]], keys[local[i]], local[i]))
     assert relay_posts > 0 or method == "ultraattn", method
 
