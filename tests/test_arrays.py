@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ultraattn.planner.arrays import run_ends, run_starts
+from ultraattn.planner.arrays import renumber, run_ends, run_starts
 
 keys = st.lists(st.integers(0, 3), max_size=40).map(lambda v: np.sort(np.asarray(v, dtype=np.int64)))
 
@@ -30,3 +30,17 @@ def test_runs_over_fields(items):
     n = key.shape[1]
     want = np.flatnonzero(np.r_[True, (key[:, 1:] != key[:, :-1]).any(0)]) if n else np.zeros(0, dtype=np.int64)
     assert np.array_equal(run_starts(key), want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 10**6), max_size=12), min_size=1, max_size=4))
+def test_renumber_keeps_order_and_identity(parts):
+    """``renumber``: every array maps back to its values through the distinct values, and the numbering keeps their
+    order (a replay's segmented maxima and sums then see the units in the same order as the flat indices)."""
+    flat = [np.asarray(p, dtype=np.int64) for p in parts]
+    u, idx = renumber(*flat)
+    assert np.array_equal(u, np.unique(np.concatenate(flat)))
+    assert len(idx) == len(flat)
+    for f, i in zip(flat, idx):
+        assert np.array_equal(u[i], f)
+    assert (np.diff(u) > 0).all()

@@ -25,3 +25,10 @@ def run_starts(key: np.ndarray) -> np.ndarray:
 def run_ends(starts: np.ndarray, n: int) -> np.ndarray:
     """int64: where each run that begins at ``starts`` (``run_starts`` of ``n`` items) ends (exclusive)."""
     return np.concatenate((starts[1:], np.array([n], dtype=np.int64))) if starts.size else starts.astype(np.int64)
+
+
+def renumber(*flat: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The distinct values of ``flat`` (sorted) and each array as indices into them: a replay's arrays then span the
+    units a plan names, not the whole (group, chunk, rank) grid (262144 entries at 128K on 8x8, most never used)."""
+    u, inv = np.unique(np.concatenate(flat), return_inverse=True)
+    return u, np.split(inv, np.cumsum([f.size for f in flat])[:-1])

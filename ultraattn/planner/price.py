@@ -18,7 +18,7 @@ import torch
 
 from ..masks.cells import BlockCells
 from ..masks.pattern import BlockPattern
-from .arrays import run_ends, run_starts
+from .arrays import renumber, run_ends, run_starts
 from .build import BATCHES, NodeLinks, kernel_groups
 from .cost import CostModel, block_flops
 from .plan import AttnShape, Kernel, Mesh, TilePlan, Transfer
@@ -327,19 +327,22 @@ def _hops(h: _Hops, dur: np.ndarray, base: np.ndarray, ranks: int) -> np.ndarray
 
 @dataclass(frozen=True, slots=True)
 class _Input:
-    """One input axis of a phase, flat (group, chunk, rank) indices: its messages' hops and sources (a message leaves
-    when its unit is there), and every cell's (group, unit, computing rank) (its kernel waits for the unit)."""
+    """One input axis of a phase, in unit indices (``arrays.renumber``): its messages' hops and sources (a message
+    leaves when its unit is there), and every cell's (group, unit, computing rank) (its kernel waits for the unit)."""
 
     hops: _Hops
     src: np.ndarray
     cell: np.ndarray
+    size: int
+    """How many units."""
 
 
 @dataclass(frozen=True, slots=True)
 class _Result:
-    """One result axis of a phase (o, dq or dkv), flat indices: every cell's unit on its rank, each (unit, kernel)
-    pair once, the partials' hops and sources, the final messages and their sources, where merges happen (a
-    partial's reduction ends) and their bytes, and whether it is the output (merged with its LSE)."""
+    """One result axis of a phase (o, dq or dkv), in unit indices (``arrays.renumber``): every cell's unit on its
+    rank, each (unit, kernel) pair once, the partials' hops and sources, the final messages and their sources, where
+    merges happen (a partial's reduction ends: unit and rank) and their bytes, and whether it is the output (merged
+    with its LSE)."""
 
     cell: np.ndarray
     own: tuple[np.ndarray, np.ndarray]
@@ -348,8 +351,10 @@ class _Result:
     fin: np.ndarray
     fin_src: np.ndarray
     merge_at: np.ndarray
+    merge_rank: np.ndarray
     merge_bytes: np.ndarray
     lse: bool
+    size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,8 +390,8 @@ class Replay:
             idx = np.flatnonzero(np.isin(m.tensor, _codes(names)))
             d = np.full(g_count * p * w, -1, dtype=np.int64)
             d[flat(idx, m.dst)] = idx
-            src = flat(idx, m.src)
-            inputs.append(_Input(hops=_Hops.of(idx, src, flat(idx, m.dst)), src=src, cell=cell_N[axis]))
+            u, (src, dst, cell) = renumber(flat(idx, m.src), flat(idx, m.dst), cell_N[axis])
+            inputs.append(_Input(hops=_Hops.of(idx, src, dst), src=src, cell=cell, size=u.size))
             deliver[axis] = d
         msg_N = np.concatenate([deliver[a][cell_N[a]] for a in ("row", "col")])
         k2 = np.concatenate([kern.k_N, kern.k_N])
@@ -397,23 +402,22 @@ class Replay:
             pairs = (u // m.tensor.size, u % m.tensor.size)
         results = []
         for axis, part, final in _RESULTS[phase]:
-            key = cell_N[axis]
-            uk = np.unique(key * n_k + kern.k_N)
             idx = np.flatnonzero(m.tensor == _CODE[part])
             fin = np.flatnonzero(m.tensor == _CODE[final])
-            src = flat(idx, m.src)
+            u, (key, src, dst, fin_src) = renumber(cell_N[axis], flat(idx, m.src), flat(idx, m.dst), flat(fin, m.src))
+            uk = np.unique(key * n_k + kern.k_N)
             # merges where a partial's reduction ends (it receives partials and sends none on)
-            inbytes = np.zeros(g_count * p * w)
-            np.add.at(inbytes, flat(idx, m.dst), m.nbytes[idx])
+            inbytes = np.zeros(u.size)
+            np.add.at(inbytes, dst, m.nbytes[idx])
             inbytes[src] = 0.0
             # (a rank that sends the final result on folds its add into that message too, as the simulator does)
-            inbytes[flat(fin, m.src)] = 0.0
+            inbytes[fin_src] = 0.0
             at = np.flatnonzero(inbytes)
-            results.append(_Result(cell=key, own=(uk // n_k, uk % n_k), hops=_Hops.of(idx, src, flat(idx, m.dst)),
-                                   part_src=src, fin=fin, fin_src=flat(fin, m.src), merge_at=at,
-                                   merge_bytes=inbytes[at], lse=part == "o"))
+            results.append(_Result(cell=key, own=(uk // n_k, uk % n_k), hops=_Hops.of(idx, src, dst), part_src=src,
+                                   fin=fin, fin_src=fin_src, merge_at=at, merge_rank=u[at] % w,
+                                   merge_bytes=inbytes[at], lse=part == "o", size=u.size))
         # streams: 5 per rank (compute, send intra/inter, recv intra/inter)
-        stream = np.concatenate([kern.rank_K * 5, *[r.merge_at % w * 5 for r in results], m.src * 5 + 1 + link,
+        stream = np.concatenate([kern.rank_K * 5, *[r.merge_rank * 5 for r in results], m.src * 5 + 1 + link,
                                  m.dst * 5 + 3 + link])
         if 5 * w <= np.iinfo(np.int16).max:   # (``_stream_bound`` sorts 16-bit integers by radix)
             stream = stream.astype(np.int16)
@@ -444,12 +448,11 @@ def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: i
         sec_K = sec_K / share
         dur = np.where(link == 0, dur / share, dur)
     release = np.zeros(m.tensor.size)
-    size = shape[0] * shape[1] * shape[2]
 
     # inputs: arrival of each (group, chunk, rank), hop by hop; a kernel after each input's path
     start = np.zeros(rp.n_k)
     for inp in rp.inputs:
-        arr = _hops(inp.hops, dur, np.zeros(size), shape[2])
+        arr = _hops(inp.hops, dur, np.zeros(inp.size), shape[2])
         release[inp.hops.idx] = arr[inp.src]
         np.maximum.at(start, kern.k_N, arr[inp.cell])
     if rp.pairs is not None:   # and the inputs through one receive engine in a row
@@ -460,9 +463,9 @@ def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: i
     # results: ready on a rank when its kernels for the unit ran and the partials it reduces arrived
     merge_rel, merge_dur = [], []
     for res in rp.results:
-        own_end = np.zeros(size)
+        own_end = np.zeros(res.size)
         np.maximum.at(own_end, res.cell, end[kern.k_N])
-        own_sum = np.bincount(res.own[0], sec_K[res.own[1]], minlength=size)
+        own_sum = np.bincount(res.own[0], sec_K[res.own[1]], minlength=res.size)
         ready = _hops(res.hops, dur, np.maximum(own_end, own_sum), shape[2])
         release[res.hops.idx] = ready[res.part_src]
         release[res.fin] = ready[res.fin_src]
@@ -474,7 +477,7 @@ def replay_bound(kern: Kernels, msgs: Messages, owner: np.ndarray, num_groups: i
     bound = max(_stream_bound(rp.stream, rel, du), float(end.max(initial=0.0)))
     if share > 1:   # the node's kernels, merges and inner messages at their all-busy durations
         secs = np.concatenate([node_work[0], *(d * share for d in merge_dur)])
-        ranks = np.concatenate([kern.rank_K, *(r.merge_at % shape[2] for r in rp.results)])
+        ranks = np.concatenate([kern.rank_K, *(r.merge_rank for r in rp.results)])
         bound = max(bound, _node_bound(mesh, ranks, secs, m, node_work[1]))
     return bound
 
@@ -580,7 +583,6 @@ def cheapest(tries: list[tuple[int, Kernels, float]]) -> tuple[int, Kernels, flo
         if best is None or sec < best[2] * (1 - 1e-9):
             best = (b, kern, sec)
     return best
-
 
 
 def price_plan(plan: TilePlan, grid: Grid, cost: CostModel, *, backward: bool = True) -> float:

@@ -240,35 +240,40 @@ _SEND = ("send_intra", "send_inter")
 _RECV = ("recv_intra", "recv_inter")
 
 
+def _kernel_index(kernels) -> tuple[list, dict, dict]:
+    """Each kernel's (rows, columns), and the kernels (task ids: kernels come first) by (rank, head group, row) and by
+    (rank, head group, column): the same in every phase of a plan (``replay_phases`` makes them once)."""
+    axes, by_row, by_col = [], defaultdict(list), defaultdict(list)
+    for n, k in enumerate(kernels):
+        rows, cols = {c[0] for c in k.cells}, {c[1] for c in k.cells}
+        axes.append((rows, cols))
+        for i in rows:
+            by_row[(k.rank, k.head_group, i)].append(n)
+        for j in cols:
+            by_col[(k.rank, k.head_group, j)].append(n)
+    return axes, by_row, by_col
+
+
 def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, phase: str, *,
-                kernel_seconds=None) -> Graph:
+                kernel_seconds=None, index: tuple | None = None) -> Graph:
     """Kernel graph of one phase of a plan (module docstring): the plan's kernels first (in plan order), then one task
     per message of ``plan.transfers_for(phase)``, then the merges. ``kernel_seconds``: each kernel's duration, where
-    the caller has them (the fast planner's arrays), instead of ``work``'s. Without ``work`` and ``cost``, unit
+    the caller has them (the fast planner's arrays), instead of ``work``'s; ``index``: ``_kernel_index`` of the plan's
+    kernels, where the caller made it. Without ``work`` and ``cost``, unit
     durations (a kernel: its cells; a message: 1; a merge: 1/2), for an order without a cost model
     (``program.unit_order``)."""
-    tasks: list[Task] = []
-    kern_by_row: dict[tuple[int, int, int], list[int]] = defaultdict(list)  # (rank, g, row) -> task ids
-    kern_by_col: dict[tuple[int, int, int], list[int]] = defaultdict(list)
     kernels = plan.kernels
+    axes, kern_by_row, kern_by_col = _kernel_index(kernels) if index is None else index
     if kernel_seconds is not None:
         durations = [float(x) for x in kernel_seconds]
     elif work is None:
         durations = [float(len(k.cells)) for k in kernels]
     else:
         durations = work.kernels_seconds([(k.head_group, k.cells) for k in kernels], cost, phase).tolist()
-    axes = []   # each kernel's (rows, columns)
-    for k, dur in zip(kernels, durations):
-        t = Task(id=len(tasks), kind="attn", rank=k.rank, streams=((k.rank, "compute"),), duration=dur,
-                 where=(k.head_group, k.stage, len(k.cells)))
-        tasks.append(t)
-        rows, cols = {c[0] for c in k.cells}, {c[1] for c in k.cells}
-        axes.append((rows, cols))
-        for i in rows:
-            kern_by_row[(k.rank, k.head_group, i)].append(t.id)
-        for j in cols:
-            kern_by_col[(k.rank, k.head_group, j)].append(t.id)
-    kernel_ids = list(range(len(tasks)))
+    # (Tasks made positionally: keywords and the deps default cost a replay a tenth of its time)
+    tasks = [Task(n, "attn", k.rank, ((k.rank, "compute"),), dur, [], -1, 0, (k.head_group, k.stage, len(k.cells)))
+             for n, (k, dur) in enumerate(zip(kernels, durations))]
+    kernel_ids = range(len(tasks))
 
     msgs = plan.transfers_for(phase)
     arrive: dict[tuple[str, int, int, int], int] = {}  # (tensor, chunk, g, dst) -> task id
@@ -282,8 +287,8 @@ def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, p
         if dur is None:
             dur = seconds[(m.nbytes, inter)] = 1.0 if cost is None else cost.message_seconds(m.nbytes,
                                                                                               inter_node=inter)
-        t = Task(id=len(tasks), kind=m.tensor, rank=m.src, dst=m.dst, nbytes=m.nbytes,
-                 streams=((m.src, _SEND[inter]), (m.dst, _RECV[inter])), duration=dur, where=(m.chunk, m.head_group))
+        t = Task(len(tasks), m.tensor, m.src, ((m.src, _SEND[inter]), (m.dst, _RECV[inter])), dur, [], m.dst,
+                 m.nbytes, (m.chunk, m.head_group))
         tasks.append(t)
         msg_ids.append(t.id)
         key = (m.tensor, m.chunk, m.head_group, m.dst)
@@ -344,11 +349,13 @@ def replay_phases(plan: TilePlan, cells: BlockPattern | BlockCells | None, cost:
     durations from the mask's workload (``cells``), or ``kernel_seconds`` (phase -> each kernel's seconds, as the fast
     planner's price has them: the same replay, without the workload)."""
     phases = ("fwd", "bwd") if backward else ("fwd",)
+    index = _kernel_index(plan.kernels)
     if kernel_seconds is not None:
-        return {ph: simulate(build_graph(plan, None, cost, ph, kernel_seconds=kernel_seconds[ph])) for ph in phases}
+        return {ph: simulate(build_graph(plan, None, cost, ph, kernel_seconds=kernel_seconds[ph], index=index))
+                for ph in phases}
     work = workload(cells, plan.shape, num_chunks=plan.num_chunks, head_groups=plan.num_head_groups,
                     chunk=plan.chunk_size)
-    return {ph: simulate(build_graph(plan, work, cost, ph)) for ph in phases}
+    return {ph: simulate(build_graph(plan, work, cost, ph, index=index)) for ph in phases}
 
 
 def evaluate_plan(plan: TilePlan, cells: BlockPattern | BlockCells, cost: CostModel, *, backward: bool) -> float:
