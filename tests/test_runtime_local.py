@@ -47,6 +47,36 @@ def test_merge_of_empty_rows_stays_finite():
     assert torch.isinf(ml[1]).all() and (mo[1] == 0).all()
 
 
+def test_full_columns_of_a_masked_tile_run_unmasked():
+    """``TileGeometry.pieces``: a tile that needs the mask for some of its columns runs its all-FULL columns (inside
+    the sequence) as their own unmasked piece; every column of the tile is in exactly one piece of the same rows, and
+    a column past the sequence's end or with a PARTIAL block stays masked."""
+    from ultraattn.masks.pattern import EMPTY, FULL, PARTIAL
+    from ultraattn.runtime.tiles import TileGeometry
+
+    b, nb = 32, 8   # one row chunk of 4 blocks; KV chunks 1 (blocks 4-7)
+    kinds = torch.full((nb, nb), EMPTY, dtype=torch.int8)
+    kinds[:4, 4:7] = FULL
+    kinds[:4, 7] = PARTIAL
+    kinds[2, 5] = PARTIAL   # column 5 is not FULL in every row of the tile
+
+    def pieces(seq_len):
+        geo = TileGeometry(seq_len=seq_len, chunk=4 * b, q_block=b, kv_block=b, batch=1, num_heads=1,
+                           num_kv_heads=1, head_groups=1, head_dim=8, kind_gQK=[kinds], element=None)
+        kv_ids = torch.arange(4, 8)
+        return [(a, z, kv_ids[sel].tolist(), need) for a, z, sel, need in geo.pieces(0, 0, kv_ids)]
+
+    got = pieces(nb * b)
+    assert sorted(c for *_, cols, _ in got for c in cols) == [4, 5, 6, 7]
+    assert {(a, z) for a, z, *_ in got} == {(0, 4)}
+    assert sorted((cols, need) for *_, cols, need in got) == [([4, 6], False), ([5, 7], True)]
+    # the last KV block runs past a sequence that ends inside it: masked even where its blocks are FULL
+    kinds[:4, 7] = FULL
+    assert sorted((cols, need) for *_, cols, need in pieces(nb * b - 5)) == [([4, 6], False), ([5, 7], True)]
+    kinds[:4, 5] = FULL   # nothing needs the mask: one unmasked piece
+    assert pieces(nb * b) == [(0, 4, [4, 5, 6, 7], False)]
+
+
 def test_pack_roundtrip_and_sizes():
     a = torch.randn(2, 3, 4).to(torch.bfloat16)
     b = torch.randn(2, 3)
