@@ -372,10 +372,11 @@ def bottom_levels(graph: Graph) -> list[float]:
     pred = [t.deps for t in graph.tasks]
     succ = graph.succ
     dur = [t.duration for t in graph.tasks]
+    at = bl.__getitem__
     while stack:
         v = stack.pop()
         after = succ[v]
-        bl[v] = dur[v] + (max([bl[s] for s in after]) if after else 0.0)
+        bl[v] = dur[v] + max(map(at, after)) if after else dur[v] + 0.0
         for p in pred[v]:
             indeg[p] -= 1
             if indeg[p] == 0:
@@ -449,7 +450,7 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
     n = len(tasks)
     if priority is None:
         priority = [-b for b in bottom_levels(graph)]
-    # streams as integers in the order of their (rank, name) tuples: sets, heaps and the sort below hash and
+    # streams as integers in the order of their (rank, name) tuples: lists, heaps and the sort below index and
     # compare ints, not tuples; the second stream of a one-stream task is -1
     names = sorted({x for t in tasks for x in t.streams})
     sid = {x: k for k, x in enumerate(names)}
@@ -462,15 +463,16 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
     ready_time = [0.0] * n
     start = [0.0] * n
     end = [0.0] * n
-    busy: set = set()
+    busy = [False] * len(names)
     heaps: dict[int, list] = {}  # first stream * stride + second stream + 1 -> heap of (priority, id)
-    pending: dict = defaultdict(set)  # first stream -> second streams with a non-empty heap
-    waiting_on: dict = defaultdict(set)  # second stream -> first streams with tasks for it
+    pending = [set() for _ in names]  # first stream -> second streams with a non-empty heap
+    waiting_on = [set() for _ in names]  # second stream -> first streams with tasks for it
     events: list = []
     done = 0
     now = 0.0
     dirty: set = set()
     pool = _Pool(graph, end, events) if graph.shared is not None else None
+    push, pop = heapq.heappush, heapq.heappop
 
     def make_ready(i: int) -> None:
         s0, s1 = first[i], second[i]
@@ -478,7 +480,7 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
         h = heaps.get(key)
         if h is None:
             h = heaps[key] = []
-        heapq.heappush(h, (priority[i], i))
+        push(h, (priority[i], i))
         pending[s0].add(s1)
         if s1 >= 0:
             waiting_on[s1].add(s0)
@@ -491,11 +493,12 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
         # [Note] freed streams are served in a fixed order (the streams' order, not a set's, which follows string
         # hashes and so changes between processes): the same plan replays to the same makespan in every process
         for s0 in sorted(dirty):
-            if s0 in busy or not pending[s0]:
+            todo = pending[s0]
+            if busy[s0] or not todo:
                 continue
             best = None
-            for s1 in pending[s0]:
-                if s1 >= 0 and s1 in busy:
+            for s1 in todo:
+                if s1 >= 0 and busy[s1]:
                     continue
                 head = heaps[s0 * stride + s1 + 1][0]
                 if best is None or head < best[0]:
@@ -504,28 +507,30 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
                 continue
             (_, i), s1 = best
             h = heaps[s0 * stride + s1 + 1]
-            heapq.heappop(h)
+            pop(h)
             if not h:
-                pending[s0].discard(s1)
+                todo.discard(s1)
                 if s1 >= 0:
                     waiting_on[s1].discard(s0)
-            st = max(now, ready_time[i])
+            st = ready_time[i]
+            if st < now:
+                st = now
             start[i] = st
             end[i] = st + dur[i]
-            busy.add(s0)
+            busy[s0] = True
             if s1 >= 0:
-                busy.add(s1)
+                busy[s1] = True
             if pool is not None and pool[i] >= 0:
                 pool.start(i, st)
             else:
-                heapq.heappush(events, (end[i], 0, i))
+                push(events, (end[i], 0, i))
         dirty.clear()
         if not events:
             raise RuntimeError("schedule simulation stalled: the task graph has a cycle")
-        now, ver, i = heapq.heappop(events)
+        now, ver, i = pop(events)
         batch = [i] if pool is None or pool.current(i, ver) else []
         while events and events[0][0] <= now:
-            _, ver, j = heapq.heappop(events)
+            _, ver, j = pop(events)
             if pool is None or pool.current(j, ver):
                 batch.append(j)
         if pool is not None:
@@ -534,12 +539,17 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
                     pool.finish(i, now)
         for i in batch:
             done += 1
-            for x in (first[i], second[i]):
-                if x >= 0:
-                    busy.discard(x)
-                    dirty.add(x)
-                    if x in waiting_on:
-                        dirty.update(waiting_on[x])
+            x = first[i]
+            busy[x] = False
+            dirty.add(x)
+            if waiting_on[x]:
+                dirty.update(waiting_on[x])
+            x = second[i]
+            if x >= 0:
+                busy[x] = False
+                dirty.add(x)
+                if waiting_on[x]:
+                    dirty.update(waiting_on[x])
             for j in succ[i]:
                 missing[j] -= 1
                 if ready_time[j] < now:
