@@ -1,7 +1,7 @@
 """Planning time alone: the fast planner on new document masks, one core, nothing else timed.
 
     python benchmarks/plan_time.py [--configs 128k:8x8,512k:8x8,128k:1x8,128k:2x8] [--masks 20] [--repeat 3]
-                                   [--name plan_time] [--out benchmarks/results]
+                                   [--name plan_time] [--out benchmarks/results] [--breakdown]
 
 ``benchmarks/replan.py`` times planning among its quality measurements; this times only planning, from the
 ``BlockMask`` as ``replan.py`` does (its cells read, ``cells_from_block_mask``, then ``FastPlanner.plan``), on the
@@ -12,7 +12,9 @@ configuration: the median and p95 over masks of those minima, the median of the 
 ``replan.py``'s single pass measures), and how many masks had a near-tie decided by replays (one more replay each).
 Issue 53's target: a 128K mask on 8x8 in <= 150 ms median.
 
-Writes ``<name>.json`` with every time.
+Writes ``<name>.json`` with every time. ``--breakdown``: also where the time goes, per plan, in the planner's main
+steps (each timed around its calls; nested steps are inside their callers' figures: ``simulate`` holds
+``bottom_levels``), from one extra round that is not in the times above.
 """
 
 from __future__ import annotations
@@ -37,8 +39,42 @@ from ultraattn.masks.cells import cells_from_block_mask  # noqa: E402
 from ultraattn.planner.fast import FastPlanner  # noqa: E402
 from ultraattn.planner.plan import AttnShape, Mesh  # noqa: E402
 
+#: the planner's steps ``--breakdown`` times: (module, function), each looked up where its callers find it
+STEPS = (("fast", "place"), ("fast", "place_flat"), ("fast", "route"), ("fast", "price"), ("fast", "band_prices"),
+         ("fast", "with_order"), ("schedule", "build_graph"), ("schedule", "simulate"), ("schedule", "bottom_levels"))
 
-def run_config(seq_name: str, mesh_name: str, masks: int, repeat: int) -> dict:
+
+def breakdown(planner: FastPlanner, blocks: list) -> dict[str, float]:
+    """Milliseconds per plan in each of ``STEPS`` over one round of ``blocks``."""
+    import ultraattn.planner.fast as fast_mod
+    import ultraattn.planner.schedule as schedule_mod
+
+    mods = {"fast": fast_mod, "schedule": schedule_mod}
+    spent = {name: 0.0 for _, name in STEPS}
+    saved = []
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return call
+
+    for mod, name in STEPS:
+        saved.append((mods[mod], name, getattr(mods[mod], name)))
+        setattr(mods[mod], name, timed(name, getattr(mods[mod], name)))
+    try:
+        for bm in blocks:
+            planner.plan(cells_from_block_mask(bm))
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+    return {name: sec * 1e3 / len(blocks) for name, sec in spent.items()}
+
+
+def run_config(seq_name: str, mesh_name: str, masks: int, repeat: int, split: bool = False) -> dict:
     seq = SEQS[seq_name]
     nodes, devices = (int(x) for x in mesh_name.split("x"))
     rng = np.random.default_rng(7)
@@ -62,6 +98,9 @@ def run_config(seq_name: str, mesh_name: str, masks: int, repeat: int) -> dict:
     print(f"{seq_name} {mesh_name}: median {out['median_ms']:.1f} ms, p95 {out['p95_ms']:.1f} ms "
           f"(first round alone: median {out['first_round_median_ms']:.1f} ms; {out['replayed_ties']} of {masks} masks "
           f"a near-tie replayed)", flush=True)
+    if split:
+        out["breakdown_ms"] = breakdown(planner, blocks[1:])
+        print("  per plan: " + ", ".join(f"{k} {v:.1f} ms" for k, v in out["breakdown_ms"].items()), flush=True)
     return out
 
 
@@ -73,6 +112,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="plan each mask this many times, keep the least")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default="plan_time", help="output file stem")
+    ap.add_argument("--breakdown", action="store_true", help="also time the planner's main steps (one more round)")
     args = ap.parse_args()
     if args.masks < 1 or args.repeat < 1:
         ap.error(f"--masks and --repeat must be >= 1, got {args.masks} and {args.repeat}")
@@ -82,7 +122,7 @@ def main() -> int:
             ap.error(f"--configs entries must be SEQ:MESH with SEQ in {list(SEQS)} and MESH in {list(MESHES)}, "
                      f"got {':'.join(c)}")
     torch.set_num_threads(1)
-    results = [run_config(s, m, args.masks, args.repeat) for s, m in configs]
+    results = [run_config(s, m, args.masks, args.repeat, args.breakdown) for s, m in configs]
     path = os.path.join(args.out, f"{args.name}.json")
     write_json(path, {"meta": {"machine": platform.machine(),
                                "cpu_count": os.cpu_count(), "torch": torch.__version__}, "configs": results})
