@@ -27,6 +27,10 @@ steps, how noisy the run was). Ratios are against the fastest other method measu
 this runtime and machine beats it, so ``best_other_over_bound`` is the most any plan could gain over
 the best baseline.
 
+``drift``: the calibration's two reference steps timed again at the end of the run. A shared machine's speed moves
+by several per cent within minutes, and every prediction scales with the rates calibrated at the start: a mask
+measured while the machine runs x % slower than at calibration looks x % mispredicted for every method alike.
+
     python benchmarks/runtime_cpu.py --seqlens 8192                   # all methods (~20 min on 2 cores)
     python benchmarks/runtime_cpu.py --seqlens 16384 --reps 3 --methods ultraattn ring zigzag allgather \
         --no-overhead --out benchmarks/results/runtime_cpu_16k.json
@@ -79,7 +83,7 @@ def _step(fn, reps: int, barrier) -> list[float]:
     return times
 
 
-def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
+def rank_worker(rank: int, world: int, cfg: dict) -> dict:
     """Per mask: plan every runtime method, warm each up once, then time them ROUND-ROBIN (the
     order rotates every repetition) so that drifts of a shared 2-core machine hit all methods alike;
     the FlexAttention CP peer runs after them (its own timing, see _flex_cp_peer.py)."""
@@ -181,7 +185,44 @@ def rank_worker(rank: int, world: int, cfg: dict) -> list[dict]:
                     print(f"  S={s} {mask:15s} {method:10s} "
                           + (f"{merged['seconds']:.3f} s" if "seconds" in merged else merged.get("error", "")),
                           flush=True)
-    return rows
+    return {"rows": rows, "drift": drift(profile, cost, rank)}
+
+
+def drift(profile, cost, rank: int) -> list[dict]:
+    """The calibration's reference steps (``calibrate.measure_steps``: the ring and all-gather plans of a causal mask)
+    timed again after the run, the same way: how much faster or slower the machine ran at the end than when the
+    profile was made. Every prediction scales with the kernel rates those steps fixed, so a drift of x % shifts
+    every mask measured late by about x % against the model (nothing is corrected: this is read, not used)."""
+    import torch.distributed as dist
+
+    import ultraattn
+    from ultraattn.runtime.calibrate import grid_for
+
+    grid = grid_for(torch.device("cpu"))
+    out = []
+    for probe in profile.samples.get("step", []):
+        s, h, d = probe["seqlen"], probe["heads"], probe["head_dim"]
+        plan = ultraattn.plan_attention("causal", seqlen=s, num_heads=h, head_dim=d, dtype=torch.float32,
+                                        block_size=grid.block, method=probe["method"], cost=cost)
+        g = torch.Generator().manual_seed(1)
+        q, k, v, go = (torch.randn(1, h, s, d, generator=g) for _ in range(4))
+        ql, kl, vl = (ultraattn.dispatch(x, plan).requires_grad_() for x in (q, k, v))
+        gl = ultraattn.dispatch(go, plan)
+
+        def step(plan=plan, ql=ql, kl=kl, vl=vl, gl=gl):
+            out_, _ = ultraattn.dist_attention(ql, kl, vl, plan)
+            out_.backward(gl)
+
+        mine = statistics.median(_step(step, grid.reps, dist.barrier))
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        now = max(every)
+        out.append({"method": probe["method"], "seqlen": s, "calibration_seconds": probe["seconds"],
+                    "end_seconds": now, "end_over_calibration": now / probe["seconds"]})
+        if rank == 0:
+            print(f"  drift: the {probe['method']} reference step took {now:.3f} s at the end, "
+                  f"{now / probe['seconds']:.2f}x its {probe['seconds']:.3f} s at calibration", flush=True)
+    return out
 
 
 def overhead(cfg: dict) -> list[dict]:
@@ -354,14 +395,16 @@ def main(argv: list[str] | None = None) -> int:
            "profile_out": None if args.cost_profile else str(args.out.with_name(args.out.stem + "_profile.json"))}
     print(f"runtime_cpu: {args.world} ranks, {cfg}", flush=True)
     t0 = time.time()
-    rows = run_ranks(rank_worker, args.world, args=(cfg,), timeout=6 * 3600, pg_timeout=3600,
-                     threads=args.threads)[0]
+    got = run_ranks(rank_worker, args.world, args=(cfg,), timeout=6 * 3600, pg_timeout=3600,
+                    threads=args.threads)[0]
+    rows = got["rows"]
     over = [] if args.no_overhead else overhead(cfg)
     result = {
         "command": "python benchmarks/runtime_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "config": cfg, "rows": rows, "summary": summarize(rows), "fidelity": fidelity(rows),
         "fidelity_executed": fidelity(rows, "executed_predicted_seconds"), "overhead_1rank": over,
+        "drift": got["drift"],
         "notes": ["flex_cp is PyTorch's FlexAttention context parallel run with EAGER (unfused) flex_attention: "
                   "torch.compile on CPU refuses flex_attention's backward, so this is an end-to-end peer figure on "
                   "CPU, not a kernel comparison"],
@@ -380,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"S={s} {what}: {f['within_20pct']:.0%} of {f['pairs']} within +-20%, median |error| "
                   f"{f['median_abs_err']:.1%}, worst {f['worst_abs_err']:.1%}, median error {f['median_err']:+.1%}, "
                   f"rank correlation {f['rank_correlation']:.2f}")
+    for d in result["drift"]:
+        print(f"drift: the calibration's {d['method']} reference step ran {d['end_over_calibration']:.2f}x its "
+              f"calibration time at the end (every prediction scales with it)")
     print("note: " + result["notes"][0])
     print(f"wrote {args.out}" + (f" and {args.out.with_suffix('.png')}" if png else ""))
     return 0
