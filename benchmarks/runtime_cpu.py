@@ -189,39 +189,27 @@ def rank_worker(rank: int, world: int, cfg: dict) -> dict:
 
 
 def drift(profile, cost, rank: int) -> list[dict]:
-    """The calibration's reference steps (``calibrate.measure_steps``: the ring and all-gather plans of a causal mask)
-    timed again after the run, the same way: how much faster or slower the machine ran at the end than when the
-    profile was made. Every prediction scales with the kernel rates those steps fixed, so a drift of x % shifts
-    every mask measured late by about x % against the model (nothing is corrected: this is read, not used)."""
+    """The calibration's reference steps (``calibrate.reference_steps``: the ring and all-gather plans of a causal
+    mask, timed as the calibration times them) again after the run: how much faster or slower the machine ran at the
+    end than when the profile was made. Every prediction scales with the kernel rates those steps fixed, so a drift of
+    x % shifts every mask measured late by about x % against the model (nothing is corrected: this is read, not
+    used)."""
     import torch.distributed as dist
 
-    import ultraattn
-    from ultraattn.runtime.calibrate import grid_for
+    from ultraattn.runtime.calibrate import reference_steps
 
-    grid = grid_for(torch.device("cpu"))
+    then = {p["method"]: p for p in profile.samples.get("step", [])}
     out = []
-    for probe in profile.samples.get("step", []):
-        s, h, d = probe["seqlen"], probe["heads"], probe["head_dim"]
-        plan = ultraattn.plan_attention("causal", seqlen=s, num_heads=h, head_dim=d, dtype=torch.float32,
-                                        block_size=grid.block, method=probe["method"], cost=cost)
-        g = torch.Generator().manual_seed(1)
-        q, k, v, go = (torch.randn(1, h, s, d, generator=g) for _ in range(4))
-        ql, kl, vl = (ultraattn.dispatch(x, plan).requires_grad_() for x in (q, k, v))
-        gl = ultraattn.dispatch(go, plan)
-
-        def step(plan=plan, ql=ql, kl=kl, vl=vl, gl=gl):
-            out_, _ = ultraattn.dist_attention(ql, kl, vl, plan)
-            out_.backward(gl)
-
-        mine = statistics.median(_step(step, grid.reps, dist.barrier))
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        now = max(every)
-        out.append({"method": probe["method"], "seqlen": s, "calibration_seconds": probe["seconds"],
-                    "end_seconds": now, "end_over_calibration": now / probe["seconds"]})
+    for now in reference_steps(dist.group.WORLD, cost=cost) if then else []:
+        probe = then[now["method"]]
+        if (probe["seqlen"], probe["heads"]) != (now["seqlen"], now["heads"]):   # a profile made on another grid
+            continue
+        ratio = now["seconds"] / probe["seconds"]
+        out.append({"method": now["method"], "seqlen": now["seqlen"], "calibration_seconds": probe["seconds"],
+                    "end_seconds": now["seconds"], "end_over_calibration": ratio})
         if rank == 0:
-            print(f"  drift: the {probe['method']} reference step took {now:.3f} s at the end, "
-                  f"{now / probe['seconds']:.2f}x its {probe['seconds']:.3f} s at calibration", flush=True)
+            print(f"  drift: the {now['method']} reference step took {now['seconds']:.3f} s at the end, "
+                  f"{ratio:.2f}x its {probe['seconds']:.3f} s at calibration", flush=True)
     return out
 
 
@@ -420,9 +408,10 @@ def main(argv: list[str] | None = None) -> int:
               f"predicted/measured {pm}; rank corr {'n/a' if rc is None else f'{rc:.2f}'}")
     for what, key in (("model fidelity", "fidelity"), ("as executed", "fidelity_executed")):
         for s, f in result[key].items():
+            rc = f["rank_correlation"]   # (None below three plans)
             print(f"S={s} {what}: {f['within_20pct']:.0%} of {f['pairs']} within +-20%, median |error| "
                   f"{f['median_abs_err']:.1%}, worst {f['worst_abs_err']:.1%}, median error {f['median_err']:+.1%}, "
-                  f"rank correlation {f['rank_correlation']:.2f}")
+                  f"rank correlation {'n/a' if rc is None else f'{rc:.2f}'}")
     for d in result["drift"]:
         print(f"drift: the calibration's {d['method']} reference step ran {d['end_over_calibration']:.2f}x its "
               f"calibration time at the end (every prediction scales with it)")

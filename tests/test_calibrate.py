@@ -237,12 +237,13 @@ def _calibrate_rank(rank: int, world: int, cache: str):
     import torch.distributed as dist
 
     import ultraattn
-    from ultraattn.runtime.calibrate import auto_profile, cached_profile_path, calibrate
+    from ultraattn.runtime.calibrate import auto_profile, cached_profile_path, calibrate, reference_steps
 
     os.environ["ULTRAATTN_CACHE_DIR"] = cache
     t0 = time.perf_counter()
     prof = calibrate(dist.group.WORLD, quick=True, progress=False, timeout=60)
     took = time.perf_counter() - t0
+    steps = reference_steps(dist.group.WORLD, quick=True, timeout=60)   # the profile's step probes, timed again
     first = auto_profile(quick=True, progress=False, timeout=60)    # nothing cached yet: measured, then saved
     again = auto_profile(quick=True, progress=False, timeout=60)    # loaded: the same profile
     path = cached_profile_path(torch.device("cpu"), Mesh(nodes=1, devices=world))
@@ -257,9 +258,9 @@ def _calibrate_rank(rank: int, world: int, cache: str):
 
     nodes = calibrate(None, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("node", "device")), quick=True,
                       progress=False, timeout=60)
-    return {"profile": prof.to_json(), "seconds": took, "first": first.to_json(), "again": again.to_json(),
-            "path": str(path), "hashes": hashes, "remeasured": os.stat(path).st_mtime_ns != stamp,
-            "nodes": nodes.to_json()}
+    return {"profile": prof.to_json(), "seconds": took, "steps": steps, "first": first.to_json(),
+            "again": again.to_json(), "path": str(path), "hashes": hashes,
+            "remeasured": os.stat(path).st_mtime_ns != stamp, "nodes": nodes.to_json()}
 
 
 def test_calibrate_on_two_ranks(tmp_path):
@@ -304,6 +305,10 @@ def test_calibrate_on_two_ranks(tmp_path):
         return sum(math.log(r) ** 2 for r in ratios)
 
     assert miss(step["predicted_over_measured_after"]) <= miss(step["predicted_over_measured_before"]) + 1e-9
+    # reference_steps: the same probes again, on their own (what benchmarks/runtime_cpu.py reads the drift from)
+    keys = ("method", "seqlen", "heads", "head_dim")
+    assert [tuple(s[k] for k in keys) for s in a["steps"]] == [tuple(s[k] for k in keys) for s in samples["step"]]
+    assert a["steps"] == b["steps"] and all(s["seconds"] > 0 and math.isfinite(s["seconds"]) for s in a["steps"])
     # cost="auto": measured once, saved where the key says, then loaded (same creation time), on every rank
     assert a["first"] == a["again"] == b["again"]
     assert CostProfile.load(a["path"]).to_json() == a["first"]

@@ -423,6 +423,27 @@ def _progress(enabled: bool, total: int):
     return _Bar()
 
 
+def _setup(group, device, mesh, timeout: float, quick: bool, dtype: str | None):
+    """What ``calibrate`` and ``reference_steps`` measure on: the device, the mesh, this rank, its ``_Ranks``, the
+    grid."""
+    device = default_device() if device is None else torch.device(device)
+    if group is None and mesh is None:
+        pmesh, ranks, comm_group, me = Mesh(nodes=1, devices=1), (0,), None, 0
+    else:
+        pmesh, ranks, comm_group, me = resolve_group(mesh, group)
+    return device, pmesh, me, _Ranks(comm_group, ranks, me, pmesh, timeout, device), grid_for(device, quick=quick,
+                                                                                          dtype=dtype)
+
+
+def reference_steps(group=None, device=None, *, mesh=None, quick: bool = False, dtype: str | None = None,
+                    timeout: float = 300.0, cost: CostModel = DEFAULT_COST) -> list[dict]:
+    """The real steps ``calibrate`` times to fix how much slower kernels run inside a step (``measure_steps``), timed
+    again the same way on their own: a profile's ``samples["step"]`` against these says how far the machine has moved
+    since it was made (``benchmarks/runtime_cpu.py``). A collective over ``group``; empty on one rank."""
+    device, _pmesh, _me, r, grid = _setup(group, device, mesh, timeout, quick, dtype)
+    return measure_steps(r, grid, device, cost, mesh, lambda: None)[0]
+
+
 def calibrate(group=None, device=None, *, mesh=None, quick: bool = False, dtype: str | None = None,
               progress: bool = True, out: str | os.PathLike | None = None, timeout: float = 300.0,
               base: CostModel = DEFAULT_COST) -> CostProfile:
@@ -442,13 +463,7 @@ def calibrate(group=None, device=None, *, mesh=None, quick: bool = False, dtype:
     Returns:
         The ``CostProfile`` (``.cost`` is the fitted ``CostModel``), the same on every rank.
     """
-    device = default_device() if device is None else torch.device(device)
-    if group is None and mesh is None:
-        pmesh, ranks, comm_group, me = Mesh(nodes=1, devices=1), (0,), None, 0
-    else:
-        pmesh, ranks, comm_group, me = resolve_group(mesh, group)
-    r = _Ranks(comm_group, ranks, me, pmesh, timeout, device)
-    grid = grid_for(device, quick=quick, dtype=dtype)
+    device, pmesh, me, r, grid = _setup(group, device, mesh, timeout, quick, dtype)
     total = (len(tile_cases(grid)) + (len(_peer_pairs(pmesh, me)) * len(grid.message_bytes) if r.world > 1 else 0)
              + len(grid.merge_tokens) + (len(STEP_METHODS) if r.world > 1 else 0))
     t0 = time.perf_counter()
