@@ -74,7 +74,7 @@ def breakdown(planner: FastPlanner, blocks: list) -> dict[str, float]:
     return {name: sec * 1e3 / len(blocks) for name, sec in spent.items()}
 
 
-def run_config(seq_name: str, mesh_name: str, masks: int, repeat: int, split: bool = False) -> dict:
+def run_config(seq_name: str, mesh_name: str, masks: int, repeat: int, steps: bool = False) -> dict:
     seq = SEQS[seq_name]
     nodes, devices = (int(x) for x in mesh_name.split("x"))
     rng = np.random.default_rng(7)
@@ -98,7 +98,7 @@ def run_config(seq_name: str, mesh_name: str, masks: int, repeat: int, split: bo
     print(f"{seq_name} {mesh_name}: median {out['median_ms']:.1f} ms, p95 {out['p95_ms']:.1f} ms "
           f"(first round alone: median {out['first_round_median_ms']:.1f} ms; {out['replayed_ties']} of {masks} masks "
           f"a near-tie replayed)", flush=True)
-    if split:
+    if steps:   # (--breakdown)
         out["breakdown_ms"] = breakdown(planner, blocks[1:])
         print("  per plan: " + ", ".join(f"{k} {v:.1f} ms" for k, v in out["breakdown_ms"].items()), flush=True)
     return out

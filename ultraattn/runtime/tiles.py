@@ -173,26 +173,31 @@ class TileGeometry:
             per_block = self.batch * self.hq * (b - a) * self.q_block * self.kv_block
             width = max(1, TILE_ELEMS // per_block)
             groups = [(sel, need)]
-            if need and (i * nqb + b) * self.q_block <= self.seq_len:
-                # [Note] the columns whose blocks are all FULL (inside the sequence) run unmasked, apart from the
-                # columns that need the mask: evaluating it costs a masked piece ~45 % more per block on a CPU
-                # (one rank, S = 8192: 1.35-1.49 ms a block in masked pieces, 1.0 in unmasked ones)
-                full = (kinds[a:b][:, sel] == FULL).all(0) & ((kv_ids[sel] + 1) * self.kv_block <= self.seq_len)
-                if bool(full.any()) and not bool(full.all()):
-                    groups = [(sel[full], False), (sel[~full], True)]
+            if need:
+                # [Note] the columns that need no mask run apart from those that do: evaluating it costs a masked
+                # piece ~45 % more per block on a CPU (one rank, S = 8192: 1.35-1.49 ms a block in masked pieces,
+                # 1.0 in unmasked ones)
+                free = self._unmasked_columns(i * nqb + a, b - a, kinds[a:b][:, sel], kv_ids[sel])
+                if bool(free.any()):
+                    groups = [(sel[free], False), (sel[~free], True)]
             for cols, masked in groups:
                 for p0 in range(0, cols.numel(), width):
                     part = cols[p0:p0 + width]
-                    out.append((a, b, part, masked and (part.numel() == sel.numel() or self._needs_mask(
-                        i * nqb + a, b - a, kinds[a:b][:, part], kv_ids[part]))))
+                    out.append((a, b, part, masked and self._needs_mask(i * nqb + a, b - a, kinds[a:b][:, part],
+                                                                        kv_ids[part])))
         self.mask_cache[key] = out
         return out
 
+    def _unmasked_columns(self, qa0: int, nq: int, kinds: Tensor, blocks: Tensor) -> Tensor:
+        """bool [m]: the KV ``blocks`` (kinds ``[nq, m]``) that Q blocks ``qa0 .. qa0+nq`` attend without the mask_mod:
+        FULL in every row, inside the sequence, and the rows too."""
+        if (qa0 + nq) * self.q_block > self.seq_len:
+            return torch.zeros(blocks.numel(), dtype=torch.bool, device=blocks.device)
+        return (kinds == FULL).all(0) & ((blocks + 1) * self.kv_block <= self.seq_len)
+
     def _needs_mask(self, qa0: int, nq: int, kinds: Tensor, blocks: Tensor) -> bool:
         """Whether Q blocks ``qa0 .. qa0+nq`` against KV ``blocks`` (kinds ``[nq, m]``) need the mask_mod."""
-        s, bq, bk = self.seq_len, self.q_block, self.kv_block
-        tail = (qa0 + nq) * bq > s or int(blocks.max()) * bk + bk > s
-        return bool(tail or not bool((kinds == FULL).all()))
+        return not bool(self._unmasked_columns(qa0, nq, kinds, blocks).all())
 
     def tiles(self, g: int, i: int, kv_ids: Tensor) -> list[tuple[int, int, Tensor, bool]]:
         """Q tiles of row chunk ``i``: (first, last+1 Q block within the chunk, KV block positions into
