@@ -4,7 +4,9 @@ interpreter exit, several times; every process's exit status must be 0.
 The cause of the aborts this guards against (SIGABRT, "terminate called without an active exception", after the
 last line ran) is in PyTorch: ``ultraattn/runtime/comm.py``, [Note: destroyed groups at exit], has the evidence
 and the workaround. Each rank also checks at exit that the destroyed WORLD group was freed (status 3 if not), so
-a regression fails every run, not only the runs that would abort. ``ULTRAATTN_EXIT_RUNS=N`` repeats N times.
+a regression fails every run, not only the runs that would abort: one run per world size is enough for the suite
+(it ran 3 and 2; 2026-11-29: one each, 58 s less). ``ULTRAATTN_EXIT_RUNS=N`` repeats N times (a soak for the abort
+itself).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def launch(world: int, plans: int, timeout: float = 240.0) -> list[tuple[int, st
     return out
 
 
-@pytest.mark.parametrize("world,plans,runs", [(2, 200, 3), (4, 60, 2)], ids=["2ranks", "4ranks"])
+@pytest.mark.parametrize("world,plans,runs", [(2, 200, 1), (4, 60, 1)], ids=["2ranks", "4ranks"])
 def test_every_rank_exits_with_status_0(world, plans, runs):
     statuses = []
     for run in range(RUNS or runs):
