@@ -42,7 +42,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpucheck import PARTS, WAVES, WEIGHTS  # noqa: E402
-from gpucheck.common import write  # noqa: E402
+
+# (``gpucheck.common`` imports torch and registers the backend: 4-5 s, so it is imported where a part has run, and a
+# bad argument is answered at once)
 
 CLIENT_ROWS = "ULTRAATTN_GPUCHECK_CLIENT_ROWS"
 """How ``--client-rows`` reaches the clients part's process."""
@@ -109,6 +111,8 @@ def _start(name: str, out: Path, dry_run: bool, seconds: float) -> subprocess.Po
 
 def _finish(name: str, proc: subprocess.Popen, out: Path, limit: float, started: float) -> dict:
     """Wait for a part's process (stopping it at ``limit``) and complete its record."""
+    from gpucheck.common import write
+
     timed_out = False
     try:
         proc.wait(timeout=max(1.0, limit - time.monotonic()))
@@ -195,6 +199,7 @@ def run_pool(out: Path, budget: float, parts: tuple[str, ...], weights: dict[str
 
 
 def summarize(out: Path, records: list[dict], dry_run: bool, budget: float, seconds: float) -> bool:
+    from gpucheck.common import write
     from rich.console import Console
     from rich.table import Table
 

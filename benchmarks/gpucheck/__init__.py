@@ -1,4 +1,17 @@
-"""The parts of ``benchmarks/gpu_check.py``, in the order they run (see its docstring)."""
+"""The parts of ``benchmarks/gpu_check.py``, in the order they run (see its docstring).
+
+Importing the package puts the source tree, ``benchmarks`` and ``examples`` on ``sys.path`` (a GPU machine runs the
+check from the source tree, ultraattn not installed); it imports nothing heavy, so the runner answers bad arguments at
+once.
+"""
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+for _extra in (REPO, REPO / "benchmarks", REPO / "examples"):
+    if str(_extra) not in sys.path:
+        sys.path.insert(0, str(_extra))
 
 PARTS = ("clients", "kernels_correct", "two_ranks", "backend_e2e", "kernels_speed", "calibration", "tiles",
          "flex_tiles")

@@ -11,18 +11,12 @@ import json
 import os
 import platform
 import re
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-for extra in (REPO, REPO / "benchmarks", REPO / "examples"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
 
 
 def ensure_backend() -> str:
