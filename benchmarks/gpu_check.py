@@ -147,10 +147,31 @@ def run_all(out: Path, dry_run: bool, budget: float, parts: tuple[str, ...],
     ``DRY_JOBS`` at a time on a dry run (``run_pool``); the records in ``PARTS`` order."""
     out.mkdir(parents=True, exist_ok=True)
     weights = {**WEIGHTS, **(weights or {})}
-    if dry_run:
-        records = run_pool(out, budget, parts, weights, DRY_JOBS)
-        shutil.rmtree(out / ".no_pulp", ignore_errors=True)
-        return records
+    run = run_pool if dry_run else run_waves
+    records = run(out, budget, parts, weights)
+    shutil.rmtree(out / ".no_pulp", ignore_errors=True)
+    return records
+
+
+def _seconds(budget: float, share: float) -> float:
+    """A part's time: its share of what is left, at least 30 s (or the whole budget when that is shorter)."""
+    return max(min(30.0, budget), share)
+
+
+def _limit(started: float, seconds: float) -> float:
+    """When a part started at ``started`` with ``seconds`` is stopped: past its deadline by ``GRACE`` or half its
+    time, whichever is less."""
+    return started + seconds + min(GRACE, seconds / 2)
+
+
+def _said(name: str, rec: dict) -> None:
+    print(f"== {name}: {rec['status']} in {rec['wall_seconds']} s: {rec.get('summary', rec.get('error', ''))}",
+          flush=True)
+
+
+def run_waves(out: Path, budget: float, parts: tuple[str, ...], weights: dict[str, float]) -> list[dict]:
+    """The GPU run's runner: ``WAVES`` one after another (the parts of a wave side by side), each wave its largest
+    weight's share of the time left."""
     t_end = time.monotonic() + budget
     waves = [tuple(p for p in w if p in parts) for w in WAVES]
     waves = [w for w in waves if w]
@@ -158,20 +179,18 @@ def run_all(out: Path, dry_run: bool, budget: float, parts: tuple[str, ...],
     for i, wave in enumerate(waves):
         left = t_end - time.monotonic()
         share = max(weights[p] for p in wave) / sum(max(weights[p] for p in w) for w in waves[i:])
-        seconds = max(min(30.0, budget), left * share)
+        seconds = _seconds(budget, left * share)
         started = time.monotonic()
         print(f"== {', '.join(wave)}: {seconds:.0f} s", flush=True)
-        procs = {p: _start(p, out, dry_run, seconds) for p in wave}
+        procs = {p: _start(p, out, False, seconds) for p in wave}
         for p, proc in procs.items():
-            rec = _finish(p, proc, out, started + seconds + min(GRACE, seconds / 2), started)
-            records.append(rec)
-            print(f"== {p}: {rec['status']} in {rec['wall_seconds']} s: {rec.get('summary', rec.get('error', ''))}",
-                  flush=True)
-    shutil.rmtree(out / ".no_pulp", ignore_errors=True)
+            records.append(_finish(p, proc, out, _limit(started, seconds), started))
+            _said(p, records[-1])
     return records
 
 
-def run_pool(out: Path, budget: float, parts: tuple[str, ...], weights: dict[str, float], jobs: int) -> list[dict]:
+def run_pool(out: Path, budget: float, parts: tuple[str, ...], weights: dict[str, float],
+             jobs: int = DRY_JOBS) -> list[dict]:
     """The dry run's runner: the parts in ``PARTS`` order, ``jobs`` processes at a time; a part's deadline is its
     weight's share of the time left, times ``jobs`` (the shares of the parts still to come and running)."""
     t_end = time.monotonic() + budget
@@ -180,21 +199,19 @@ def run_pool(out: Path, budget: float, parts: tuple[str, ...], weights: dict[str
     records: dict[str, dict] = {}
     while todo or running:
         while todo and len(running) < jobs:
-            name = todo[0]
+            name = todo.pop(0)
             now = time.monotonic()
-            share = jobs * weights[name] / sum(weights[p] for p in (*todo, *running))
-            seconds = max(min(30.0, budget), min((t_end - now) * share, t_end - now))
+            share = jobs * weights[name] / sum(weights[p] for p in (name, *todo, *running))
+            seconds = _seconds(budget, (t_end - now) * min(share, 1.0))
             print(f"== {name}: {seconds:.0f} s", flush=True)
-            running[name] = (_start(name, out, True, seconds), now, now + seconds + min(GRACE, seconds / 2))
-            todo.pop(0)
+            running[name] = (_start(name, out, True, seconds), now, _limit(now, seconds))
         time.sleep(0.2)
         for name, (proc, started, limit) in list(running.items()):
             if proc.poll() is None and time.monotonic() < limit:
                 continue
-            rec = records[name] = _finish(name, proc, out, limit, started)
+            records[name] = _finish(name, proc, out, limit, started)
             del running[name]
-            print(f"== {name}: {rec['status']} in {rec['wall_seconds']} s: {rec.get('summary', rec.get('error', ''))}",
-                  flush=True)
+            _said(name, records[name])
     return [records[p] for p in PARTS if p in records]
 
 

@@ -134,8 +134,8 @@ def test_without_a_compiler_one_warning_and_the_python_loop(monkeypatch, tmp_pat
 
 
 def test_the_library_is_built_once_per_source_and_compiler(monkeypatch, tmp_path):
-    cc = native.compiler()
-    assert cc is not None
+    cc, why = native.compiler()
+    assert cc is not None and why == ""
     first = native.build(cc, tmp_path)
     stamp = first.stat().st_mtime_ns
     assert native.build(cc, tmp_path) == first and first.stat().st_mtime_ns == stamp   # (found, not built again)

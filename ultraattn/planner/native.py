@@ -39,20 +39,15 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip() not in ("0", "false", "no", "off")
 
 
-def compiler() -> str | None:
-    """The C compiler to build with: ``$CC``, else cc, gcc or clang on the PATH; None if there is none
-    (``_no_compiler`` says why)."""
+def compiler() -> tuple[str | None, str]:
+    """The C compiler to build with: ``$CC``, else cc, gcc or clang on the PATH; (None, why) if there is none."""
     cc = os.environ.get("CC")
     if cc:
-        return cc if cc.split() and shutil.which(cc.split()[0]) else None
-    return next((path for name in ("cc", "gcc", "clang") if (path := shutil.which(name))), None)
-
-
-def _no_compiler() -> str:
-    cc = os.environ.get("CC")
-    if cc:
-        return f"no C compiler: CC={cc!r} is not a program on the PATH"
-    return "no C compiler: none of cc, gcc, clang is on the PATH"
+        if cc.split() and shutil.which(cc.split()[0]):
+            return cc, ""
+        return None, f"no C compiler: CC={cc!r} is not a program on the PATH"
+    found = next((path for name in ("cc", "gcc", "clang") if (path := shutil.which(name))), None)
+    return found, "" if found else "no C compiler: none of cc, gcc, clang is on the PATH"
 
 
 def cache_dir() -> Path:
@@ -121,9 +116,9 @@ class _Library:
 
     @staticmethod
     def _load() -> ctypes.CDLL:
-        cc = compiler()
+        cc, why = compiler()
         if cc is None:
-            raise RuntimeError(_no_compiler())
+            raise RuntimeError(why)
         try:
             path = build(cc, cache_dir())
         except OSError:   # (the cache folder is not writable: a private temporary one)
